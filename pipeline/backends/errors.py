@@ -1,0 +1,50 @@
+"""Errors raised by backends, each carrying its policy.
+
+    BackendError              root; never raised itself
+    ├── Cancelled             the request was cancelled (client gone, guard fired, deadline)
+    ├── InvalidRequest        the request cannot be served as given; retrying will not help
+    ├── ModelError            the model's forward pass failed; another backend may succeed
+    └── BackendClosed         the backend was shut down while the request was running
+
+`retriable` says whether the same request may succeed on a retry (here or on another backend);
+`code` is the terminal error code the runner and the bridge put on the wire.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+__all__ = ["BackendClosed", "BackendError", "Cancelled", "InvalidRequest", "ModelError"]
+
+
+class BackendError(Exception):
+    """Root of every error a backend raises on purpose."""
+
+    retriable: ClassVar[bool] = False
+    code: ClassVar[str] = "backend_error"
+
+
+class Cancelled(BackendError):
+    """The request was cancelled through `Backend.cancel`; its stream ends without a finish reason."""
+
+    code: ClassVar[str] = "cancelled"
+
+
+class InvalidRequest(BackendError):
+    """The request is malformed for this backend: no prompt, both prompt forms, too long, nothing left to generate."""
+
+    code: ClassVar[str] = "invalid_request"
+
+
+class ModelError(BackendError):
+    """The model failed while running a step (the original exception is the `__cause__`)."""
+
+    retriable: ClassVar[bool] = True
+    code: ClassVar[str] = "model_error"
+
+
+class BackendClosed(BackendError):
+    """The backend was closed while the request was waiting or running."""
+
+    retriable: ClassVar[bool] = True
+    code: ClassVar[str] = "backend_closed"

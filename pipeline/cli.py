@@ -1,0 +1,83 @@
+"""The `sluice` command.
+
+    sluice run                 every stage and the bridge in this process (the embedded default)
+    sluice worker STAGE...     some stages in this process (one process per stage scales out)
+    sluice topics create       create the declared topics (idempotent)
+    sluice ask "prompt"        stream an answer through the whole pipeline
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from pipeline import settings as settings_module
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sluice", description="an LLM request pipeline on Kafka")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="run every stage and the bridge in this process")
+    worker = sub.add_parser("worker", help="run the named stages in this process")
+    worker.add_argument("stages", nargs="+", choices=["ingest", "route", "prefill", "decode", "emit"])
+    topics = sub.add_parser("topics", help="manage topics")
+    topics.add_argument("action", choices=["create", "list"])
+    ask = sub.add_parser("ask", help="stream an answer through the pipeline")
+    ask.add_argument("prompt")
+    ask.add_argument("--system", default=None, help="a system message")
+    ask.add_argument("--max-tokens", type=int, default=256)
+    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--model", default=None)
+    args = parser.parse_args(argv)
+    settings = settings_module.load()
+
+    if args.command == "run":
+        from pipeline.embedded import run_embedded
+
+        run_embedded(settings)
+        return 0
+    if args.command == "worker":
+        from workers.main import run_worker
+
+        run_worker(*args.stages)
+        return 0
+    if args.command == "topics":
+        return asyncio.run(_topics(settings, args.action))
+    return asyncio.run(_ask(settings, args))
+
+
+async def _topics(settings: settings_module.Settings, action: str) -> int:
+    from pipeline import kafka
+
+    if action == "create":
+        created = await kafka.create_topics(settings)
+        print(f"created {len(created)} topics" + (f": {', '.join(created)}" if created else " (all existed)"))
+    else:
+        for spec in kafka.topic_specs(settings):
+            print(f"{spec.name}\tpartitions={spec.partitions}\t{spec.carries}\t{spec.config}")
+    return 0
+
+
+async def _ask(settings: settings_module.Settings, args: argparse.Namespace) -> int:
+    from pipeline.sdk import Client, RequestFailed
+
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
+    async with Client(settings, model=args.model) as client:
+        stream = client.stream(messages=messages, max_tokens=args.max_tokens, temperature=args.temperature)
+        try:
+            async for chunk in stream:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        except RequestFailed as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            return 1
+    done = stream.done
+    assert done is not None
+    timings = " ".join(f"{k}={v:.0f}ms" for k, v in done.timings.items())
+    print(f"\n[{done.finish_reason}; {done.usage.prompt_tokens} prompt + {done.usage.completion_tokens} completion tokens; {timings}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

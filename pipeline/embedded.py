@@ -1,0 +1,37 @@
+"""`sluice run`: every stage and the bridge in one process, on the local Kafka and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pipeline import kafka, serve, tracing
+from pipeline.settings import Settings
+from workers import topology
+from workers.main import run_stages
+
+log = logging.getLogger(__name__)
+
+
+async def _main(settings: Settings, stop: asyncio.Event) -> None:
+    from pipeline.bridge import serve as serve_bridge
+    from pipeline.sdk import Client
+
+    await kafka.create_topics(settings)
+    client = Client(settings, reply_name=settings.bridge.reply_name, client_id="sluice-bridge")
+    await client.start()
+    try:
+        stages = asyncio.create_task(run_stages(list(topology.STAGES), settings, stop))
+        bridge = asyncio.create_task(serve_bridge(settings, client, stop))
+        log.info("bridge on http://%s:%d", settings.bridge.host, settings.bridge.port)
+        done, _ = await asyncio.wait({stages, bridge}, return_when=asyncio.FIRST_COMPLETED)
+        stop.set()
+        await asyncio.gather(stages, bridge)
+    finally:
+        await client.stop()
+
+
+def run_embedded(settings: Settings) -> None:
+    serve.configure_logging()
+    tracing.install()
+    serve.run_until_signal(lambda stop: _main(settings, stop))

@@ -1,0 +1,100 @@
+"""Kafka clients built from settings, and topic creation. The runner, the reply listener and the
+admin command get their clients here; stages never do."""
+
+from __future__ import annotations
+
+import logging
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from pipeline.settings import Settings
+from topics.registry import TopicSpec, all_topics
+
+log = logging.getLogger(__name__)
+
+
+def producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
+    """Idempotent, acks from all in-sync replicas, so an acknowledged message is never duplicated by retries."""
+    return AIOKafkaProducer(
+        bootstrap_servers=settings.kafka.bootstrap,
+        client_id=client_id,
+        enable_idempotence=True,
+        acks="all",
+        linger_ms=0,
+        request_timeout_ms=30000,
+    )
+
+
+def group_consumer(settings: Settings, group: str, topics: tuple[str, ...], client_id: str) -> AIOKafkaConsumer:
+    """A member of consumer group `group`; offsets are committed by the runner, never automatically."""
+    return AIOKafkaConsumer(
+        *topics,
+        bootstrap_servers=settings.kafka.bootstrap,
+        group_id=group,
+        client_id=client_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+        fetch_max_wait_ms=20,
+        max_poll_interval_ms=600000,
+        session_timeout_ms=30000,
+        heartbeat_interval_ms=3000,
+    )
+
+
+async def broadcast_consumer(settings: Settings, topics: tuple[str, ...], client_id: str) -> AIOKafkaConsumer:
+    """A started consumer outside any group that reads every partition of `topics` from their current end."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka.bootstrap,
+        client_id=client_id,
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="latest",
+        fetch_max_wait_ms=20,
+    )
+    await consumer.start()
+    try:
+        await consumer.topics()  # fetches cluster metadata
+        partitions: list[TopicPartition] = []
+        for topic in topics:
+            ids = consumer.partitions_for_topic(topic)
+            if not ids:
+                raise LookupError(f"topic {topic} does not exist: run `sluice topics create`")
+            partitions += [TopicPartition(topic, p) for p in sorted(ids)]
+        consumer.assign(partitions)
+        await consumer.seek_to_end(*partitions)
+        for tp in partitions:  # resolve positions now, so nothing produced after this call is missed
+            await consumer.position(tp)
+    except BaseException:
+        await consumer.stop()
+        raise
+    return consumer
+
+
+def topic_specs(settings: Settings) -> list[TopicSpec]:
+    return all_topics(
+        pools=tuple(dict.fromkeys(b.pool for b in settings.backends)),
+        replies=settings.replies,
+        partitions=settings.kafka.partitions,
+    )
+
+
+async def create_topics(settings: Settings) -> list[str]:
+    """Creates every declared topic that does not exist yet; returns the names it created."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap, client_id="sluice-admin")
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        wanted = [s for s in topic_specs(settings) if s.name not in existing]
+        if not wanted:
+            return []
+        new = [NewTopic(s.name, s.partitions, 1, topic_configs=s.config) for s in wanted]
+        try:
+            await admin.create_topics(new)
+        except TopicAlreadyExistsError:
+            log.info("some topics were created concurrently")
+        return [s.name for s in wanted]
+    finally:
+        await admin.close()

@@ -1,0 +1,194 @@
+"""The Python SDK for services that use Kafka directly; the bridge is built on it.
+
+    async with Client(settings) as client:
+        stream = client.stream(messages=[{"role": "user", "content": "hi"}])
+        async for chunk in stream:
+            print(chunk.text, end="")
+        print(stream.done.usage)
+
+        answer = await client.complete(prompt="Say hello")
+
+One `Client` produces to `llm.requests` and reads its reply topic from the moment it starts; events are
+fanned out to the waiting request by id. Redelivered chunks are dropped by sequence number, so each
+caller sees 0..n-1 once, then exactly one terminal event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from pipeline import kafka
+from pipeline.settings import Settings
+from topics import codec, registry
+from topics.control import Cancel, CancelReason
+from topics.errors import ErrorCode
+from topics.requests import ChatMessage, Request, Sampling
+from topics.stream import Chunk, Done, Failed, StreamEvent, Terminal
+
+GRACE_S = 10.0  # how long past its deadline a request may take before the client gives up
+
+
+class RequestFailed(Exception):
+    """The pipeline ended the request with an error terminal event."""
+
+    def __init__(self, failed: Failed) -> None:
+        super().__init__(f"{failed.code.value}: {failed.message}")
+        self.failed = failed
+        self.code: ErrorCode = failed.code
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    done: Done
+
+
+class Stream:
+    """The chunks of one request, in order, once each. `done` is set when iteration ends normally."""
+
+    def __init__(self, client: Client, request: Request) -> None:
+        self._client = client
+        self.request = request
+        self.done: Done | None = None
+        self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    def _deliver(self, event: StreamEvent) -> None:
+        self._queue.put_nowait(event)
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        next_seq = 0
+        deadline = time.monotonic() + self.request.deadline_s + GRACE_S
+        finished = False
+        try:
+            await self._client._produce(self.request)
+            while True:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    raise TimeoutError(f"no terminal event for request {self.id}")
+                event = await asyncio.wait_for(self._queue.get(), timeout)
+                if isinstance(event, Chunk):
+                    if event.seq < next_seq:
+                        continue
+                    next_seq = event.seq + 1
+                    yield event
+                    continue
+                finished = True
+                if isinstance(event, Failed):
+                    raise RequestFailed(event)
+                self.done = event
+                return
+        finally:
+            self._client._forget(self.id)
+            if not finished:  # the caller stopped early: let decode stop too
+                await self._client.cancel(self.id)
+
+
+class Client:
+    def __init__(self, settings: Settings, *, reply_name: str = "sdk", model: str | None = None, client_id: str | None = None) -> None:
+        self.settings = settings
+        self.reply_topic = registry.reply_topic(reply_name)
+        self.model = model or settings.models[0]
+        self._client_id = client_id or f"sluice-sdk-{uuid.uuid4().hex[:8]}"
+        self._streams: dict[str, Stream] = {}
+        self._producer: AIOKafkaProducer | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._producer = kafka.producer(self.settings, self._client_id)
+        await self._producer.start()
+        self._consumer = await kafka.broadcast_consumer(self.settings, (self.reply_topic,), self._client_id + "-replies")
+        self._reader = asyncio.create_task(self._read())
+
+    async def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._consumer is not None:
+            await self._consumer.stop()
+        if self._producer is not None:
+            await self._producer.stop()
+
+    async def __aenter__(self) -> Client:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def request(
+        self,
+        *,
+        messages: Iterable[Mapping[str, str] | ChatMessage] = (),
+        prompt: str | None = None,
+        model: str | None = None,
+        tenant: str = "default",
+        api_key: str | None = None,
+        deadline_s: float = 300.0,
+        **sampling: object,
+    ) -> Request:
+        chat = tuple(m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"], content=m["content"]) for m in messages)  # type: ignore[arg-type]
+        return Request(
+            id=uuid.uuid4().hex,
+            reply_to=self.reply_topic,
+            model=model or self.model,
+            created_at=time.time(),
+            messages=chat,
+            prompt=prompt,
+            sampling=Sampling(**sampling),  # type: ignore[arg-type]
+            deadline_s=deadline_s,
+            api_key=api_key,
+            tenant=tenant,
+        )
+
+    def stream(self, request: Request | None = None, **kwargs: object) -> Stream:
+        """A stream for `request` (or one built from kwargs as in `request()`); produced when iterated."""
+        request = request or self.request(**kwargs)  # type: ignore[arg-type]
+        stream = Stream(self, request)
+        self._streams[request.id] = stream
+        return stream
+
+    async def complete(self, request: Request | None = None, **kwargs: object) -> Completion:
+        stream = self.stream(request, **kwargs)
+        text = "".join([chunk.text async for chunk in stream])
+        assert stream.done is not None
+        return Completion(text, stream.done)
+
+    async def cancel(self, request_id: str, reason: CancelReason = CancelReason.client_gone) -> None:
+        assert self._producer is not None, "start() the client first"
+        cancel = Cancel(id=request_id, reason=reason, at=time.time())
+        await self._producer.send_and_wait(registry.CONTROL, codec.encode(cancel), key=request_id.encode())
+
+    async def _produce(self, request: Request) -> None:
+        assert self._producer is not None, "start() the client first"
+        await self._producer.send_and_wait(registry.REQUESTS, codec.encode(request), key=request.id.encode())
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def _read(self) -> None:
+        assert self._consumer is not None
+        while True:
+            batch = await self._consumer.getmany(timeout_ms=100)
+            for records in batch.values():
+                for record in records:
+                    try:
+                        event = codec.decode(record.value or b"", StreamEvent)
+                    except codec.SchemaError:
+                        continue  # not ours to judge: emit wrote it; the request times out if it was its terminal
+                    stream = self._streams.get(event.id)
+                    if stream is not None:
+                        stream._deliver(event)
+
+
+__all__ = ["Client", "Completion", "RequestFailed", "Stream", "Terminal"]

@@ -1,0 +1,51 @@
+"""Runs stages (and optionally the bridge) in this process until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+from pipeline.runner import Runner
+from pipeline.settings import Settings
+from pipeline.stage import Stage
+
+log = logging.getLogger(__name__)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+
+
+async def run_stages(stages: list[Stage], settings: Settings, stop: asyncio.Event, *, instance: str = "0") -> None:
+    """Runs one runner per stage until `stop` is set; a runner that crashes stops the others."""
+    runners = [Runner(stage, settings, instance=instance) for stage in stages]
+    tasks = [asyncio.create_task(r.run(stop), name=r.stage.name) for r in runners]
+    log.info("running stages: %s", ", ".join(s.name for s in stages))
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                log.error("stage %s crashed: %r", task.get_name(), task.exception())
+                stop.set()
+    finally:
+        stop.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+    if errors:
+        raise errors[0]
+
+
+def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """asyncio.run(main(stop)) where SIGINT/SIGTERM set `stop` for a graceful shutdown."""
+
+    async def wrapper() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(wrapper())

@@ -1,0 +1,138 @@
+"""One typed settings object, built once from the config file and the environment, passed explicitly.
+
+Nothing else in sluice reads environment variables.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from topics.registry import reply_topic, routed_topic
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "sluice.toml"
+
+
+class SettingsError(ValueError):
+    """The config file or an environment variable holds a value sluice cannot use."""
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    bootstrap: str = "127.0.0.1:19092"
+    partitions: int = 4
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    url: str = "redis://127.0.0.1:16379/0"
+
+
+@dataclass(frozen=True)
+class LimitSettings:
+    max_prompt_bytes: int = 32768
+    max_messages: int = 64
+    max_tokens_cap: int = 1024
+
+
+@dataclass(frozen=True)
+class BridgeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    reply_name: str = "bridge"
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    name: str
+    model: str  # the model name clients ask for
+    pool: str  # consumers of llm.routed.<pool> serve this backend
+    kind: Literal["local"] = "local"
+    max_batch: int = 16
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    torch_threads: int = 2
+    model_cache: str = ".cache/models"
+    max_in_flight: int = 64  # messages a stage works on at once
+
+
+@dataclass(frozen=True)
+class Settings:
+    kafka: KafkaSettings = KafkaSettings()
+    redis: RedisSettings = RedisSettings()
+    limits: LimitSettings = LimitSettings()
+    bridge: BridgeSettings = BridgeSettings()
+    backends: tuple[BackendSettings, ...] = (BackendSettings(name="local", model="smollm2-135m-instruct", pool="local"),)
+    replies: tuple[str, ...] = ("bridge", "sdk")
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+
+    @property
+    def reply_topics(self) -> frozenset[str]:
+        return frozenset(reply_topic(r) for r in self.replies)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(b.model for b in self.backends))
+
+    @property
+    def model_cache(self) -> Path:
+        path = Path(self.runtime.model_cache)
+        return path if path.is_absolute() else REPO_ROOT / path
+
+    def validate(self) -> Settings:
+        if not self.backends:
+            raise SettingsError("at least one [[backends]] entry is required")
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise SettingsError(f"backend names must be unique: {names}")
+        try:
+            for b in self.backends:
+                routed_topic(b.pool)
+            for r in self.replies:
+                reply_topic(r)
+            reply_topic(self.bridge.reply_name)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        if self.bridge.reply_name not in self.replies:
+            raise SettingsError(f"bridge.reply_name {self.bridge.reply_name!r} must be listed in replies")
+        for name, value in (("limits.max_tokens_cap", self.limits.max_tokens_cap),
+                            ("limits.max_prompt_bytes", self.limits.max_prompt_bytes),
+                            ("kafka.partitions", self.kafka.partitions),
+                            ("runtime.max_in_flight", self.runtime.max_in_flight)):
+            if value < 1:
+                raise SettingsError(f"{name} must be at least 1, got {value}")
+        return self
+
+
+def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Settings from the TOML file (SLUICE_CONFIG or ./sluice.toml) with environment overrides."""
+    env = os.environ if env is None else env
+    path = path or Path(env.get("SLUICE_CONFIG", DEFAULT_CONFIG))
+    raw: dict[str, object] = {}
+    if path.exists():
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    try:
+        settings = msgspec.convert(raw, Settings, strict=True)
+    except msgspec.ValidationError as exc:
+        raise SettingsError(f"{path}: {exc}") from None
+    if "SLUICE_KAFKA_BOOTSTRAP" in env:
+        settings = replace(settings, kafka=replace(settings.kafka, bootstrap=env["SLUICE_KAFKA_BOOTSTRAP"]))
+    if "SLUICE_REDIS_URL" in env:
+        settings = replace(settings, redis=RedisSettings(url=env["SLUICE_REDIS_URL"]))
+    if "SLUICE_BRIDGE_PORT" in env:
+        try:
+            port = int(env["SLUICE_BRIDGE_PORT"])
+        except ValueError:
+            raise SettingsError("SLUICE_BRIDGE_PORT must be an integer") from None
+        settings = replace(settings, bridge=replace(settings.bridge, port=port))
+    return settings.validate()

@@ -1,0 +1,55 @@
+"""In-memory stand-ins for unit tests of handlers: a scripted backend and a sink that runs a handler."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pipeline.backends.base import Delta, GenerationRequest, Prefilled
+from pipeline.backends.errors import Cancelled
+from pipeline.stage import Out, Stage
+
+
+class ScriptedBackend:
+    """Answers every request with `words`, one per step; `cancel` stops a request at its next step."""
+
+    name = "scripted"
+
+    def __init__(self, words: list[str], step_s: float = 0.0) -> None:
+        self.words = words
+        self.step_s = step_s
+        self.cancelled: set[str] = set()
+        self.steps: dict[str, int] = {}
+
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return sum(len(m.content.split()) for m in request.messages) + len((request.prompt or "").split())
+
+    async def prefill(self, request: GenerationRequest) -> Prefilled:
+        done = "length" if request.max_tokens == 1 else None
+        return Prefilled("h-" + request.request_id, 0, self.words[0], self.count_prompt_tokens(request), done)
+
+    async def decode(self, request: GenerationRequest, prefilled: Prefilled) -> AsyncIterator[Delta]:
+        limit = min(request.max_tokens, len(self.words))
+        for i in range(1, limit):
+            await asyncio.sleep(self.step_s)
+            if request.request_id in self.cancelled:
+                raise Cancelled(request.request_id)
+            self.steps[request.request_id] = i
+            last = i == limit - 1
+            reason = ("length" if limit == request.max_tokens else "stop") if last else None
+            yield Delta(self.words[i], (i,), reason)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        first = await self.prefill(request)
+        yield Delta(first.first_text, (first.first_token_id,), first.finish_reason)
+        async for delta in self.decode(request, first):
+            yield delta
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.add(request_id)
+
+
+async def run_handler(stage: Stage, message: Any) -> list[Out]:
+    """The testing sink: every message the handler yields for `message`, in order."""
+    return [out async for out in stage.handle(message)]

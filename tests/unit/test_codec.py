@@ -1,0 +1,35 @@
+import pytest
+
+from tests.unit.helpers import request
+from topics import codec
+from topics.requests import Request
+from topics.stream import Chunk, Done, Failed, StreamEvent, Usage
+
+
+def test_round_trips_every_stream_event_through_the_union() -> None:
+    events = [
+        Chunk(id="a", reply_to="llm.responses.sdk", seq=0, text="hi"),
+        Done(id="a", reply_to="llm.responses.sdk", chunks=1, digest="x", finish_reason="stop", usage=Usage(1, 1)),
+    ]
+    for event in events:
+        assert codec.decode(codec.encode(event), StreamEvent) == event
+
+
+@pytest.mark.parametrize("payload", [b"", b"not json", b"{}", b'{"kind":"request.v1","id":5}', b'{"kind":"request.v9"}'])
+def test_invalid_payloads_raise_a_schema_error(payload: bytes) -> None:
+    with pytest.raises(codec.SchemaError):
+        codec.decode(payload, Request)
+
+
+def test_schema_errors_name_the_field_not_the_value() -> None:
+    secret = "sk-should-never-appear"
+    bad = codec.encode(request()).replace(b'"model":', b'"max_tokens_typo":"' + secret.encode() + b'","model":')
+    with pytest.raises(codec.SchemaError) as caught:
+        codec.decode(bad, Request)
+    assert secret not in str(caught.value)
+
+
+def test_salvages_the_reply_address_of_a_broken_request() -> None:
+    assert codec.salvage_reply(b'{"id":"r9","reply_to":"llm.responses.sdk","sampling":"oops"}') == ("r9", "llm.responses.sdk")
+    assert codec.salvage_reply(b"garbage") == (None, None)
+    assert Failed  # the terminal type a salvaged request receives

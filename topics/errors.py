@@ -1,0 +1,43 @@
+"""The terminal error codes every stage may end a request with, and their policy."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    """Why a request ended without `done`. The value is what clients see."""
+
+    invalid_request = "invalid_request"  # schema or limit violation: the client must change the request
+    unauthorized = "unauthorized"
+    forbidden = "forbidden"
+    rate_limited = "rate_limited"
+    not_found = "not_found"  # unknown model
+    cancelled = "cancelled"  # the client went away or asked to stop
+    deadline_exceeded = "deadline_exceeded"
+    content_filter = "content_filter"
+    backend_error = "backend_error"
+    internal = "internal"  # a stage failed on the message; it is in the dead-letter topic
+
+
+# HTTP status the bridge answers with, and whether retrying the same request may succeed.
+POLICY: dict[ErrorCode, tuple[int, bool]] = {
+    ErrorCode.invalid_request: (400, False),
+    ErrorCode.unauthorized: (401, False),
+    ErrorCode.forbidden: (403, False),
+    ErrorCode.rate_limited: (429, True),
+    ErrorCode.not_found: (404, False),
+    ErrorCode.cancelled: (499, False),
+    ErrorCode.deadline_exceeded: (504, True),
+    ErrorCode.content_filter: (400, False),
+    ErrorCode.backend_error: (502, True),
+    ErrorCode.internal: (500, True),
+}
+
+
+def http_status(code: ErrorCode) -> int:
+    return POLICY[code][0]
+
+
+def retriable(code: ErrorCode) -> bool:
+    return POLICY[code][1]

@@ -1,0 +1,43 @@
+"""`llm.requests`: what clients send. Keyed by request id."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+import msgspec
+
+
+class Priority(enum.StrEnum):
+    interactive = "interactive"
+    batch = "batch"
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 128
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="request.v1", tag_field="kind"):
+    """One LLM call. Exactly one of `messages` (chat) and `prompt` (completion) is set."""
+
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")]
+    reply_to: str  # a reply topic the operator configured; anything else is refused
+    model: str
+    created_at: float  # unix seconds, set by the client
+    messages: tuple[ChatMessage, ...] = ()
+    prompt: str | None = None
+    sampling: Sampling = Sampling()
+    stream: bool = True
+    priority: Priority = Priority.interactive
+    deadline_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # seconds after created_at
+    api_key: str | None = None  # checked by ingest's authenticator (gateway issue); never logged
+    tenant: str = "default"
