@@ -20,12 +20,12 @@ stop_pid() {  # stop_pid FILE: TERM, wait up to 20 s, then KILL
 
 case ${1:-} in
   start)
-    state=$2
+    mkdir -p "$2"; state=$(cd "$2" && pwd)
     "$here/redis/start.sh" "$state" "$4"
     "$here/kafka/start.sh" "$state" "$3"
     ;;
   stop)
-    state=$2
+    mkdir -p "$2"; state=$(cd "$2" && pwd)
     stop_pid "$state/kafka.pid"
     stop_pid "$state/redis.pid"
     ;;

@@ -3,9 +3,10 @@ admin command get their clients here; stages never do."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
@@ -44,28 +45,30 @@ def group_consumer(settings: Settings, group: str, topics: tuple[str, ...], clie
     )
 
 
-async def broadcast_consumer(settings: Settings, topics: tuple[str, ...], client_id: str) -> AIOKafkaConsumer:
-    """A started consumer outside any group that reads every partition of `topics` from their current end."""
+async def broadcast_consumer(
+    settings: Settings, topics: tuple[str, ...], client_id: str, timeout_s: float = 30.0
+) -> AIOKafkaConsumer:
+    """A started consumer outside any group that reads every partition of `topics` from their current end.
+
+    It returns once it holds every partition and knows its position, so nothing produced after the call
+    is missed (a reply listener must be in place before its request is sent)."""
     consumer = AIOKafkaConsumer(
+        *topics,
         bootstrap_servers=settings.kafka.bootstrap,
         client_id=client_id,
-        group_id=None,
+        group_id=None,  # no group: aiokafka assigns this consumer every partition of the topics
         enable_auto_commit=False,
         auto_offset_reset="latest",
         fetch_max_wait_ms=20,
     )
     await consumer.start()
     try:
-        await consumer.topics()  # fetches cluster metadata
-        partitions: list[TopicPartition] = []
-        for topic in topics:
-            ids = consumer.partitions_for_topic(topic)
-            if not ids:
-                raise LookupError(f"topic {topic} does not exist: run `sluice topics create`")
-            partitions += [TopicPartition(topic, p) for p in sorted(ids)]
-        consumer.assign(partitions)
-        await consumer.seek_to_end(*partitions)
-        for tp in partitions:  # resolve positions now, so nothing produced after this call is missed
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while {tp.topic for tp in consumer.assignment()} != set(topics):
+            if asyncio.get_running_loop().time() > deadline:
+                raise LookupError(f"no partitions for {topics} after {timeout_s} s: run `sluice topics create`")
+            await asyncio.sleep(0.05)
+        for tp in consumer.assignment():
             await consumer.position(tp)
     except BaseException:
         await consumer.stop()

@@ -16,6 +16,7 @@ caller sees 0..n-1 once, then exactly one terminal event.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -31,6 +32,7 @@ from topics.errors import ErrorCode
 from topics.requests import ChatMessage, Request, Sampling
 from topics.stream import Chunk, Done, Failed, StreamEvent, Terminal
 
+log = logging.getLogger(__name__)
 GRACE_S = 10.0  # how long past its deadline a request may take before the client gives up
 
 
@@ -57,6 +59,20 @@ class Stream:
         self.request = request
         self.done: Done | None = None
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._chunks = self._iterate()
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._chunks
+
+    async def aclose(self) -> None:
+        """Stops early: the pipeline is told to cancel the request (decode stops within a step)."""
+        await self._chunks.aclose()
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     @property
     def id(self) -> str:
@@ -65,7 +81,7 @@ class Stream:
     def _deliver(self, event: StreamEvent) -> None:
         self._queue.put_nowait(event)
 
-    async def __aiter__(self) -> AsyncIterator[Chunk]:
+    async def _iterate(self) -> AsyncIterator[Chunk]:
         next_seq = 0
         deadline = time.monotonic() + self.request.deadline_s + GRACE_S
         finished = False
@@ -184,8 +200,9 @@ class Client:
                 for record in records:
                     try:
                         event = codec.decode(record.value or b"", StreamEvent)
-                    except codec.SchemaError:
-                        continue  # not ours to judge: emit wrote it; the request times out if it was its terminal
+                    except codec.SchemaError as exc:  # emit wrote it, so this is a version skew: say so
+                        log.error("unreadable event on %s: %s", self.reply_topic, exc)
+                        continue
                     stream = self._streams.get(event.id)
                     if stream is not None:
                         stream._deliver(event)

@@ -1,0 +1,376 @@
+"""One Kafka hop, aiokafka against faust-streaming: why sluice's runner is written on aiokafka.
+
+    .venv/bin/python -m bench.kafka_hop                      # starts its own Kafka on 127.0.0.1:39092
+    .venv/bin/python -m bench.kafka_hop --bootstrap 127.0.0.1:19092 --count 1000 --rate 200
+
+Three paths are measured in one run on one broker, each on fresh topics:
+  1. floor:    producer -> topic A -> measuring consumer (no stage);
+  2. aiokafka: producer -> A -> stage (AIOKafkaConsumer + AIOKafkaProducer) -> B -> measuring consumer;
+  3. faust:    producer -> A -> stage (a faust-streaming agent) -> B -> measuring consumer.
+Each stage runs as its own process (this module with --stage), as a sluice worker does. The producer
+and the measuring consumer share this process, so a message's latency is one monotonic clock's
+difference: the send time travels inside the ~300-byte JSON payload. Per path: a warm-up (until the
+stage answers, then `--warmup` more), `--count` messages at `--rate`/s for p50/p99, then `--blast`
+messages sent at once for throughput (first send to last arrival). Nothing is subtracted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from bench.stats import percentile
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGE_KINDS = ("aiokafka", "faust")
+PAYLOAD_BYTES = 300
+FETCH_MAX_WAIT_MS = 20  # the value sluice's runner uses (pipeline/kafka.py)
+FIRST_ANSWER_TIMEOUT_S = 60.0  # a faust worker needs some seconds to start and join its group
+DRAIN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    bootstrap: str
+    run_id: str
+    partitions: int
+    warmup: int
+    count: int
+    rate: float
+    blast: int
+    state: Path
+
+
+@dataclass
+class Result:
+    path: str
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    received: int
+    sent: int
+    throughput_msg_s: float
+    notes: list[str] = field(default_factory=list)
+
+
+def payload(seq: int, phase: str) -> bytes:
+    """A JSON message of exactly PAYLOAD_BYTES bytes carrying its send time (monotonic ns)."""
+    body = {"seq": seq, "phase": phase, "t_ns": time.monotonic_ns(), "pad": ""}
+    size = len(json.dumps(body, separators=(",", ":")).encode())
+    body["pad"] = "x" * max(PAYLOAD_BYTES - size, 0)
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def producer(bootstrap: str, client_id: str) -> AIOKafkaProducer:
+    """The producer settings of sluice's runner (pipeline/kafka.py)."""
+    return AIOKafkaProducer(
+        bootstrap_servers=bootstrap, client_id=client_id, enable_idempotence=True, acks="all", linger_ms=0
+    )
+
+
+class Probe:
+    """Sends paced or blasted messages to one topic and times their arrival on another."""
+
+    def __init__(self, bootstrap: str, send_topic: str, read_topic: str) -> None:
+        self.send_topic = send_topic
+        self.producer = producer(bootstrap, "hop-probe")
+        self.consumer = AIOKafkaConsumer(
+            read_topic,
+            bootstrap_servers=bootstrap,
+            client_id="hop-probe-reader",
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",  # the topic is fresh: reading from its start misses nothing
+            fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+        )
+        self.seq = 0
+        self.sent: dict[str, int] = {}
+        self.first_send_ns: dict[str, int] = {}
+        self.latency_ms: dict[str, dict[int, float]] = {}
+        self.last_arrival_ns: dict[str, int] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.producer.start()
+        await self.consumer.start()
+        self._reader = asyncio.create_task(self._read())
+
+    async def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        await self.consumer.stop()
+        await self.producer.stop()
+
+    async def _read(self) -> None:
+        while True:
+            batch = await self.consumer.getmany(timeout_ms=100)
+            now = time.monotonic_ns()
+            for records in batch.values():
+                for record in records:
+                    msg = json.loads(record.value)
+                    self.latency_ms.setdefault(msg["phase"], {})[msg["seq"]] = (now - msg["t_ns"]) / 1e6
+                    self.last_arrival_ns[msg["phase"]] = now
+
+    def arrived(self, phase: str) -> int:
+        return len(self.latency_ms.get(phase, {}))
+
+    async def _send(self, phase: str) -> asyncio.Future[Any]:
+        self.seq += 1
+        self.sent[phase] = self.sent.get(phase, 0) + 1
+        self.first_send_ns.setdefault(phase, time.monotonic_ns())
+        return await self.producer.send(self.send_topic, payload(self.seq, phase))
+
+    async def paced(self, phase: str, limit: int, rate: float, until_arrived: int | None = None) -> None:
+        """Sends up to `limit` messages at `rate`/s (open loop); stops early once `until_arrived` came back."""
+        start = time.perf_counter()
+        acks = []
+        for i in range(limit):
+            if until_arrived is not None and self.arrived(phase) >= until_arrived:
+                break
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            acks.append(await self._send(phase))
+        await asyncio.gather(*acks)
+
+    async def blast(self, phase: str, n: int) -> None:
+        await asyncio.gather(*[await self._send(phase) for _ in range(n)])
+
+    async def drain(self, phase: str, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Waits until every message sent in `phase` has arrived, or `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        while self.arrived(phase) < self.sent.get(phase, 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+
+async def measure(probe: Probe, plan: Plan, path: str) -> Result:
+    await probe.paced("ready", int(plan.rate * FIRST_ANSWER_TIMEOUT_S), plan.rate, until_arrived=1)
+    if probe.arrived("ready") == 0:
+        raise TimeoutError(f"{path}: nothing came back within {FIRST_ANSWER_TIMEOUT_S} s")
+    await probe.paced("warm", plan.warmup, plan.rate)
+    await probe.drain("warm")
+    await probe.paced("steady", plan.count, plan.rate)
+    await probe.drain("steady")
+    await probe.blast("blast", plan.blast)
+    await probe.drain("blast")
+    lat = list(probe.latency_ms.get("steady", {}).values())
+    if not lat:
+        raise TimeoutError(f"{path}: no steady-phase message came back")
+    span_s = (probe.last_arrival_ns.get("blast", 0) - probe.first_send_ns["blast"]) / 1e9
+    blast_in = probe.arrived("blast")
+    result = Result(
+        path=path,
+        p50_ms=percentile(lat, 50),
+        p99_ms=percentile(lat, 99),
+        max_ms=max(lat),
+        received=len(lat),
+        sent=probe.sent["steady"],
+        throughput_msg_s=blast_in / span_s if span_s > 0 else 0.0,
+    )
+    if result.received < result.sent:
+        result.notes.append(f"{result.sent - result.received} steady messages never arrived")
+    if blast_in < plan.blast:
+        result.notes.append(f"{plan.blast - blast_in} blast messages never arrived")
+    return result
+
+
+async def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="hop-admin")
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(n, partitions, 1) for n in names])
+    finally:
+        await admin.close()
+
+
+async def delete_topics(bootstrap: str, names: list[str]) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="hop-admin")
+    await admin.start()
+    try:
+        await admin.delete_topics(names)
+    finally:
+        await admin.close()
+
+
+def start_stage(plan: Plan, kind: str, topic_in: str, topic_out: str) -> subprocess.Popen[bytes]:
+    log = open(plan.state / f"stage-{kind}.log", "wb")  # noqa: SIM115 - the child owns it from here
+    cmd = [sys.executable, "-m", "bench.kafka_hop", "--stage", kind, "--bootstrap", plan.bootstrap,
+           "--in-topic", topic_in, "--out-topic", topic_out, "--group", f"hop-{kind}-{plan.run_id}",
+           "--state-dir", str(plan.state)]
+    with log:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop_stage(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def run_path(plan: Plan, path: str) -> Result:
+    topic_a, topic_b = f"hop-{plan.run_id}-{path}-a", f"hop-{plan.run_id}-{path}-b"
+    topics = [topic_a] if path == "floor" else [topic_a, topic_b]
+    await create_topics(plan.bootstrap, topics, plan.partitions)
+    stage = None if path == "floor" else start_stage(plan, path, topic_a, topic_b)
+    probe = Probe(plan.bootstrap, topic_a, topics[-1])
+    try:
+        await probe.start()
+        result = await measure(probe, plan, path)
+    finally:
+        await probe.stop()
+        if stage is not None:
+            stop_stage(stage)
+    if stage is not None and stage.returncode not in (0, -signal.SIGTERM):
+        result.notes.append(f"stage exited with {stage.returncode}; see {plan.state}/stage-{path}.log")
+    await delete_topics(plan.bootstrap, topics)
+    return result
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| path | p50 ms | p99 ms | max ms | received/sent | throughput msg/s |", "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r.path} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.max_ms:.2f} | {r.received}/{r.sent} "
+                     f"| {r.throughput_msg_s:.0f} |")
+    return "\n".join(lines)
+
+
+async def bench(plan: Plan, paths: list[str]) -> list[Result]:
+    return [await run_path(plan, path) for path in paths]
+
+
+# ---- the stages (each runs in its own process: `--stage aiokafka|faust`) ----
+
+
+async def aiokafka_stage(bootstrap: str, topic_in: str, topic_out: str, group: str) -> None:
+    """Consume A, produce B, await the acks, then commit the batch: sluice's runner loop, without a handler."""
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    consumer = AIOKafkaConsumer(
+        topic_in, bootstrap_servers=bootstrap, group_id=group, client_id=group, enable_auto_commit=False,
+        auto_offset_reset="earliest", isolation_level="read_committed", fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+    )
+    out = producer(bootstrap, group)
+    await out.start()
+    await consumer.start()
+    try:
+        while not stop.is_set():
+            batch = await consumer.getmany(timeout_ms=100)
+            acks = [await out.send(topic_out, r.value, key=r.key) for records in batch.values() for r in records]
+            await asyncio.gather(*acks)
+            if batch:
+                await consumer.commit({tp: records[-1].offset + 1 for tp, records in batch.items()})
+    finally:
+        await consumer.stop()
+        await out.stop()
+
+
+def faust_stage(bootstrap: str, topic_in: str, topic_out: str, group: str, state: Path) -> None:
+    """A faust agent forwarding A to B, run by faust's own Worker (it installs its SIGTERM handler)."""
+    import faust  # imported here: faust-streaming is a bench-only extra (pyproject [bench])
+    from faust.transport.drivers.aiokafka import Producer
+
+    class IdempotentProducer(Producer):
+        def _settings_extra(self) -> dict[str, Any]:  # faust enables idempotence only for exactly_once
+            return {"acks": "all", "enable_idempotence": True}
+
+    app = faust.App(
+        group, broker=f"kafka://{bootstrap}", value_serializer="raw", key_serializer="raw",
+        web_enabled=False, topic_disable_leader=True, datadir=str(state / "faust-data"),
+        consumer_auto_offset_reset="earliest", producer_acks=-1, producer_linger=0.0,
+    )
+    app.producer = IdempotentProducer(app.transport, loop=app.loop, beacon=app.beacon)
+    source, sink = app.topic(topic_in), app.topic(topic_out)
+
+    @app.agent(source, name="forward")
+    async def forward(stream: faust.StreamT[bytes]) -> None:
+        async for value in stream:
+            await sink.send(value=value)
+
+    faust.Worker(app, loglevel="WARNING", quiet=True).execute_from_commandline()
+
+
+# ---- entry point ----
+
+
+def services(state: Path, action: str, kafka_port: int, redis_port: int) -> None:
+    script = ROOT / "infra" / "services.sh"
+    args = [str(script), action, str(state)] + ([str(kafka_port), str(redis_port)] if action == "start" else [])
+    subprocess.run(args, cwd=ROOT, check=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bootstrap", help="use this Kafka instead of starting one on 127.0.0.1:39092")
+    p.add_argument("--paths", default="floor,aiokafka,faust", help="comma-separated: floor, aiokafka, faust")
+    p.add_argument("--partitions", type=int, default=4, help="partitions per topic (sluice.toml uses 4)")
+    p.add_argument("--warmup", type=int, default=400)
+    p.add_argument("--count", type=int, default=1000)
+    p.add_argument("--rate", type=float, default=200.0)
+    p.add_argument("--blast", type=int, default=5000)
+    p.add_argument("--state-dir", type=Path, default=ROOT / ".state" / "bench-hop")
+    p.add_argument("--stage", choices=STAGE_KINDS, help=argparse.SUPPRESS)  # the child process's role
+    p.add_argument("--in-topic", help=argparse.SUPPRESS)
+    p.add_argument("--out-topic", help=argparse.SUPPRESS)
+    p.add_argument("--group", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    state: Path = args.state_dir.resolve()
+    if args.stage == "aiokafka":
+        asyncio.run(aiokafka_stage(args.bootstrap, args.in_topic, args.out_topic, args.group))
+        return
+    if args.stage == "faust":
+        faust_stage(args.bootstrap, args.in_topic, args.out_topic, args.group, state)
+        return
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = set(paths) - {"floor", *STAGE_KINDS}
+    if unknown:
+        raise SystemExit(f"unknown paths: {sorted(unknown)}")
+    own_kafka = args.bootstrap is None
+    plan = Plan(args.bootstrap or "127.0.0.1:39092", f"{int(time.time())}-{time.monotonic_ns() % 10**6}",
+                args.partitions, args.warmup, args.count, args.rate, args.blast, state)
+    state.mkdir(parents=True, exist_ok=True)
+    command = " ".join([".venv/bin/python -m bench.kafka_hop", *(argv if argv is not None else sys.argv[1:])])
+    started = time.monotonic()
+    if own_kafka:
+        services(state, "stop", 0, 0)  # a run that was killed may have left its own services behind
+        services(state, "start", 39092, 36379)
+    try:
+        results = asyncio.run(bench(plan, paths))
+    finally:
+        if own_kafka:
+            services(state, "stop", 0, 0)
+    report = {"command": command, "bootstrap": plan.bootstrap, "partitions": plan.partitions, "rate": plan.rate,
+              "count": plan.count, "warmup": plan.warmup, "blast": plan.blast, "payload_bytes": PAYLOAD_BYTES,
+              "wall_s": round(time.monotonic() - started, 1), "results": [asdict(r) for r in results]}
+    (state / "kafka_hop.json").write_text(json.dumps(report, indent=2))
+    print(f"\n`{command}` ({plan.count} msgs at {plan.rate:.0f}/s after {plan.warmup} warm-up; "
+          f"blast {plan.blast}; {plan.partitions} partitions; {PAYLOAD_BYTES}-byte JSON)\n")
+    print(table(results))
+    for r in results:
+        for note in r.notes:
+            print(f"- {r.path}: {note}")
+    print(f"\nJSON (also in {state / 'kafka_hop.json'}):")
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

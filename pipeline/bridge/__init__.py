@@ -1,0 +1,73 @@
+"""The bridge: an OpenAI-compatible HTTP API and a WebSocket in front of the pipeline, on 127.0.0.1.
+
+    openai_format   OpenAI's JSON to and from sluice's types (pure)
+    relay           one request answered over HTTP: SSE or one JSON body, cancelled if the client leaves
+    websocket       `/v1/stream`: many requests over one socket
+    app             the Starlette app and its routes
+
+`serve()` runs the app with uvicorn until `stop` is set; `create_app()` gives the app for any ASGI server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import uvicorn
+
+from pipeline.bridge.app import create_app
+from pipeline.errors import SluiceError
+from pipeline.sdk import Client
+from pipeline.settings import Settings
+
+GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish; then they are cancelled (and so are their requests)
+
+
+class BridgeStartError(SluiceError):
+    """The bridge could not start: its address is taken, or the app's startup (the client) failed."""
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to its caller, who sets `stop` instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def serve_until_exit(self) -> None:
+        """`serve()`, with uvicorn's `sys.exit()` on a failed start turned into `BridgeStartError`."""
+        try:
+            await self.serve()
+        except SystemExit as exc:
+            where = f"{self.config.host}:{self.config.port}"
+            raise BridgeStartError(f"the bridge could not start on {where} (uvicorn logged why; exit {exc.code})") from None
+
+
+async def serve(settings: Settings, client: Client, stop: asyncio.Event, *, owns_client: bool = False) -> None:
+    """Serves the bridge on settings.bridge.host:port until `stop` is set; returns once it has shut down.
+
+    With `owns_client` the app starts and stops `client`; otherwise the caller has started it."""
+    app = create_app(settings, client, owns_client=owns_client)
+    config = uvicorn.Config(
+        app,
+        host=settings.bridge.host,
+        port=settings.bridge.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    server = _Server(config)
+    serving = asyncio.create_task(server.serve_until_exit())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        server.should_exit = True
+        stopping.cancel()
+        await asyncio.wait((serving, stopping))
+    serving.result()  # re-raises a failure to start or serve
+
+
+__all__ = ["BridgeStartError", "create_app", "serve"]

@@ -1,0 +1,146 @@
+"""The bridge's Starlette app: an OpenAI-compatible HTTP API and a WebSocket, both on the SDK.
+
+    POST /v1/chat/completions   chat; `stream: true` answers with server-sent events (relay.py)
+    POST /v1/completions        the same for a plain prompt
+    GET  /v1/models             the configured models, in OpenAI's list format
+    WS   /v1/stream             many chat requests over one socket (websocket.py)
+    GET  /healthz, /metrics     liveness, Prometheus text format
+
+Every request goes through `Client`, so it takes the same path as any other: ingest checks the model,
+the limits and (later) the API key, and its refusals come back as error terminal events that the
+bridge turns into OpenAI errors with the status from `topics.errors.http_status`. The bridge itself
+refuses only what it cannot parse and bodies over `body_cap()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import HTTPConnection
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from pipeline.bridge.openai_format import (
+    BridgeError,
+    Json,
+    Parsed,
+    PayloadTooLarge,
+    decode_body,
+    error_body,
+    models_body,
+    parse_chat,
+    parse_completion,
+)
+from pipeline.bridge.relay import RelayResponse
+from pipeline.bridge.websocket import StreamSession
+from pipeline.sdk import Client
+from pipeline.settings import LimitSettings, Settings
+from topics.errors import ErrorCode
+
+log = logging.getLogger(__name__)
+
+Parser = Callable[[Json], Parsed]
+Endpoint = Callable[[HttpRequest], Awaitable[Response]]
+
+
+def body_cap(limits: LimitSettings) -> int:
+    """The largest request body the bridge reads: twice the prompt limit (JSON escaping) plus 16 KiB."""
+    return limits.max_prompt_bytes * 2 + 16 * 1024
+
+
+def create_app(settings: Settings, client: Client, *, owns_client: bool = False) -> Starlette:
+    """The bridge on `client`. With `owns_client` the app's lifespan starts and stops the client;
+    otherwise the caller does, around the app's whole life."""
+    cap = body_cap(settings.limits)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if owns_client:
+            await client.start()
+        try:
+            yield
+        finally:
+            if owns_client:
+                await client.stop()
+
+    async def models(request: HttpRequest) -> Response:
+        return JSONResponse(models_body(settings.models))
+
+    async def stream(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await StreamSession(websocket, client, cap, bearer_token(websocket)).run()
+
+    routes = [
+        Route("/v1/chat/completions", _completions(client, parse_chat, cap), methods=["POST"]),
+        Route("/v1/completions", _completions(client, parse_completion, cap), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/healthz", _healthz, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+        WebSocketRoute("/v1/stream", stream),
+    ]
+    handlers = {BridgeError: _bridge_error, HTTPException: _http_error, Exception: _internal_error}
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+
+
+def _completions(client: Client, parse: Parser, cap: int) -> Endpoint:
+    async def endpoint(request: HttpRequest) -> Response:
+        parsed = parse(decode_body(await read_capped(request, cap)))
+        sdk_request = client.request(**parsed.request_kwargs(), api_key=bearer_token(request))
+        return RelayResponse(client, sdk_request, parsed)
+
+    return endpoint
+
+
+async def read_capped(request: HttpRequest, cap: int) -> bytes:
+    """The whole body, refused with 413 as soon as it is known to be over `cap` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cap:
+        raise PayloadTooLarge(f"the request body is {declared} bytes; the limit is {cap}")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > cap:
+            raise PayloadTooLarge(f"the request body is over the limit of {cap} bytes")
+    return bytes(body)
+
+
+def bearer_token(connection: HTTPConnection) -> str | None:
+    """The API key from `Authorization: Bearer <key>`, passed on for ingest to check; never logged."""
+    scheme, _, token = connection.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
+async def _healthz(request: HttpRequest) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def _metrics(request: HttpRequest) -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _bridge_error(request: HTTPConnection, exc: Exception) -> Response:
+    assert isinstance(exc, BridgeError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: HTTPConnection, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = ErrorCode.not_found if exc.status_code == 404 else ErrorCode.invalid_request
+    return JSONResponse(error_body(exc.detail, code=code), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: HTTPConnection, exc: Exception) -> Response:
+    """Starlette logs and re-raises the exception after this answer; the client sees no details."""
+    return JSONResponse(error_body("internal error", code=ErrorCode.internal), status_code=500)
+
+
+__all__ = ["body_cap", "bearer_token", "create_app", "read_capped"]

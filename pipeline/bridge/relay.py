@@ -1,0 +1,182 @@
+"""One request through the pipeline, answered over HTTP: server-sent events when streaming, else one body.
+
+The status is decided by the first event, so an error before the first chunk is a plain JSON error
+with its own status; an error after it is an SSE `data: {"error": ...}` event followed by `[DONE]`.
+
+Why not Starlette's `StreamingResponse`: under uvicorn (ASGI HTTP spec 2.3) it stops its body iterator
+by cancelling an anyio scope, and that scope also cancels every await in the iterator's cleanup, so the
+SDK stream's cancellation on `llm.control` would never be sent; under spec 2.4 it does not close the
+iterator at all. `RelayResponse` watches `receive()` for `http.disconnect` itself and, when the client
+leaves, cancels the relay task once (plain asyncio); leaving `async with stream` then closes the SDK
+stream, whose cleanup produces the cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from pipeline.bridge.openai_format import (
+    DONE_EVENT,
+    Json,
+    Parsed,
+    Reply,
+    completion,
+    error_body,
+    failed_error,
+    sse_event,
+    stream_chunk,
+    stream_finish,
+    stream_usage,
+    to_json,
+)
+from pipeline.metrics import HANDLE_SECONDS, IN_FLIGHT, MESSAGES
+from pipeline.sdk import Client, RequestFailed, Stream
+from topics.errors import ErrorCode, http_status
+from topics.requests import Request
+from topics.stream import Chunk, Done
+
+STAGE = "bridge"  # the metric label and log field of every request the bridge answers
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+TIMEOUT_MESSAGE = "no answer arrived within the request's deadline"
+
+
+class Tally:
+    """Counts one bridge request in the shared stage metrics: in flight, duration and outcome."""
+
+    def __init__(self) -> None:
+        self.outcome = "error"  # "done", an ErrorCode value, "client_gone"; "error" if an exception escaped
+        self._started = 0.0
+
+    def __enter__(self) -> Tally:
+        self._started = time.perf_counter()
+        IN_FLIGHT.labels(STAGE).inc()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        IN_FLIGHT.labels(STAGE).dec()
+        HANDLE_SECONDS.labels(STAGE).observe(time.perf_counter() - self._started)
+        MESSAGES.labels(STAGE, self.outcome).inc()
+
+
+def finished(stream: Stream) -> Done:
+    """`stream.done` after its iteration ended normally (the SDK sets it then)."""
+    if stream.done is None:
+        raise RuntimeError(f"stream {stream.id} ended without its done event")
+    return stream.done
+
+
+class RelayResponse(Response):
+    def __init__(self, client: Client, request: Request, parsed: Parsed) -> None:
+        self._client = client
+        self._request = request
+        self._parsed = parsed
+        self._reply = Reply(parsed.kind, request.id, request.model, int(request.created_at), parsed.include_usage)
+        self._tally = Tally()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with self._tally:
+            relay = asyncio.create_task(self._relay(send))
+            gone = asyncio.create_task(_disconnected(receive))
+            try:
+                await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                relay.cancel()
+                gone.cancel()
+                await asyncio.wait((relay, gone))
+            if not gone.cancelled() and (error := gone.exception()) is not None:
+                raise error
+            if relay.cancelled() and not gone.cancelled():
+                self._tally.outcome = "client_gone"
+                log.info("client went away; request %s cancelled", self._request.id)
+                return
+            relay.result()  # re-raises what the relay raised
+
+    async def _relay(self, send: Send) -> None:
+        async with self._client.stream(self._request) as stream:  # leaving it early cancels the request
+            try:
+                first = await anext(aiter(stream), None)
+            except RequestFailed as exc:
+                self._tally.outcome = exc.code.value
+                await _send_json(send, *failed_error(exc.failed))
+                return
+            except TimeoutError:
+                await self._timed_out(send)
+                return
+            if self._parsed.stream:
+                await self._send_events(send, first, stream)
+            else:
+                await self._send_whole(send, first, stream)
+
+    async def _send_whole(self, send: Send, first: Chunk | None, stream: Stream) -> None:
+        texts = [first.text] if first is not None else []
+        try:
+            texts += [chunk.text async for chunk in stream]
+        except RequestFailed as exc:
+            self._tally.outcome = exc.code.value
+            await _send_json(send, *failed_error(exc.failed))
+            return
+        except TimeoutError:
+            await self._timed_out(send)
+            return
+        done = finished(stream)
+        self._tally.outcome = "done"
+        await _send_json(send, 200, completion(self._reply, "".join(texts), done.finish_reason, done.usage))
+
+    async def _send_events(self, send: Send, first: Chunk | None, stream: Stream) -> None:
+        reply = self._reply
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await _send_body(send, sse_event(stream_chunk(reply, first.text if first else "", first=True)))
+        try:
+            async for chunk in stream:
+                await _send_body(send, sse_event(stream_chunk(reply, chunk.text)))
+        except RequestFailed as exc:
+            self._tally.outcome = exc.code.value
+            await _send_body(send, sse_event(failed_error(exc.failed)[1]))
+        except TimeoutError:
+            self._tally.outcome = ErrorCode.deadline_exceeded.value
+            await _send_body(send, sse_event(error_body(TIMEOUT_MESSAGE, code=ErrorCode.deadline_exceeded)))
+        else:
+            done = finished(stream)
+            self._tally.outcome = "done"
+            await _send_body(send, sse_event(stream_finish(reply, done.finish_reason)))
+            if reply.include_usage:
+                await _send_body(send, sse_event(stream_usage(reply, done.usage)))
+        await send({"type": "http.response.body", "body": DONE_EVENT, "more_body": False})
+
+    async def _timed_out(self, send: Send) -> None:
+        code = ErrorCode.deadline_exceeded
+        self._tally.outcome = code.value
+        log.warning("no terminal event for request %s within its deadline", self._request.id)
+        await _send_json(send, http_status(code), error_body(TIMEOUT_MESSAGE, code=code))
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client has gone away (the request body has already been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_body(send: Send, body: bytes) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+async def _send_json(send: Send, status: int, body: Json) -> None:
+    data = to_json(body)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+__all__ = ["STAGE", "TIMEOUT_MESSAGE", "RelayResponse", "Tally", "finished"]

@@ -1,0 +1,124 @@
+"""`/v1/stream`: many requests over one WebSocket, answered concurrently.
+
+The client sends one JSON chat-completions body per message (ids are ours, not the client's). For each
+message, in the order they arrive, the bridge answers at once with either
+
+    {"type": "start", "id": ..., "model": ...}                the request went into the pipeline
+    {"type": "error", "id": null, "code", "message", "param"} the message was refused as it stands
+
+so the n-th `start` or refusal belongs to the n-th message. A started request then gets
+
+    {"type": "chunk", "id", "seq", "text"}                    zero or more, seq 0..n-1
+    {"type": "done", "id", "finish_reason", "chunks", "usage": {...}}   or
+    {"type": "error", "id", "code", "message", "retriable"}
+
+and messages of concurrent requests interleave. When the socket closes, every request still running
+on it is cancelled (the SDK stream's cleanup sends the cancellation on `llm.control`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.types import Message
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from pipeline.bridge.openai_format import BridgeError, Json, PayloadTooLarge, decode_body, parse_chat, to_json, usage_body
+from pipeline.bridge.relay import TIMEOUT_MESSAGE, Tally, finished
+from pipeline.sdk import Client, RequestFailed
+from topics.errors import ErrorCode, retriable
+from topics.requests import Request
+
+log = logging.getLogger(__name__)
+
+
+class StreamSession:
+    """One accepted WebSocket and the requests running on it."""
+
+    def __init__(self, websocket: WebSocket, client: Client, max_message_bytes: int, api_key: str | None) -> None:
+        self._ws = websocket
+        self._client = client
+        self._max_bytes = max_message_bytes
+        self._api_key = api_key
+        self._running: set[asyncio.Task[None]] = set()
+        self._send_lock = asyncio.Lock()
+
+    async def run(self) -> None:
+        """Reads requests until the client goes away, then cancels what is still running."""
+        try:
+            while True:
+                message = await self._ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                await self._start(message)
+        finally:
+            running = tuple(self._running)
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.wait(running)  # each task's cleanup produces its cancellation
+
+    async def _start(self, message: Message) -> None:
+        text, data = message.get("text"), message.get("bytes")
+        raw = text.encode() if text is not None else (data or b"")
+        try:
+            if len(raw) > self._max_bytes:
+                raise PayloadTooLarge(f"the message is {len(raw)} bytes; the limit is {self._max_bytes}")
+            parsed = parse_chat(decode_body(raw))
+        except BridgeError as exc:
+            await self._send({"type": "error", "id": None, "code": exc.code.value, "message": exc.message, "param": exc.param})
+            return
+        request = self._client.request(**parsed.request_kwargs(), api_key=self._api_key)
+        await self._send({"type": "start", "id": request.id, "model": request.model})
+        task = asyncio.create_task(self._serve(request))
+        self._running.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("a websocket request ended with an error it could not report", exc_info=error)
+
+    async def _serve(self, request: Request) -> None:
+        with Tally() as tally:
+            try:
+                tally.outcome = await self._relay(request)
+            except WebSocketDisconnect:
+                tally.outcome = "client_gone"  # the reader sees the close too and cancels the rest
+            except Exception:  # last resort for one request on a shared socket: log it, tell the client, keep the socket
+                log.exception("websocket request %s failed", request.id)
+                await self._send(_error(request.id, ErrorCode.internal, "the bridge failed on this request"))
+
+    async def _relay(self, request: Request) -> str:
+        """Sends the request's chunks and its terminal message; returns the outcome for the metrics."""
+        async with self._client.stream(request) as stream:  # leaving it early cancels the request
+            try:
+                async for chunk in stream:
+                    await self._send({"type": "chunk", "id": chunk.id, "seq": chunk.seq, "text": chunk.text})
+            except RequestFailed as exc:
+                await self._send(_error(request.id, exc.code, exc.failed.message))
+                return exc.code.value
+            except TimeoutError:
+                await self._send(_error(request.id, ErrorCode.deadline_exceeded, TIMEOUT_MESSAGE))
+                return ErrorCode.deadline_exceeded.value
+        done = finished(stream)
+        await self._send({
+            "type": "done",
+            "id": request.id,
+            "finish_reason": done.finish_reason,
+            "chunks": done.chunks,
+            "usage": usage_body(done.usage),
+        })
+        return "done"
+
+    async def _send(self, message: Json) -> None:
+        async with self._send_lock:
+            await self._ws.send_text(to_json(message).decode())
+
+
+def _error(request_id: str, code: ErrorCode, message: str) -> Json:
+    return {"type": "error", "id": request_id, "code": code.value, "message": message, "retriable": retriable(code)}
+
+
+__all__ = ["StreamSession"]

@@ -1,0 +1,76 @@
+"""Real services for integration tests: Kafka and Redis on test ports, every stage in this process
+with the real SmolLM2 model. Services already listening on the test ports are reused (and left
+running); otherwise they are started fresh from infra/services.sh and stopped at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from pipeline import backends as backend_registry
+from pipeline import kafka
+from pipeline import settings as settings_module
+from pipeline.backends.base import Backend
+from pipeline.runner import Runner
+from pipeline.settings import Settings
+from workers import topology
+
+ROOT = Path(__file__).resolve().parents[2]
+STATE = ROOT / ".state" / "test"
+KAFKA_PORT = 29092
+REDIS_PORT = 26379
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[None]:
+    if _listening(KAFKA_PORT) and _listening(REDIS_PORT):
+        yield
+        return
+    shutil.rmtree(STATE, ignore_errors=True)
+    subprocess.run([ROOT / "infra" / "services.sh", "start", STATE, str(KAFKA_PORT), str(REDIS_PORT)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run([ROOT / "infra" / "services.sh", "stop", STATE], check=True)
+
+
+@pytest.fixture(scope="session")
+def settings(services: None) -> Settings:
+    env = {"SLUICE_KAFKA_BOOTSTRAP": f"127.0.0.1:{KAFKA_PORT}", "SLUICE_REDIS_URL": f"redis://127.0.0.1:{REDIS_PORT}/0"}
+    return settings_module.load(env=env)
+
+
+@pytest.fixture(scope="session")
+def backends(settings: Settings) -> dict[str, Backend]:
+    return backend_registry.load(settings)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def stack(settings: Settings, backends: dict[str, Backend]) -> AsyncIterator[Settings]:
+    """Every stage running against the real broker; yields the settings clients should use."""
+    await kafka.create_topics(settings)
+    stop = asyncio.Event()
+    runners = [Runner(stage, settings, instance="test") for stage in topology.build(list(topology.STAGES), settings, backends)]
+    tasks = [asyncio.create_task(r.run(stop)) for r in runners]
+    ready = asyncio.gather(*(r.ready.wait() for r in runners))
+    done, _ = await asyncio.wait([ready, *tasks], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+    if ready not in done:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise RuntimeError("stages did not join their consumer groups within 60 s")
+    yield settings
+    stop.set()
+    await asyncio.gather(*tasks)
