@@ -27,17 +27,34 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from bench.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGE_KINDS = ("aiokafka", "faust")
 PAYLOAD_BYTES = 300
 FETCH_MAX_WAIT_MS = 20  # the value sluice's runner uses (pipeline/kafka.py)
+COMMIT_INTERVAL_S = 0.2  # how often sluice's runner commits acknowledged offsets (pipeline/runner.py)
 FIRST_ANSWER_TIMEOUT_S = 60.0  # a faust worker needs some seconds to start and join its group
 DRAIN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    library: str  # "aiokafka" or "faust"
+    commit_interval_s: float | None  # 0: after every batch; None: the library's default
+    idempotent: bool  # the stage's producer; the probe's always is
+    label: str
+
+
+STAGES = {
+    "aiokafka": StageSpec("aiokafka", 0.0, True, "aiokafka, commit after each batch's acks"),
+    "aiokafka-200ms": StageSpec("aiokafka", COMMIT_INTERVAL_S, True, "aiokafka, commit every 200 ms"),
+    "faust": StageSpec("faust", COMMIT_INTERVAL_S, True, "faust agent, idempotent, commit every 200 ms"),
+    "faust-defaults": StageSpec("faust", None, False, "faust agent, faust's defaults"),
+}
+FLOOR = "floor"  # no stage: the probe reads the topic it writes
 
 
 @dataclass(frozen=True)
@@ -187,10 +204,21 @@ async def measure(probe: Probe, plan: Plan, path: str) -> Result:
 
 
 async def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
+    """Creates the topics (auto-create is off) and returns once every partition has a leader."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="hop-admin")
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(n, partitions, 1) for n in names])
+        response = await admin.create_topics([NewTopic(n, partitions, 1) for n in names])
+        failed = [(topic, code, msg) for topic, code, msg in response.topic_errors if code != 0]
+        if failed:
+            raise RuntimeError(f"topic creation failed: {failed}")
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            described = await admin.describe_topics(names)
+            if all(p["leader"] >= 0 for t in described for p in t["partitions"]) and len(described) == len(names):
+                return
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"no leader for every partition of {names} after 10 s")
     finally:
         await admin.close()
 
@@ -204,12 +232,11 @@ async def delete_topics(bootstrap: str, names: list[str]) -> None:
         await admin.close()
 
 
-def start_stage(plan: Plan, kind: str, topic_in: str, topic_out: str) -> subprocess.Popen[bytes]:
-    log = open(plan.state / f"stage-{kind}.log", "wb")  # noqa: SIM115 - the child owns it from here
-    cmd = [sys.executable, "-m", "bench.kafka_hop", "--stage", kind, "--bootstrap", plan.bootstrap,
-           "--in-topic", topic_in, "--out-topic", topic_out, "--group", f"hop-{kind}-{plan.run_id}",
+def start_stage(plan: Plan, name: str, topic_in: str, topic_out: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "bench.kafka_hop", "--stage", name, "--bootstrap", plan.bootstrap,
+           "--in-topic", topic_in, "--out-topic", topic_out, "--group", f"hop-{name}-{plan.run_id}",
            "--state-dir", str(plan.state)]
-    with log:
+    with open(plan.state / f"stage-{name}.log", "wb") as log:  # the child keeps its own copy of the fd
         return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -225,9 +252,9 @@ def stop_stage(proc: subprocess.Popen[bytes]) -> None:
 
 async def run_path(plan: Plan, path: str) -> Result:
     topic_a, topic_b = f"hop-{plan.run_id}-{path}-a", f"hop-{plan.run_id}-{path}-b"
-    topics = [topic_a] if path == "floor" else [topic_a, topic_b]
+    topics = [topic_a] if path == FLOOR else [topic_a, topic_b]
     await create_topics(plan.bootstrap, topics, plan.partitions)
-    stage = None if path == "floor" else start_stage(plan, path, topic_a, topic_b)
+    stage = None if path == FLOOR else start_stage(plan, path, topic_a, topic_b)
     probe = Probe(plan.bootstrap, topic_a, topics[-1])
     try:
         await probe.start()
@@ -243,10 +270,12 @@ async def run_path(plan: Plan, path: str) -> Result:
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| path | p50 ms | p99 ms | max ms | received/sent | throughput msg/s |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| path | library, settings | p50 ms | p99 ms | max ms | received/sent | throughput msg/s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
-        lines.append(f"| {r.path} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.max_ms:.2f} | {r.received}/{r.sent} "
-                     f"| {r.throughput_msg_s:.0f} |")
+        label = STAGES[r.path].label if r.path in STAGES else "none: producer -> consumer"
+        lines.append(f"| {r.path} | {label} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.max_ms:.2f} "
+                     f"| {r.received}/{r.sent} | {r.throughput_msg_s:.0f} |")
     return "\n".join(lines)
 
 
@@ -254,11 +283,11 @@ async def bench(plan: Plan, paths: list[str]) -> list[Result]:
     return [await run_path(plan, path) for path in paths]
 
 
-# ---- the stages (each runs in its own process: `--stage aiokafka|faust`) ----
+# ---- the stages (each runs in its own process: `--stage NAME`) ----
 
 
-async def aiokafka_stage(bootstrap: str, topic_in: str, topic_out: str, group: str) -> None:
-    """Consume A, produce B, await the acks, then commit the batch: sluice's runner loop, without a handler."""
+async def aiokafka_stage(bootstrap: str, topic_in: str, topic_out: str, group: str, spec: StageSpec) -> None:
+    """Consume A, produce B, await the acks, commit what was acknowledged: sluice's runner loop, no handler."""
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     consumer = AIOKafkaConsumer(
@@ -268,33 +297,40 @@ async def aiokafka_stage(bootstrap: str, topic_in: str, topic_out: str, group: s
     out = producer(bootstrap, group)
     await out.start()
     await consumer.start()
+    acked: dict[TopicPartition, int] = {}
+    last_commit = time.monotonic()
     try:
         while not stop.is_set():
             batch = await consumer.getmany(timeout_ms=100)
             acks = [await out.send(topic_out, r.value, key=r.key) for records in batch.values() for r in records]
             await asyncio.gather(*acks)
-            if batch:
-                await consumer.commit({tp: records[-1].offset + 1 for tp, records in batch.items()})
+            acked.update({tp: records[-1].offset + 1 for tp, records in batch.items()})
+            if acked and time.monotonic() - last_commit >= (spec.commit_interval_s or 0.0):
+                await consumer.commit(acked)
+                acked, last_commit = {}, time.monotonic()
+        if acked:
+            await consumer.commit(acked)
     finally:
         await consumer.stop()
         await out.stop()
 
 
-def faust_stage(bootstrap: str, topic_in: str, topic_out: str, group: str, state: Path) -> None:
-    """A faust agent forwarding A to B, run by faust's own Worker (it installs its SIGTERM handler)."""
+def faust_stage(bootstrap: str, topic_in: str, topic_out: str, group: str, state: Path, spec: StageSpec) -> None:
+    """A faust agent forwarding A to B, run by faust's own Worker (which handles SIGTERM)."""
     import faust  # imported here: faust-streaming is a bench-only extra (pyproject [bench])
     from faust.transport.drivers.aiokafka import Producer
 
     class IdempotentProducer(Producer):
-        def _settings_extra(self) -> dict[str, Any]:  # faust enables idempotence only for exactly_once
+        def _settings_extra(self) -> dict[str, Any]:  # faust turns idempotence on only for exactly_once
             return {"acks": "all", "enable_idempotence": True}
 
+    settings: dict[str, Any] = {"broker_commit_interval": spec.commit_interval_s} if spec.commit_interval_s else {}
     app = faust.App(
-        group, broker=f"kafka://{bootstrap}", value_serializer="raw", key_serializer="raw",
-        web_enabled=False, topic_disable_leader=True, datadir=str(state / "faust-data"),
-        consumer_auto_offset_reset="earliest", producer_acks=-1, producer_linger=0.0,
+        group, broker=f"kafka://{bootstrap}", value_serializer="raw", key_serializer="raw", web_enabled=False,
+        topic_disable_leader=True, datadir=str(state / "faust-data"), **settings,
     )
-    app.producer = IdempotentProducer(app.transport, loop=app.loop, beacon=app.beacon)
+    if spec.idempotent:
+        app.producer = IdempotentProducer(app.transport, loop=app.loop, beacon=app.beacon)
     source, sink = app.topic(topic_in), app.topic(topic_out)
 
     @app.agent(source, name="forward")
@@ -302,13 +338,20 @@ def faust_stage(bootstrap: str, topic_in: str, topic_out: str, group: str, state
         async for value in stream:
             await sink.send(value=value)
 
+    @app.task
+    async def describe() -> None:  # one line in the stage log, from aiokafka's private fields, to check the setup
+        client = app.producer._producer
+        print(f"faust producer: {type(app.producer).__name__}, idempotent={client._txn_manager is not None}, "
+              f"acks={client._sender._acks}, linger_s={client._message_accumulator._linger_time}, "
+              f"commit_interval_s={app.conf.broker_commit_interval}", flush=True)
+
     faust.Worker(app, loglevel="WARNING", quiet=True).execute_from_commandline()
 
 
 # ---- entry point ----
 
 
-def services(state: Path, action: str, kafka_port: int, redis_port: int) -> None:
+def services(state: Path, action: str, kafka_port: int = 0, redis_port: int = 0) -> None:
     script = ROOT / "infra" / "services.sh"
     args = [str(script), action, str(state)] + ([str(kafka_port), str(redis_port)] if action == "start" else [])
     subprocess.run(args, cwd=ROOT, check=True)
@@ -317,31 +360,47 @@ def services(state: Path, action: str, kafka_port: int, redis_port: int) -> None
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bootstrap", help="use this Kafka instead of starting one on 127.0.0.1:39092")
-    p.add_argument("--paths", default="floor,aiokafka,faust", help="comma-separated: floor, aiokafka, faust")
+    p.add_argument("--paths", default=",".join([FLOOR, *STAGES]), help=f"comma-separated of: {FLOOR}, "
+                   + ", ".join(STAGES))
     p.add_argument("--partitions", type=int, default=4, help="partitions per topic (sluice.toml uses 4)")
     p.add_argument("--warmup", type=int, default=400)
     p.add_argument("--count", type=int, default=1000)
     p.add_argument("--rate", type=float, default=200.0)
     p.add_argument("--blast", type=int, default=5000)
     p.add_argument("--state-dir", type=Path, default=ROOT / ".state" / "bench-hop")
-    p.add_argument("--stage", choices=STAGE_KINDS, help=argparse.SUPPRESS)  # the child process's role
+    p.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # the child process's role
     p.add_argument("--in-topic", help=argparse.SUPPRESS)
     p.add_argument("--out-topic", help=argparse.SUPPRESS)
     p.add_argument("--group", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
+def report(plan: Plan, command: str, results: list[Result], wall_s: float) -> None:
+    data = {"command": command, "bootstrap": plan.bootstrap, "partitions": plan.partitions, "rate": plan.rate,
+            "count": plan.count, "warmup": plan.warmup, "blast": plan.blast, "payload_bytes": PAYLOAD_BYTES,
+            "wall_s": round(wall_s, 1), "results": [asdict(r) for r in results]}
+    (plan.state / "kafka_hop.json").write_text(json.dumps(data, indent=2))
+    print(f"\n`{command}`: {plan.count} messages at {plan.rate:.0f}/s after {plan.warmup} warm-up, then "
+          f"{plan.blast} at once; {plan.partitions} partitions; {PAYLOAD_BYTES}-byte JSON; wall {wall_s:.0f} s\n")
+    print(table(results))
+    for r in results:
+        for note in r.notes:
+            print(f"- {r.path}: {note}")
+    print(f"\nJSON (also in {plan.state / 'kafka_hop.json'}):\n{json.dumps(data)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     state: Path = args.state_dir.resolve()
-    if args.stage == "aiokafka":
-        asyncio.run(aiokafka_stage(args.bootstrap, args.in_topic, args.out_topic, args.group))
-        return
-    if args.stage == "faust":
-        faust_stage(args.bootstrap, args.in_topic, args.out_topic, args.group, state)
+    if args.stage is not None:
+        spec = STAGES[args.stage]
+        if spec.library == "faust":
+            faust_stage(args.bootstrap, args.in_topic, args.out_topic, args.group, state, spec)
+        else:
+            asyncio.run(aiokafka_stage(args.bootstrap, args.in_topic, args.out_topic, args.group, spec))
         return
     paths = [p for p in args.paths.split(",") if p]
-    unknown = set(paths) - {"floor", *STAGE_KINDS}
+    unknown = set(paths) - {FLOOR, *STAGES}
     if unknown:
         raise SystemExit(f"unknown paths: {sorted(unknown)}")
     own_kafka = args.bootstrap is None
@@ -351,25 +410,14 @@ def main(argv: list[str] | None = None) -> None:
     command = " ".join([".venv/bin/python -m bench.kafka_hop", *(argv if argv is not None else sys.argv[1:])])
     started = time.monotonic()
     if own_kafka:
-        services(state, "stop", 0, 0)  # a run that was killed may have left its own services behind
+        services(state, "stop")  # a run that was killed may have left this state dir's services behind
         services(state, "start", 39092, 36379)
     try:
         results = asyncio.run(bench(plan, paths))
     finally:
         if own_kafka:
-            services(state, "stop", 0, 0)
-    report = {"command": command, "bootstrap": plan.bootstrap, "partitions": plan.partitions, "rate": plan.rate,
-              "count": plan.count, "warmup": plan.warmup, "blast": plan.blast, "payload_bytes": PAYLOAD_BYTES,
-              "wall_s": round(time.monotonic() - started, 1), "results": [asdict(r) for r in results]}
-    (state / "kafka_hop.json").write_text(json.dumps(report, indent=2))
-    print(f"\n`{command}` ({plan.count} msgs at {plan.rate:.0f}/s after {plan.warmup} warm-up; "
-          f"blast {plan.blast}; {plan.partitions} partitions; {PAYLOAD_BYTES}-byte JSON)\n")
-    print(table(results))
-    for r in results:
-        for note in r.notes:
-            print(f"- {r.path}: {note}")
-    print(f"\nJSON (also in {state / 'kafka_hop.json'}):")
-    print(json.dumps(report))
+            services(state, "stop")
+    report(plan, command, results, time.monotonic() - started)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,9 @@ class Runner:
         self.grace_s = grace_s
         self.trackers: dict[TopicPartition, OffsetTracker] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._chains: dict[TopicPartition, asyncio.Task[None]] = {}
+        # Ordered stages: per partition, the future that resolves once the previous message's outputs
+        # are handed to the producer (not acknowledged: the producer keeps a partition's order).
+        self._handed_over: dict[TopicPartition, asyncio.Future[None]] = {}
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._last_commit = 0.0
@@ -106,10 +108,11 @@ class Runner:
                 await self.commit()
 
     def _spawn(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> None:
-        previous = self._chains.get(tp) if self.stage.ordered else None
-        task = asyncio.create_task(self._process(tp, record, previous))
+        previous = handed_over = None
         if self.stage.ordered:
-            self._chains[tp] = task
+            previous = self._handed_over.get(tp)
+            handed_over = self._handed_over[tp] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._process(tp, record, previous, handed_over))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -136,16 +139,29 @@ class Runner:
         except Exception as exc:  # the group may already be gone; uncommitted work is redelivered
             log.warning("stage=%s final commit failed: %s", self.stage.name, type(exc).__name__)
 
-    async def _process(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], previous: asyncio.Task[None] | None) -> None:
+    async def _process(
+        self,
+        tp: TopicPartition,
+        record: ConsumerRecord[bytes, bytes],
+        previous: asyncio.Future[None] | None,
+        handed_over: asyncio.Future[None] | None,
+    ) -> None:
         if previous is not None:
-            await asyncio.gather(previous, return_exceptions=True)
+            await asyncio.shield(previous)
+        try:
+            await self._process_now(tp, record, handed_over)
+        finally:
+            if handed_over is not None and not handed_over.done():
+                handed_over.set_result(None)
+
+    async def _process_now(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], handed_over: asyncio.Future[None] | None) -> None:
         started = time.perf_counter()
         ctx = tracing.extract(record.headers)
         with tracing.tracer.start_as_current_span(self.stage.name, context=ctx, kind=trace.SpanKind.CONSUMER) as span:
             span.set_attribute("messaging.destination", record.topic)
             span.set_attribute("messaging.kafka.offset", record.offset)
             span.set_attribute("payload.bytes", len(record.value or b""))
-            outcome = await self._handle_record(record, span)
+            outcome = await self._handle_record(record, span, handed_over)
             span.set_attribute("outcome", outcome)
         metrics.MESSAGES.labels(self.stage.name, outcome).inc()
         metrics.HANDLE_SECONDS.labels(self.stage.name).observe(time.perf_counter() - started)
@@ -153,7 +169,7 @@ class Runner:
         if tracker is not None:  # None when the partition was revoked meanwhile: the next owner redoes it
             tracker.finish(record.offset)
 
-    async def _handle_record(self, record: ConsumerRecord[bytes, bytes], span: trace.Span) -> str:
+    async def _handle_record(self, record: ConsumerRecord[bytes, bytes], span: trace.Span, handed_over: asyncio.Future[None] | None) -> str:
         payload = record.value or b""
         try:
             message = codec.decode(payload, self.stage.input_type)
@@ -167,7 +183,7 @@ class Runner:
             span.set_attribute("request.id", address.request_id)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                await self._send_all(message)
+                await self._send_all(message, handed_over)
                 return "ok"
             except RetriableError as exc:
                 if attempt == MAX_ATTEMPTS:
@@ -191,12 +207,15 @@ class Runner:
                 return "dead_letter"
         return "dead_letter"
 
-    async def _send_all(self, message: Any) -> None:
+    async def _send_all(self, message: Any, handed_over: asyncio.Future[None] | None) -> None:
         """Produces each output as soon as it is yielded (a stream reaches the client token by token),
-        then waits for every acknowledgement."""
+        then waits for every acknowledgement. The next message of an ordered partition may start once
+        this one's outputs are queued in the producer, before they are acknowledged."""
         acks = []
         async for out in self.stage.handle(message):
             acks.append(await self._send(out))
+        if handed_over is not None and not handed_over.done():
+            handed_over.set_result(None)
         await asyncio.gather(*acks)
 
     async def _send(self, out: Out) -> asyncio.Future[Any]:

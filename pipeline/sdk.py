@@ -19,9 +19,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass
 
+import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from pipeline import kafka
@@ -29,7 +30,7 @@ from pipeline.settings import Settings
 from topics import codec, registry
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
-from topics.requests import ChatMessage, Request, Sampling
+from topics.requests import ChatMessage, Request
 from topics.stream import Chunk, Done, Failed, StreamEvent, Terminal
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,13 @@ class Stream:
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._chunks = self._iterate()
 
-    def __aiter__(self) -> AsyncIterator[Chunk]:
+    def __aiter__(self) -> AsyncGenerator[Chunk, None]:
         return self._chunks
 
     async def aclose(self) -> None:
         """Stops early: the pipeline is told to cancel the request (decode stops within a step)."""
         await self._chunks.aclose()
+        self._client._forget(self.id)  # also when it was never iterated
 
     async def __aenter__(self) -> Stream:
         return self
@@ -81,7 +83,7 @@ class Stream:
     def _deliver(self, event: StreamEvent) -> None:
         self._queue.put_nowait(event)
 
-    async def _iterate(self) -> AsyncIterator[Chunk]:
+    async def _iterate(self) -> AsyncGenerator[Chunk, None]:
         next_seq = 0
         deadline = time.monotonic() + self.request.deadline_s + GRACE_S
         finished = False
@@ -123,7 +125,11 @@ class Client:
     async def start(self) -> None:
         self._producer = kafka.producer(self.settings, self._client_id)
         await self._producer.start()
-        self._consumer = await kafka.broadcast_consumer(self.settings, (self.reply_topic,), self._client_id + "-replies")
+        try:
+            self._consumer = await kafka.broadcast_consumer(self.settings, (self.reply_topic,), self._client_id + "-replies")
+        except BaseException:
+            await self._producer.stop()
+            raise
         self._reader = asyncio.create_task(self._read())
 
     async def stop(self) -> None:
@@ -153,19 +159,20 @@ class Client:
         deadline_s: float = 300.0,
         **sampling: object,
     ) -> Request:
-        chat = tuple(m if isinstance(m, ChatMessage) else ChatMessage(role=m["role"], content=m["content"]) for m in messages)  # type: ignore[arg-type]
-        return Request(
-            id=uuid.uuid4().hex,
-            reply_to=self.reply_topic,
-            model=model or self.model,
-            created_at=time.time(),
-            messages=chat,
-            prompt=prompt,
-            sampling=Sampling(**sampling),  # type: ignore[arg-type]
-            deadline_s=deadline_s,
-            api_key=api_key,
-            tenant=tenant,
-        )
+        """A validated request (msgspec.ValidationError names the bad field) with a fresh id."""
+        fields = {
+            "id": uuid.uuid4().hex,
+            "reply_to": self.reply_topic,
+            "model": model or self.model,
+            "created_at": time.time(),
+            "messages": [msgspec.to_builtins(m) if isinstance(m, ChatMessage) else dict(m) for m in messages],
+            "prompt": prompt,
+            "sampling": sampling,
+            "deadline_s": deadline_s,
+            "api_key": api_key,
+            "tenant": tenant,
+        }
+        return msgspec.convert(fields, Request)
 
     def stream(self, request: Request | None = None, **kwargs: object) -> Stream:
         """A stream for `request` (or one built from kwargs as in `request()`); produced when iterated."""

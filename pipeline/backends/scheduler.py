@@ -68,10 +68,15 @@ class StepScheduler:
     async def aclose(self) -> None:
         """Stop the loop; every waiting or running sequence ends with `BackendClosed`."""
         self._closed = True
-        self._fail_all(lambda: BackendClosed("backend closed"))
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        task, self._task = self._task, None
+        if self._loop is asyncio.get_running_loop():
+            self._fail_all(lambda: BackendClosed("backend closed"))
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        else:  # the step loop ran on another event loop, which is gone along with its waiters
+            self._waiting.clear()
+            self._running.clear()
         self._executor.shutdown(wait=False)
 
     def schedule(self) -> list[Sequence]:

@@ -1,8 +1,11 @@
 """OpenAI's JSON and sluice's types, both ways. Pure functions: no I/O, no settings, no clock.
 
 Requests: `parse_chat` and `parse_completion` turn a decoded body into a `Parsed` whose
-`request_kwargs()` go to `Client.request(...)`. Only the fields listed in `_SAMPLING_FIELDS` and the
-message fields are read; every other field is ignored, so no request field can name a URL or a backend.
+`request_kwargs()` go to `Client.request(...)`. Only `model`, `messages` or `prompt`, `n`, `stream`,
+`stream_options` and the sampling fields (`max_tokens` or `max_completion_tokens`, `temperature`,
+`top_p`, `stop`, `seed`) are read; every other field is ignored, so no request field can name a URL or
+a backend. Limits that depend on the deployment (models, `max_tokens` cap, prompt size) are ingest's
+to enforce, so HTTP clients and SDK users get the same answers.
 
 Replies: `Reply` holds what every object of one answer shares; `stream_chunk`, `stream_finish`,
 `stream_usage` and `completion` build the OpenAI objects, `error_body` the error object.
@@ -198,6 +201,8 @@ def _optional(body: Json, name: str, type_: type[bool] | type[int] | type[float]
         ok = isinstance(value, bool)
     if not ok:
         raise BadRequest(f"`{param or name}` must be {_TYPE_NAMES[type_]}", param or name)
+    if type_ is int and not -(2**63) <= value < 2**63:  # the wire format's integers are 64-bit
+        raise BadRequest(f"`{param or name}` is out of range", param or name)
     return float(value) if type_ is float else value
 
 
@@ -208,7 +213,7 @@ def _message(raw: object, index: int) -> ChatMessage:
     role = raw.get("role")
     role = _ROLES.get(role) if isinstance(role, str) else None
     if role is None:
-        raise BadRequest(f"`{where}.role` must be one of system, user, assistant", f"{where}.role")
+        raise BadRequest(f"`{where}.role` must be one of system, developer, user, assistant", f"{where}.role")
     return ChatMessage(role=role, content=_content(raw.get("content"), f"{where}.content"))  # type: ignore[arg-type]
 
 

@@ -22,7 +22,7 @@ import asyncio
 import logging
 
 from starlette.types import Message
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from pipeline.bridge.openai_format import BridgeError, Json, PayloadTooLarge, decode_body, parse_chat, to_json, usage_body
 from pipeline.bridge.relay import TIMEOUT_MESSAGE, Tally, finished
@@ -84,7 +84,10 @@ class StreamSession:
         with Tally() as tally:
             try:
                 tally.outcome = await self._relay(request)
-            except WebSocketDisconnect:
+            except asyncio.CancelledError:
+                tally.outcome = "client_gone"  # the socket closed; leaving the stream cancelled the request
+                raise
+            except (WebSocketDisconnect, WebSocketDisconnected):
                 tally.outcome = "client_gone"  # the reader sees the close too and cancels the rest
             except Exception:  # last resort for one request on a shared socket: log it, tell the client, keep the socket
                 log.exception("websocket request %s failed", request.id)

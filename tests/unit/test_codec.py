@@ -33,3 +33,15 @@ def test_salvages_the_reply_address_of_a_broken_request() -> None:
     assert codec.salvage_reply(b'{"id":"r9","reply_to":"llm.responses.sdk","sampling":"oops"}') == ("r9", "llm.responses.sdk")
     assert codec.salvage_reply(b"garbage") == (None, None)
     assert Failed  # the terminal type a salvaged request receives
+
+
+def test_the_sdk_validates_requests_as_it_builds_them() -> None:
+    import msgspec
+
+    from pipeline.sdk import Client
+    from tests.unit.helpers import SETTINGS
+
+    client = Client(SETTINGS)
+    assert client.request(prompt="hi", max_tokens=3).sampling.max_tokens == 3
+    with pytest.raises(msgspec.ValidationError, match="max_tokens"):
+        client.request(prompt="hi", max_tokens=0)

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -38,9 +39,11 @@ def loaded() -> Loaded:
     return load_model(convert_default_model(MODEL_CACHE))
 
 
-@pytest.fixture(scope="session")
-def backend(loaded: Loaded) -> LocalBackend:
-    return LocalBackend(*loaded)
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def backend(loaded: Loaded) -> AsyncIterator[LocalBackend]:
+    local = LocalBackend(*loaded)
+    yield local
+    await local.aclose()
 
 
 @pytest.fixture(scope="session")
@@ -126,6 +129,15 @@ async def test_stop_string_truncates_the_text(backend: LocalBackend, reference: 
     assert deltas[-1].finish_reason == "stop"
     assert ids_of(deltas) == reference[: len(deltas)]
     assert len(deltas) < N
+
+
+@pytest.mark.asyncio
+async def test_end_of_turn_ends_with_stop(backend: LocalBackend) -> None:
+    deltas = await collect(backend.generate(chat("eos", "What is the capital of France?", max_tokens=40)))
+    assert deltas[-1].finish_reason == "stop"
+    assert deltas[-1].token_ids == (2,)  # <|im_end|> is reported as a token but adds no text
+    assert "Paris" in text_of(deltas) and "<|im_end|>" not in text_of(deltas)
+    assert len(deltas) < 40
 
 
 @pytest.mark.asyncio

@@ -115,6 +115,8 @@ def test_include_usage_counts_only_when_streaming() -> None:
         (chat(temperature=2.5), "temperature"),
         (chat(top_p=0), "top_p"),
         (chat(seed=1.5), "seed"),
+        (chat(seed=-(2**70)), "seed"),
+        (chat(max_tokens=10**24), "max_tokens"),
         (chat(stop=3), "stop"),
         (chat(stop=["a", ""]), "stop"),
         (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
