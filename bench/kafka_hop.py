@@ -3,15 +3,18 @@
     .venv/bin/python -m bench.kafka_hop                      # starts its own Kafka on 127.0.0.1:39092
     .venv/bin/python -m bench.kafka_hop --bootstrap 127.0.0.1:19092 --count 1000 --rate 200
 
-Three paths are measured in one run on one broker, each on fresh topics:
-  1. floor:    producer -> topic A -> measuring consumer (no stage);
-  2. aiokafka: producer -> A -> stage (AIOKafkaConsumer + AIOKafkaProducer) -> B -> measuring consumer;
-  3. faust:    producer -> A -> stage (a faust-streaming agent) -> B -> measuring consumer.
-Each stage runs as its own process (this module with --stage), as a sluice worker does. The producer
-and the measuring consumer share this process, so a message's latency is one monotonic clock's
-difference: the send time travels inside the ~300-byte JSON payload. Per path: a warm-up (until the
-stage answers, then `--warmup` more), `--count` messages at `--rate`/s for p50/p99, then `--blast`
-messages sent at once for throughput (first send to last arrival). Nothing is subtracted.
+Paths, measured one after another in one run on one broker, each on fresh topics:
+  floor:           producer -> topic A -> measuring consumer (no stage);
+  aiokafka*:       producer -> A -> stage (AIOKafkaConsumer + AIOKafkaProducer) -> B -> measuring consumer;
+  faust*:          producer -> A -> stage (a faust-streaming agent) -> B -> measuring consumer.
+The variants differ in commit policy and producer idempotence (STAGES). Each stage runs as its own
+process (this module with --stage), as a sluice worker does. The producer and the measuring consumer
+share this process, so a message's latency is one monotonic clock's difference: the send time travels
+inside the 300-byte JSON payload. Nothing is subtracted. Per path: a warm-up (until the stage answers,
+then `--warmup` more), `--count` messages at `--rate`/s for p50/p99, then `--blast` messages sent at
+once for throughput (first send to last arrival) and the stage process's CPU time per message. The
+blast is bounded by the probe itself: the floor's throughput is that ceiling. One unreported floor
+round first warms the broker (a cold JVM put ~100 ms into the first path's p99).
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +84,7 @@ class Result:
     received: int
     sent: int
     throughput_msg_s: float
+    stage_cpu_us_per_msg: float | None  # the stage process's CPU time during the blast, per message
     notes: list[str] = field(default_factory=list)
 
 
@@ -126,7 +133,8 @@ class Probe:
     async def stop(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+            with suppress(asyncio.CancelledError):  # a reader that had failed raises its own error here
+                await self._reader
         await self.consumer.stop()
         await self.producer.stop()
 
@@ -149,12 +157,12 @@ class Probe:
         self.first_send_ns.setdefault(phase, time.monotonic_ns())
         return await self.producer.send(self.send_topic, payload(self.seq, phase))
 
-    async def paced(self, phase: str, limit: int, rate: float, until_arrived: int | None = None) -> None:
-        """Sends up to `limit` messages at `rate`/s (open loop); stops early once `until_arrived` came back."""
+    async def paced(self, phase: str, limit: int, rate: float, until: Callable[[], bool] | None = None) -> None:
+        """Sends up to `limit` messages at `rate`/s (open loop); stops early once `until()` holds."""
         start = time.perf_counter()
         acks = []
         for i in range(limit):
-            if until_arrived is not None and self.arrived(phase) >= until_arrived:
+            if until is not None and until():
                 break
             delay = start + i / rate - time.perf_counter()
             if delay > 0:
@@ -169,19 +177,38 @@ class Probe:
         """Waits until every message sent in `phase` has arrived, or `timeout_s` passed."""
         deadline = time.monotonic() + timeout_s
         while self.arrived(phase) < self.sent.get(phase, 0) and time.monotonic() < deadline:
+            if self._reader is not None and self._reader.done():
+                self._reader.result()  # raises what stopped the reader
+                raise RuntimeError("the probe's reader stopped")
             await asyncio.sleep(0.02)
 
 
-async def measure(probe: Probe, plan: Plan, path: str) -> Result:
-    await probe.paced("ready", int(plan.rate * FIRST_ANSWER_TIMEOUT_S), plan.rate, until_arrived=1)
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(probe: Probe, plan: Plan, path: str, stage: subprocess.Popen[bytes] | None) -> Result:
+    stage_pid = stage.pid if stage is not None else None
+
+    def stage_died() -> bool:
+        return stage is not None and stage.poll() is not None
+
+    ready_limit = int(plan.rate * FIRST_ANSWER_TIMEOUT_S)
+    await probe.paced("ready", ready_limit, plan.rate, until=lambda: probe.arrived("ready") > 0 or stage_died())
+    if stage_died():
+        raise RuntimeError(f"{path}: the stage exited with {stage.returncode if stage else None}; see its log")
     if probe.arrived("ready") == 0:
         raise TimeoutError(f"{path}: nothing came back within {FIRST_ANSWER_TIMEOUT_S} s")
     await probe.paced("warm", plan.warmup, plan.rate)
     await probe.drain("warm")
     await probe.paced("steady", plan.count, plan.rate)
     await probe.drain("steady")
+    cpu_before = cpu_seconds(stage_pid) if stage_pid is not None else 0.0
     await probe.blast("blast", plan.blast)
     await probe.drain("blast")
+    cpu_used = cpu_seconds(stage_pid) - cpu_before if stage_pid is not None else None
     lat = list(probe.latency_ms.get("steady", {}).values())
     if not lat:
         raise TimeoutError(f"{path}: no steady-phase message came back")
@@ -195,6 +222,7 @@ async def measure(probe: Probe, plan: Plan, path: str) -> Result:
         received=len(lat),
         sent=probe.sent["steady"],
         throughput_msg_s=blast_in / span_s if span_s > 0 else 0.0,
+        stage_cpu_us_per_msg=cpu_used / blast_in * 1e6 if cpu_used is not None and blast_in else None,
     )
     if result.received < result.sent:
         result.notes.append(f"{result.sent - result.received} steady messages never arrived")
@@ -250,15 +278,15 @@ def stop_stage(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-async def run_path(plan: Plan, path: str) -> Result:
-    topic_a, topic_b = f"hop-{plan.run_id}-{path}-a", f"hop-{plan.run_id}-{path}-b"
+async def run_path(plan: Plan, path: str, tag: str = "") -> Result:
+    topic_a, topic_b = f"hop-{plan.run_id}-{path}{tag}-a", f"hop-{plan.run_id}-{path}{tag}-b"
     topics = [topic_a] if path == FLOOR else [topic_a, topic_b]
     await create_topics(plan.bootstrap, topics, plan.partitions)
     stage = None if path == FLOOR else start_stage(plan, path, topic_a, topic_b)
     probe = Probe(plan.bootstrap, topic_a, topics[-1])
     try:
         await probe.start()
-        result = await measure(probe, plan, path)
+        result = await measure(probe, plan, path, stage)
     finally:
         await probe.stop()
         if stage is not None:
@@ -270,16 +298,19 @@ async def run_path(plan: Plan, path: str) -> Result:
 
 
 def table(results: list[Result]) -> str:
-    lines = ["| path | library, settings | p50 ms | p99 ms | max ms | received/sent | throughput msg/s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| path | library, settings | p50 ms | p99 ms | max ms | received/sent | throughput msg/s "
+             "| stage CPU µs/msg |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         label = STAGES[r.path].label if r.path in STAGES else "none: producer -> consumer"
+        cpu = f"{r.stage_cpu_us_per_msg:.0f}" if r.stage_cpu_us_per_msg is not None else "-"
         lines.append(f"| {r.path} | {label} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.max_ms:.2f} "
-                     f"| {r.received}/{r.sent} | {r.throughput_msg_s:.0f} |")
+                     f"| {r.received}/{r.sent} | {r.throughput_msg_s:.0f} | {cpu} |")
     return "\n".join(lines)
 
 
 async def bench(plan: Plan, paths: list[str]) -> list[Result]:
+    """Measures each path in turn, after one unreported floor round that warms the broker's JIT."""
+    await run_path(replace(plan, count=plan.warmup), FLOOR, tag="-broker-warmup")
     return [await run_path(plan, path) for path in paths]
 
 
@@ -383,6 +414,8 @@ def report(plan: Plan, command: str, results: list[Result], wall_s: float) -> No
     print(f"\n`{command}`: {plan.count} messages at {plan.rate:.0f}/s after {plan.warmup} warm-up, then "
           f"{plan.blast} at once; {plan.partitions} partitions; {PAYLOAD_BYTES}-byte JSON; wall {wall_s:.0f} s\n")
     print(table(results))
+    print("\nThroughput is bounded by the probe (one producer, one reader): the floor row is that ceiling, so a "
+          "stage at or above it is not the bottleneck; its CPU µs/msg then tells the libraries apart.")
     for r in results:
         for note in r.notes:
             print(f"- {r.path}: {note}")

@@ -17,6 +17,7 @@ import traceback
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
 
@@ -65,6 +66,7 @@ class Runner:
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._last_commit = 0.0
+        self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once the consumer has its partitions
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -104,8 +106,10 @@ class Runner:
                     tracker.start(record.offset)
                     self._spawn(tp, record)
             metrics.IN_FLIGHT.labels(self.stage.name).set(len(self._tasks))
-            if time.monotonic() - self._last_commit >= COMMIT_INTERVAL_S:
-                await self.commit()
+            if time.monotonic() - self._last_commit >= COMMIT_INTERVAL_S and (self._committing is None or self._committing.done()):
+                # In the background: a commit waits on the group coordinator (milliseconds), polling must not.
+                self._last_commit = time.monotonic()
+                self._committing = asyncio.create_task(self._commit_quietly())
 
     def _spawn(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> None:
         previous = handed_over = None
@@ -116,8 +120,15 @@ class Runner:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _commit_quietly(self) -> None:
+        """A periodic commit whose failure (a rebalance, a broker restart) costs only redelivery."""
+        try:
+            await self.commit()
+        except KafkaError as exc:
+            log.warning("stage=%s commit failed, will retry: %s", self.stage.name, type(exc).__name__)
+
     async def commit(self) -> None:
-        self._last_commit = time.monotonic()
+        """Commits, per partition, up to the oldest message still in flight."""
         if self._consumer is None:
             return
         offsets = {tp: off for tp, t in self.trackers.items() if (off := t.committable()) is not None}
@@ -129,6 +140,8 @@ class Runner:
 
     async def _drain(self) -> None:
         """Graceful stop: let in-flight messages finish for `grace_s`, cancel the rest, commit what finished."""
+        if self._committing is not None:
+            await asyncio.gather(self._committing, return_exceptions=True)
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=self.grace_s)
             for task in pending:
