@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from topics.errors import ErrorCode
+
 __all__ = ["BackendClosed", "BackendError", "Cancelled", "InvalidRequest", "ModelError"]
 
 
@@ -21,30 +23,28 @@ class BackendError(Exception):
     """Root of every error a backend raises on purpose."""
 
     retriable: ClassVar[bool] = False
-    code: ClassVar[str] = "backend_error"
+    code: ClassVar[ErrorCode] = ErrorCode.backend_error
 
 
 class Cancelled(BackendError):
     """The request was cancelled through `Backend.cancel`; its stream ends without a finish reason."""
 
-    code: ClassVar[str] = "cancelled"
+    code: ClassVar[ErrorCode] = ErrorCode.cancelled
 
 
 class InvalidRequest(BackendError):
     """The request is malformed for this backend: no prompt, both prompt forms, too long, nothing left to generate."""
 
-    code: ClassVar[str] = "invalid_request"
+    code: ClassVar[ErrorCode] = ErrorCode.invalid_request
 
 
 class ModelError(BackendError):
     """The model failed while running a step (the original exception is the `__cause__`)."""
 
     retriable: ClassVar[bool] = True
-    code: ClassVar[str] = "model_error"
 
 
 class BackendClosed(BackendError):
     """The backend was closed while the request was waiting or running."""
 
     retriable: ClassVar[bool] = True
-    code: ClassVar[str] = "backend_closed"

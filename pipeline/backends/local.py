@@ -90,6 +90,9 @@ class LocalBackend:
         finally:
             if not first.done() or first.cancelled():
                 self._scheduler.release(sequence)
+        if request.request_id in self._cancelled:  # cancelled after the step, before the state was stored
+            sequence.cache = None
+            raise Cancelled(f"request {request.request_id} was cancelled")
         delta = self._text_stream(request).push(token)
         handle = uuid.uuid4().hex
         if delta.finish_reason is None:

@@ -54,7 +54,9 @@ class TextStream:
     ) -> TextStream:
         """A stream before its first new token; the text of `resume_ids` counts as already sent."""
         sent = len(detokenize(resume_ids).rstrip(_PARTIAL)) if resume_ids else 0
-        return cls(detokenize, completion_ids=resume_ids, sent_chars=sent, stops=stops, max_tokens=max_tokens, eos_ids=eos_ids)
+        return cls(
+            detokenize, completion_ids=resume_ids, sent_chars=sent, stops=stops, max_tokens=max_tokens, eos_ids=eos_ids
+        )
 
     @classmethod
     def after_first(

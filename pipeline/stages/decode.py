@@ -88,7 +88,7 @@ class DecodeStage:
             reason = self._cancelled.get(request.id, CancelReason.client_gone)
             error = (_CODE[reason], f"generation stopped: {reason.value}")
         except BackendError as exc:
-            error = (ErrorCode.backend_error, f"backend failed during decode ({type(exc).__name__})")
+            error = (exc.code, f"backend failed during decode ({type(exc).__name__})")
         finally:
             self._active.discard(request.id)
         if error is not None:

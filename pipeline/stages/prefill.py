@@ -34,7 +34,7 @@ class PrefillStage:
         try:
             prefilled = await self._backend.prefill(generation_request(request))
         except BackendError as exc:
-            raise StageError(ErrorCode.backend_error, f"backend failed during prefill ({type(exc).__name__})") from exc
+            raise StageError(exc.code, f"prefill failed: {exc}" if exc.code is ErrorCode.invalid_request else f"backend failed during prefill ({type(exc).__name__})") from exc
         if prefilled.first_text:
             yield Out(registry.TOKENS, request.id, Chunk(id=request.id, reply_to=request.reply_to, seq=0, text=prefilled.first_text))
         timings = {**message.timings, self.name: clock.ms()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +26,8 @@ Loaded = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
 
 def chat(request_id: str, text: str, **kwargs: object) -> GenerationRequest:
-    return GenerationRequest(request_id=request_id, messages=(Message("user", text),), **kwargs)  # type: ignore[arg-type]
+    messages = (Message("user", text),)
+    return GenerationRequest(request_id=request_id, messages=messages, **kwargs)  # type: ignore[arg-type]
 
 
 POEM = chat("poem", "Write a short poem about the sea.", max_tokens=N)
@@ -47,10 +48,12 @@ async def backend(loaded: Loaded) -> AsyncIterator[LocalBackend]:
 
 
 @pytest.fixture(scope="session")
-def reference(loaded: Loaded, backend: LocalBackend) -> list[int]:
+def reference(loaded: Loaded) -> list[int]:
     """POEM's first N tokens from transformers' `generate`, greedy."""
     model, tokenizer = loaded
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": POEM.messages[0].content}], add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": POEM.messages[0].content}], add_generation_prompt=True
+    )
     input_ids = torch.tensor([ids])
     with torch.inference_mode():
         out = model.generate(
@@ -217,8 +220,8 @@ def test_text_stream_never_splits_a_character(loaded: Loaded) -> None:
     text = "héllo 日本語 😀 done"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def decode(i: object) -> str:
-        return str(tokenizer.decode(list(i), skip_special_tokens=True, clean_up_tokenization_spaces=False))  # type: ignore[call-overload]
+    def decode(i: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(i), skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     stream = TextStream.start(decode, resume_ids=(), stops=(), max_tokens=len(ids), eos_ids=())
     deltas = [stream.push(t) for t in ids]
