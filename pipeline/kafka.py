@@ -8,7 +8,7 @@ import logging
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from pipeline.settings import Settings
 from topics.registry import TopicSpec, all_topics
@@ -84,6 +84,20 @@ def topic_specs(settings: Settings) -> list[TopicSpec]:
     )
 
 
+async def _warm_group_coordinator(admin: AIOKafkaAdminClient, timeout_s: float = 30.0) -> None:
+    """Makes the broker create its offsets topic now, so stages joining their groups right after do not
+    first see (and log) GroupCoordinatorNotAvailable."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            await admin.find_coordinator("sluice-warm-up")
+            return
+        except KafkaError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 async def create_topics(settings: Settings) -> list[str]:
     """Creates every declared topic that does not exist yet; returns the names it created."""
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap, client_id="sluice-admin")
@@ -91,6 +105,7 @@ async def create_topics(settings: Settings) -> list[str]:
     try:
         existing = set(await admin.list_topics())
         wanted = [s for s in topic_specs(settings) if s.name not in existing]
+        await _warm_group_coordinator(admin)
         if not wanted:
             return []
         new = [NewTopic(s.name, s.partitions, 1, topic_configs=s.config) for s in wanted]

@@ -136,7 +136,8 @@ class Runner:
             return
         await self._consumer.commit(offsets)
         for tp, off in offsets.items():
-            self.trackers[tp].mark_committed(off)
+            if (tracker := self.trackers.get(tp)) is not None:  # None if revoked meanwhile
+                tracker.mark_committed(off)
 
     async def _drain(self) -> None:
         """Graceful stop: let in-flight messages finish for `grace_s`, cancel the rest, commit what finished."""

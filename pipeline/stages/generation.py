@@ -18,9 +18,15 @@ def generation_request(request: Request, resume_token_ids: tuple[int, ...] = ())
         temperature=request.sampling.temperature,
         top_p=request.sampling.top_p,
         stop=request.sampling.stop,
-        seed=request.sampling.seed,
+        seed=request.sampling.seed if request.sampling.seed is not None else stable_seed(request.id),
         resume_token_ids=resume_token_ids,
     )
+
+
+def stable_seed(request_id: str) -> int:
+    """A seed fixed by the request id: a redelivered or resumed request samples the same tokens, so
+    a decode worker that takes over a stream reproduces what was already sent."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
 
 
 def to_wire(prefilled: Prefilled, worker: str) -> Prefill:

@@ -95,3 +95,11 @@ async def test_a_cancellation_that_arrives_before_decode_is_honoured() -> None:
     [out] = await run_handler(stage, forward.value)
     assert isinstance(out.value, Failed) and out.value.code is ErrorCode.content_filter
     assert "r1" not in backend.steps
+
+
+def test_an_unseeded_request_samples_reproducibly_by_its_id() -> None:
+    from pipeline.stages.generation import generation_request
+
+    first, again, other = generation_request(request("a")), generation_request(request("a")), generation_request(request("b"))
+    assert first.seed is not None and first.seed == again.seed != other.seed
+    assert generation_request(request("a", sampling=Sampling(seed=7))).seed == 7
