@@ -1,5 +1,8 @@
 """Every topic sluice uses: name, partitions, config, and the message type it carries.
 
+Only topics with a schema and a stage that uses them are declared; `llm.cache.entries` and
+`llm.backend.health` (DESIGN.md) arrive with the cache and routing issues.
+
 Reply topics are `llm.responses.<name>`, one per configured tenant or bridge; `reply_topic()` builds
 the name and `is_reply_topic()` is what ingest checks a request's `reply_to` against.
 """
@@ -18,8 +21,6 @@ TOKENS = "llm.tokens"
 CONTROL = "llm.control"
 DLQ = "llm.dlq"
 USAGE = "llm.usage"
-CACHE_ENTRIES = "llm.cache.entries"
-BACKEND_HEALTH = "llm.backend.health"
 ROUTED_PREFIX = "llm.routed."
 REPLY_PREFIX = "llm.responses."
 
@@ -62,8 +63,6 @@ def all_topics(*, pools: tuple[str, ...], replies: tuple[str, ...], partitions: 
         TopicSpec(CONTROL, partitions, "cancel.v1", hour),
         TopicSpec(DLQ, 1, "dead_letter.v1", {"retention.ms": str(7 * DAY_MS)}),
         TopicSpec(USAGE, partitions, "usage.v1", {"retention.ms": str(30 * DAY_MS)}),
-        TopicSpec(BACKEND_HEALTH, 1, "health.v1", {"cleanup.policy": "compact"}),
-        TopicSpec(CACHE_ENTRIES, partitions, "cache_entry.v1", {"cleanup.policy": "compact"}),
     ]
     specs += [TopicSpec(routed_topic(p), partitions, "envelope.v1", hour) for p in pools]
     specs += [TopicSpec(reply_topic(r), partitions, "chunk.v1 | done.v1 | error.v1", hour) for r in replies]

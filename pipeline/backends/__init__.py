@@ -5,8 +5,6 @@ from __future__ import annotations
 from pipeline.backends.base import Backend
 from pipeline.settings import BackendSettings, Settings
 
-DEFAULT_MODEL_DIR = "smollm2-135m-instruct"
-
 
 def load(settings: Settings, only_pools: frozenset[str] | None = None) -> dict[str, Backend]:
     """One backend per `[[backends]]` entry (optionally only those of some pools), keyed by name."""
@@ -18,9 +16,10 @@ def _build(settings: Settings, config: BackendSettings) -> Backend:
         import torch
 
         from pipeline.backends.local import LocalBackend
+        from pipeline.models import MODEL_DIRNAME
 
         torch.set_num_threads(settings.runtime.torch_threads)
-        path = settings.model_cache / DEFAULT_MODEL_DIR
+        path = settings.model_cache / MODEL_DIRNAME
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: run `make setup` to convert the default model")
         return LocalBackend.from_path(path, name=config.name, max_batch=config.max_batch)

@@ -5,6 +5,7 @@ running); otherwise they are started fresh from infra/services.sh and stopped at
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import subprocess
@@ -23,9 +24,9 @@ from pipeline.settings import Settings
 from workers import topology
 
 ROOT = Path(__file__).resolve().parents[2]
-STATE = ROOT / ".state" / "test"
-KAFKA_PORT = 29092
-REDIS_PORT = 26379
+# Two checkouts (or two engineers) testing at once give each run its own ports: SLUICE_TEST_PORTS=K,R
+KAFKA_PORT, REDIS_PORT = (int(p) for p in os.environ.get("SLUICE_TEST_PORTS", "29092,26379").split(","))
+STATE = ROOT / ".state" / f"test-{KAFKA_PORT}"
 
 
 def _listening(port: int) -> bool:
