@@ -67,6 +67,7 @@ class Runner:
         self._producer: AIOKafkaProducer | None = None
         self._last_commit = 0.0
         self._committing: asyncio.Task[None] | None = None
+        self._fatal: Exception | None = None  # set when a message could be neither handled nor dead-lettered
         self.ready = asyncio.Event()  # set once the consumer has its partitions
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -90,6 +91,8 @@ class Runner:
         assert self._consumer is not None
         paused = False
         while not stop.is_set():
+            if self._fatal is not None:  # unfinished offsets stay uncommitted: a successor redoes them
+                raise self._fatal
             capacity = self.max_in_flight - len(self._tasks)
             if capacity <= 0 and not paused:
                 self._consumer.pause(*self._consumer.assignment())
@@ -164,6 +167,9 @@ class Runner:
             await asyncio.shield(previous)
         try:
             await self._process_now(tp, record, handed_over)
+        except Exception as exc:  # could not even dead-letter (the broker refused): stop the stage
+            log.error("stage=%s cannot produce, stopping: %s", self.stage.name, type(exc).__name__)
+            self._fatal = self._fatal or exc
         finally:
             if handed_over is not None and not handed_over.done():
                 handed_over.set_result(None)
