@@ -30,6 +30,7 @@ class GenerationRequest:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    tenant: str = "default"  # isolates cached prefixes: one tenant's prompt never serves another's
     # Token ids already delivered to the client, when a decode worker resumes another's stream.
     resume_token_ids: tuple[int, ...] = field(default=())
 

@@ -1,33 +1,35 @@
-"""The local backend: a Hugging Face causal LM run in-process with plain torch forwards.
+"""The local backend: the project's engine (`pipeline.engine`) run in-process, text in and out.
 
-    prefill(request)          tokenise, one forward, sample the first token, keep the KV state by handle
-    decode(request, handle)   continue from the handle (or recompute it when gone), one token per step
+    prefill(request)          tokenise, compute the prompt, sample the first token; the sequence is
+                              parked in the engine (its KV blocks kept) under the returned handle
+    decode(request, handle)   resume the parked sequence (or recompute it when the handle is gone)
     generate(request)         prefill then decode, the first token as the first delta
-    cancel(request_id)        the request stops at its next step; its stream raises `Cancelled`
+    cancel(request_id)        every sequence of the request stops at once; its stream raises `Cancelled`
 
-All model work goes through one `StepScheduler` (one task, one model thread), which advances every
-running sequence by one token per step, so concurrent requests progress together.
+The engine batches every running sequence into one forward per step (continuous batching, chunked
+prefill, paged KV with prefix reuse); this module only turns token ids into deltas (`TextStream`)
+and engine errors into backend errors.
 """
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence as Ids
+from collections.abc import AsyncIterator, Iterator, Sequence as Ids
+from contextlib import contextmanager
 from pathlib import Path
-
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline.backends.base import Delta, GenerationRequest, Prefilled
-from pipeline.backends.errors import Cancelled, InvalidRequest
-from pipeline.backends.kv_store import KVStore
-from pipeline.backends.model_runner import ModelRunner
-from pipeline.backends.sampling import SamplingParams
-from pipeline.backends.scheduler import StepScheduler
-from pipeline.backends.sequence import Sequence
+from pipeline.backends.errors import BackendClosed, BackendError, Cancelled, InvalidRequest, ModelError
 from pipeline.backends.text_stream import TextStream
-from pipeline.models import END_OF_TURN, load_model
+from pipeline.engine.async_engine import AsyncEngine
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.errors import EngineClosed, EngineError, RequestTooLarge, SequenceAborted, StepFailed
+from pipeline.engine.llm_engine import LLMEngine
+from pipeline.engine.model_runner import ModelRunner
+from pipeline.engine.params import EngineRequest, SamplingParams
+from pipeline.models import END_OF_TURN
 
 __all__ = ["LocalBackend"]
 
@@ -37,36 +39,51 @@ _CANCELLED_MEMORY = 4096  # request ids remembered as cancelled, so a later deco
 class LocalBackend:
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: PreTrainedModel | ModelRunner,
         tokenizer: PreTrainedTokenizerBase,
         *,
         name: str = "local",
         max_batch: int = 16,
         kv_capacity: int = 64,
+        eos_ids: frozenset[int] | None = None,
+        engine_config: EngineConfig | None = None,
     ) -> None:
+        """`model` is a transformers Llama-family model (its weights are shared, not copied) or a
+        ready `ModelRunner`; `max_batch` sequences run per step, `kv_capacity` prefilled ones wait."""
         self.name = name
         self._tokenizer = tokenizer
-        self._runner = ModelRunner(model)
-        self._scheduler = StepScheduler(self._runner, name=name, max_batch=max_batch)
-        self._store = KVStore(kv_capacity)
-        self._eos_ids = _eos_ids(model, tokenizer)
+        config = engine_config or EngineConfig(max_num_seqs=max_batch, max_parked=kv_capacity)
+        runner = model if isinstance(model, ModelRunner) else ModelRunner.from_transformers(model, config)
+        self._context_length = runner.model_config.max_position_embeddings
+        self._engine = AsyncEngine(LLMEngine(runner), name=name)
+        generation = None if isinstance(model, ModelRunner) else model.generation_config
+        self._eos_ids = eos_ids if eos_ids is not None else _eos_ids(generation, tokenizer)
         self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._handles: dict[str, set[str]] = {}  # request id -> handles of its live sequences
 
     @classmethod
     def from_path(cls, path: Path, *, device: str = "cpu", name: str = "local", max_batch: int = 16) -> LocalBackend:
-        """A backend over a checkpoint written by `pipeline.models.convert_default_model`."""
-        model, tokenizer = load_model(path, device)
-        return cls(model, tokenizer, name=name, max_batch=max_batch)
+        """A backend over a checkpoint written by `pipeline.models.convert_default_model` (weights are
+        read straight into the engine; no transformers model is built)."""
+        config = EngineConfig(max_num_seqs=max_batch, device=device)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        generation = GenerationConfig.from_pretrained(path, local_files_only=True)
+        runner = ModelRunner.from_path(path, config)
+        return cls(runner, tokenizer, name=name, eos_ids=_eos_ids(generation, tokenizer), engine_config=config)
 
     @property
-    def kv_store(self) -> KVStore:
+    def engine(self) -> AsyncEngine:
+        return self._engine
+
+    @property
+    def kv_store(self) -> _ParkedView:
         """Prefilled states waiting for their decode (dropping one makes its decode recompute)."""
-        return self._store
+        return _ParkedView(self._engine)
 
     @property
     def active_sequences(self) -> int:
         """Sequences waiting for or inside a model step."""
-        return self._scheduler.active
+        return self._engine.num_active
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return len(self._prompt_ids(request))
@@ -75,56 +92,44 @@ class LocalBackend:
         self._refuse_if_cancelled(request.request_id)
         prompt_ids = self._prompt_ids(request)
         self._validate(request, len(prompt_ids))
-        resume = list(request.resume_token_ids)
-        first: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        sequence = Sequence(
-            request_id=request.request_id,
-            pending_ids=prompt_ids + resume,
-            sampling=SamplingParams.of(request.temperature, request.top_p, request.seed),
-            position=len(resume),
-            sink=_FirstTokenSink(first),
-        )
-        self._scheduler.submit(sequence)
-        try:
-            token = await first
-        finally:
-            if not first.done() or first.cancelled():
-                self._scheduler.release(sequence)
-        if request.request_id in self._cancelled:  # cancelled after the step, before the state was stored
-            sequence.cache = None
+        with self._tracked(request.request_id) as handle, _engine_errors():
+            token, _ = await self._engine.prefill(self._engine_request(request, prompt_ids), handle=handle)
+        if request.request_id in self._cancelled:  # cancelled after the step, before the state was kept
+            self._engine.cancel(handle)
             raise Cancelled(f"request {request.request_id} was cancelled")
         delta = self._text_stream(request).push(token)
-        handle = uuid.uuid4().hex
         if delta.finish_reason is None:
-            self._store.put(handle, sequence)
+            self._handles.setdefault(request.request_id, set()).add(handle)
         else:
-            sequence.cache = None
+            self._engine.cancel(handle)
         return Prefilled(handle, token, delta.text, len(prompt_ids), delta.finish_reason)
 
     async def decode(self, request: GenerationRequest, prefilled: Prefilled) -> AsyncIterator[Delta]:
         if prefilled.finish_reason is not None:
-            self._store.drop(prefilled.handle)
+            self._engine.cancel(prefilled.handle)
             return
         if request.request_id in self._cancelled:
-            self._store.drop(prefilled.handle)
+            self._engine.cancel(prefilled.handle)
             raise Cancelled(f"request {request.request_id} was cancelled")
-        queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
-        sink = _DeltaSink(self._text_stream(request, prefilled), queue)
-        sequence = self._store.take(prefilled.handle, request.request_id)
-        if sequence is None:
-            sequence = self._recompute(request, prefilled, sink)
-        sequence.sink = sink
-        self._scheduler.submit(sequence)
+        stream = self._text_stream(request, prefilled)
+        if self._engine.is_parked(prefilled.handle):
+            handle, tokens = prefilled.handle, self._engine.decode(prefilled.handle)
+        else:  # the state is gone (evicted, dropped, another process): recompute prompt + tokens so far
+            completion = (*request.resume_token_ids, prefilled.first_token_id)
+            engine_request = self._engine_request(request, self._prompt_ids(request), completion)
+            handle = uuid.uuid4().hex
+            tokens = self._engine.generate(engine_request, handle=handle)
+        self._handles.setdefault(request.request_id, set()).add(handle)
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
+            with _engine_errors():
+                async for token in tokens:
+                    delta = stream.push(token)
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
         finally:
-            self._scheduler.release(sequence)  # a no-op when the sequence already left the scheduler
+            await tokens.aclose()  # frees the sequence when the consumer walked away or a stop string hit
+            self._forget(request.request_id, handle)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         prefilled = await self.prefill(request)
@@ -137,19 +142,47 @@ class LocalBackend:
                     yield delta
         finally:
             await stream.aclose()
-            self._store.drop(prefilled.handle)  # the consumer left before decode took the state
+            self._engine.cancel(prefilled.handle)  # the consumer left before decode took the state
+            self._forget(request.request_id, prefilled.handle)
 
     async def cancel(self, request_id: str) -> None:
         self._cancelled[request_id] = None
         self._cancelled.move_to_end(request_id)
         while len(self._cancelled) > _CANCELLED_MEMORY:
             self._cancelled.popitem(last=False)
-        self._store.drop_request(request_id)
-        self._scheduler.cancel(request_id, lambda: Cancelled(f"request {request_id} was cancelled"))
+        for handle in self._handles.pop(request_id, set()):
+            self._engine.cancel(handle)
 
     async def aclose(self) -> None:
-        """Stop the step loop and the model thread; running requests end with `BackendClosed`."""
-        await self._scheduler.aclose()
+        """Stop the engine loop and the model thread; running requests end with `BackendClosed`."""
+        await self._engine.aclose()
+
+    def _engine_request(self, request: GenerationRequest, prompt_ids: list[int], completion: Ids[int] | None = None) -> EngineRequest:
+        return EngineRequest(
+            prompt_ids=tuple(prompt_ids),
+            completion_ids=tuple(request.resume_token_ids if completion is None else completion),
+            max_tokens=request.max_tokens,
+            sampling=SamplingParams.of(request.temperature, request.top_p, request.seed),
+            stop_token_ids=self._eos_ids,
+            salt=request.tenant,  # prefix-cache blocks are never shared across tenants
+        )
+
+    @contextmanager
+    def _tracked(self, request_id: str) -> Iterator[str]:
+        """A fresh handle, cancellable by request id while the block runs."""
+        handle = uuid.uuid4().hex
+        self._handles.setdefault(request_id, set()).add(handle)
+        try:
+            yield handle
+        finally:
+            self._forget(request_id, handle)
+
+    def _forget(self, request_id: str, handle: str) -> None:
+        handles = self._handles.get(request_id)
+        if handles is not None:
+            handles.discard(handle)
+            if not handles:
+                del self._handles[request_id]
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if bool(request.messages) == (request.prompt is not None):
@@ -168,26 +201,15 @@ class LocalBackend:
             )
         if request.temperature < 0.0 or not 0.0 < request.top_p <= 1.0:
             raise InvalidRequest(f"bad sampling parameters: temperature={request.temperature}, top_p={request.top_p}")
-        if prompt_tokens + request.max_tokens > self._runner.context_length:
+        if prompt_tokens + request.max_tokens > self._context_length:
             raise InvalidRequest(
                 f"prompt ({prompt_tokens}) + max_tokens ({request.max_tokens}) exceeds the context "
-                f"of {self._runner.context_length} tokens"
+                f"of {self._context_length} tokens"
             )
 
     def _refuse_if_cancelled(self, request_id: str) -> None:
         if request_id in self._cancelled:
             raise Cancelled(f"request {request_id} was cancelled")
-
-    def _recompute(self, request: GenerationRequest, prefilled: Prefilled, sink: _DeltaSink) -> Sequence:
-        """Rebuild a sequence whose KV state is gone: the next step prefills prompt, resume and first token."""
-        resume = list(request.resume_token_ids)
-        return Sequence(
-            request_id=request.request_id,
-            pending_ids=self._prompt_ids(request) + resume + [prefilled.first_token_id],
-            sampling=SamplingParams.of(request.temperature, request.top_p, request.seed),
-            position=len(resume) + 1,
-            sink=sink,
-        )
 
     def _text_stream(self, request: GenerationRequest, prefilled: Prefilled | None = None) -> TextStream:
         common = {"stops": request.stop, "max_tokens": request.max_tokens, "eos_ids": self._eos_ids}
@@ -206,41 +228,43 @@ class LocalBackend:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
 
-class _FirstTokenSink:
-    """Resolves `prefill`'s future with the first token; the sequence then waits in the KV store."""
+class _ParkedView:
+    """The engine's parked sequences seen as the backend's KV store (handles of prefilled requests)."""
 
-    def __init__(self, future: asyncio.Future[int]) -> None:
-        self._future = future
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
 
-    def on_token(self, token_id: int) -> bool:
-        if not self._future.done():
-            self._future.set_result(token_id)
-        return True
+    def __len__(self) -> int:
+        return self._engine.num_parked
 
-    def on_error(self, error: BaseException) -> None:
-        if not self._future.done():
-            self._future.set_exception(error)
+    def __contains__(self, handle: object) -> bool:
+        return isinstance(handle, str) and self._engine.is_parked(handle)
 
-
-class _DeltaSink:
-    """Turns each token into a `Delta` on the decode iterator's queue; finished when a delta has a reason."""
-
-    def __init__(self, stream: TextStream, queue: asyncio.Queue[Delta | BaseException]) -> None:
-        self._stream = stream
-        self._queue = queue
-
-    def on_token(self, token_id: int) -> bool:
-        delta = self._stream.push(token_id)
-        self._queue.put_nowait(delta)
-        return delta.finish_reason is not None
-
-    def on_error(self, error: BaseException) -> None:
-        self._queue.put_nowait(error)
+    def drop(self, handle: str) -> bool:
+        """Free the state under `handle`; False if there was none."""
+        return self._engine.is_parked(handle) and self._engine.cancel(handle)
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+@contextmanager
+def _engine_errors() -> Iterator[None]:
+    """Engine errors as the backend errors the stages know (each with its policy)."""
+    try:
+        yield
+    except SequenceAborted as exc:
+        raise Cancelled(str(exc)) from exc
+    except RequestTooLarge as exc:
+        raise InvalidRequest(str(exc)) from exc
+    except StepFailed as exc:
+        raise ModelError(str(exc)) from exc
+    except EngineClosed as exc:
+        raise BackendClosed(str(exc)) from exc
+    except EngineError as exc:
+        raise BackendError(str(exc)) from exc
+
+
+def _eos_ids(generation: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Tokens that end a completion: the model's and tokenizer's EOS and the chat end-of-turn token."""
-    configured = model.generation_config.eos_token_id
+    configured = generation.eos_token_id if generation is not None else None
     ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))

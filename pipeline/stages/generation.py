@@ -20,6 +20,7 @@ def generation_request(request: Request, resume_token_ids: tuple[int, ...] = ())
         stop=request.sampling.stop,
         seed=request.sampling.seed if request.sampling.seed is not None else stable_seed(request.id),
         resume_token_ids=resume_token_ids,
+        tenant=request.tenant,
     )
 
 

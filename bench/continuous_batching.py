@@ -1,0 +1,100 @@
+"""Continuous batching (the engine) against static batching (transformers `generate` on padded
+batches), same model, same ShareGPT prompts, same max_tokens per request, greedy, stopping at EOS.
+
+Output tokens/s counts each request's own tokens (up to its EOS or max_tokens) in both systems; a
+static batch runs until its last member ends. Both run in this one process, one after the other.
+
+    .venv/bin/python -m bench.continuous_batching [--requests 32] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.engine_common import add_model_args, load_model, make_engine, peak_rss_mib, sharegpt_workload, sync
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.params import EngineRequest
+
+EOS = 2
+
+
+def static_batching(model, workload, batch: int, device: str) -> tuple[int, float]:  # type: ignore[no-untyped-def]
+    tokens = 0
+    start = time.perf_counter()
+    for i in range(0, len(workload.prompt_ids), batch):
+        prompts = workload.prompt_ids[i : i + batch]
+        limits = workload.max_tokens[i : i + batch]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), EOS, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):  # left padding, as decoder-only generation needs
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(limits), do_sample=False,
+                eos_token_id=EOS, pad_token_id=EOS,
+            )
+        for row, limit in enumerate(limits):
+            new = out[row, width:].tolist()[:limit]
+            tokens += new.index(EOS) + 1 if EOS in new else len(new)
+    sync(device)
+    return tokens, time.perf_counter() - start
+
+
+def continuous_batching(engine, workload) -> tuple[int, float, int]:  # type: ignore[no-untyped-def]
+    requests = [
+        EngineRequest(p, max_tokens=m, stop_token_ids=frozenset({EOS}))
+        for p, m in zip(workload.prompt_ids, workload.max_tokens, strict=True)
+    ]
+    start = time.perf_counter()
+    outputs = engine.generate(requests)
+    sync(engine.config.device)
+    return sum(len(o) for o in outputs), time.perf_counter() - start, engine.block_manager.num_blocks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8, help="static batch size, and the engine's max_num_seqs")
+    parser.add_argument("--engine-batch", type=int, default=0, help="engine max_num_seqs (default: --batch)")
+    parser.add_argument("--max-prompt", type=int, default=192)
+    parser.add_argument("--max-output", type=int, default=96)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model, tokenizer = load_model(args)
+    workload = sharegpt_workload(tokenizer, args.requests, args.max_prompt, args.max_output)
+    config = EngineConfig(
+        max_num_seqs=args.engine_batch or args.batch, max_num_batched_tokens=512, device=args.device, dtype=args.dtype,
+        kv_cache_bytes=(4 << 30) if args.device.startswith("cuda") else (256 << 20),
+    )
+    engine = make_engine(model, config)
+    engine.generate([EngineRequest(workload.prompt_ids[0], max_tokens=2)])  # warm-up both paths
+    static_batching(model, type(workload)(workload.prompt_ids[:1], [2]), 1, args.device)
+
+    static_tokens, static_s = static_batching(model, workload, args.batch, args.device)
+    engine_tokens, engine_s, _ = continuous_batching(engine, workload)
+    weights = "random weights, 1.1B Llama shape" if args.random_weights else "SmolLM2-135M-Instruct"
+    print(f"model: {weights}; device {args.device}, {args.dtype}; {len(workload.prompt_ids)} ShareGPT prompts, "
+          f"prompt tokens mean {sum(map(len, workload.prompt_ids)) / len(workload.prompt_ids):.0f}, "
+          f"max_tokens mean {sum(workload.max_tokens) / len(workload.max_tokens):.0f} (clipped to [4, {args.max_output}])")
+    print("| system | output tokens | seconds | output tokens/s |")
+    print("| --- | --- | --- | --- |")
+    print(f"| static batching (transformers generate, batch {args.batch}, padded) | {static_tokens} | {static_s:.1f} | {static_tokens / static_s:.2f} |")
+    print(f"| continuous batching (engine, max_num_seqs {config.max_num_seqs}) | {engine_tokens} | {engine_s:.1f} | {engine_tokens / engine_s:.2f} |")
+    ratio = (engine_tokens / engine_s) / (static_tokens / static_s)
+    print(f"**ratio: {ratio:.2f}x** (target >= 3x)")
+    runner = engine.runner
+    print(f"KV bytes per token: {runner.kv_bytes_per_token} ({runner.model_config.num_layers} layers x 2 x "
+          f"{runner.model_config.num_kv_heads} kv heads x {runner.model_config.head_dim} x {runner.dtype.itemsize} B); "
+          f"pool {runner.num_blocks} blocks of {config.block_size}; peak RSS {peak_rss_mib():.0f} MiB")
+    if args.device.startswith("cuda"):
+        print(f"peak CUDA memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

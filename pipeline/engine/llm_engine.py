@@ -1,0 +1,138 @@
+"""The engine loop: `step()` = schedule, run, postprocess, collect; plus KV export/import and the
+hooks speculative decoding drives (`forward_tokens`, `truncate`, `append_tokens`).
+
+Synchronous and single-threaded by itself; `AsyncEngine` (async_engine.py) runs the model part of
+each step in a thread for asyncio callers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipeline.engine.block_manager import BlockManager
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.errors import KVMismatch, RequestTooLarge
+from pipeline.engine.kv_transfer import KVState
+from pipeline.engine.model_runner import ModelRunner
+from pipeline.engine.params import EngineRequest
+from pipeline.engine.scheduler import Scheduler, SchedulerOutput
+from pipeline.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["LLMEngine"]
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.config = runner.config
+        self.block_manager = BlockManager(runner.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager, runner.model_config.max_position_embeddings)
+
+    @classmethod
+    def from_path(cls, path: Path, config: EngineConfig | None = None) -> LLMEngine:
+        return cls(ModelRunner.from_path(path, config or EngineConfig()))
+
+    def add_request(self, request: EngineRequest, *, park_after_first: bool = False) -> Sequence:
+        return self.scheduler.add(request, park_after_first=park_after_first)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[Sequence]:
+        """One step; returns the sequences that got a new token (their last token id)."""
+        output = self.scheduler.schedule()
+        sampled = self.execute(output)
+        return self.scheduler.update_from_output(output, sampled)
+
+    def execute(self, output: SchedulerOutput) -> list[int | None]:
+        """The model part of a step (thread-safe against scheduler calls made while it runs)."""
+        return self.runner.run(output)
+
+    def abort(self, seq: Sequence) -> bool:
+        return self.scheduler.abort(seq)
+
+    def generate(self, requests: list[EngineRequest]) -> list[list[int]]:
+        """Run `requests` to completion together; each one's new completion tokens, in order."""
+        seqs = [self.add_request(r) for r in requests]
+        while self.has_unfinished():
+            self.step()
+        return [s.completion_ids[len(r.completion_ids) :] for s, r in zip(seqs, requests, strict=True)]
+
+    # -- prefill/decode handoff -------------------------------------------------------------------
+
+    @property
+    def model_fingerprint(self) -> str:
+        c = self.runner.model_config
+        return f"{c.num_layers}x{c.num_kv_heads}x{c.head_dim}/{c.vocab_size}/{c.rope_theta}/{self.config.dtype}"
+
+    def export_kv(self, seq: Sequence) -> KVState:
+        """The state of a parked (or otherwise idle) sequence; it stays where it is."""
+        request = EngineRequest(
+            prompt_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
+            completion_ids=tuple(seq.completion_ids),
+            max_tokens=seq.max_tokens,
+            sampling=seq.sampling,
+            stop_token_ids=seq.stop_token_ids,
+            priority=seq.priority,
+            salt=seq.salt,
+        )
+        k, v = self.runner.read_kv(seq.block_table, seq.num_computed_tokens)
+        return KVState(request=request, model=self.model_fingerprint, k=k, v=v)
+
+    def import_kv(self, state: KVState) -> Sequence:
+        """A parked sequence holding `state`'s KV in fresh blocks; resume it with `scheduler.unpark`."""
+        if state.model != self.model_fingerprint:
+            raise KVMismatch(f"KV state of model {state.model}, this engine runs {self.model_fingerprint}")
+        seq = self.scheduler.new_sequence(state.request)
+        computed = int(state.k.shape[1])
+        if computed != len(seq.token_ids) - 1:
+            raise KVMismatch(f"{computed} tokens of KV for {len(seq.token_ids)} tokens (expected one fewer)")
+        if not self.block_manager.can_allocate(seq, computed, use_cache=False):
+            raise RequestTooLarge(f"no room for {computed} imported tokens")
+        self.block_manager.allocate(seq, computed, use_cache=False)
+        seq.num_computed_tokens = computed
+        self.runner.write_kv(seq.block_table, state.k, state.v)
+        self.block_manager.commit(seq)
+        self.scheduler.adopt_parked(seq)
+        return seq
+
+    # -- speculative decoding hooks ---------------------------------------------------------------
+
+    def forward_tokens(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
+        """Target forward over `token_ids` right after the computed tokens, in one call: allocates
+        their blocks, writes their KV, advances `num_computed_tokens`, returns logits [n, vocab].
+
+        A verify step for a sequence whose last token `t` has no KV yet, with drafts d1..dk:
+            logits = engine.forward_tokens(seq, [t, *drafts])   # row i scores the token after fed[i]
+            ... accept m drafts and a bonus/correction token c ...
+            engine.truncate(seq, k - m)                      # drop the KV of the rejected drafts
+            engine.append_tokens(seq, [*drafts[:m], c])      # the sequence's tokens; finishes if it should
+        Call it outside `step()` for a sequence that is not RUNNING (parked, or driven alone)."""
+        if not self.block_manager.can_allocate(seq, len(token_ids), use_cache=False):
+            raise RequestTooLarge(f"no free blocks for {len(token_ids)} tokens")
+        self.block_manager.allocate(seq, len(token_ids), use_cache=False)
+        return self.runner.forward_tokens(seq, token_ids)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Roll back the KV of the last `num_tokens` computed tokens (token ids are the caller's)."""
+        self.block_manager.truncate(seq, num_tokens)
+
+    def append_tokens(self, seq: Sequence, token_ids: list[int]) -> list[int]:
+        """Append tokens as if sampled, stopping at a stop token or max_tokens (which finishes the
+        sequence and frees its blocks); returns the tokens actually appended."""
+        taken: list[int] = []
+        for token in token_ids:
+            seq.token_ids.append(token)
+            taken.append(token)
+            if seq.reached_stop():
+                seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+                self.block_manager.commit(seq)
+                self.scheduler.abort(seq)
+                seq.status = SequenceStatus.FINISHED
+                break
+        else:
+            self.block_manager.commit(seq)
+        return taken
+

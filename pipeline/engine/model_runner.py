@@ -1,0 +1,253 @@
+"""Run the model over a scheduler step: one batched forward for every scheduled token, paged KV.
+
+The KV pool is two tensors per engine, [layers, blocks, block_size, kv_heads, head_dim]. Each step
+writes the new tokens' K and V into their slots (block_table[pos // block_size], pos % block_size),
+then attends by gathering each sequence's blocks from the pool:
+
+- decode chunks (one token each) are attended together: their blocks are gathered into one padded
+  [batch, kv_heads, max_len, head_dim] tensor and one scaled_dot_product_attention call runs with a
+  mask hiding each sequence's padding (batched decode across different lengths);
+- prefill chunks are attended one by one: a first chunk attends to its own fresh K/V causally, a later
+  chunk (or one after a prefix-cache hit) gathers its earlier blocks with a causal offset mask.
+
+The projections, MLPs and lm_head run once over all the step's tokens. Nothing here is CPU- or
+CUDA-specific; on CUDA the same code runs with device tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.engine.config import EngineConfig, ModelConfig
+from pipeline.engine.llama import LlamaWeights, apply_rotary, mlp, rms_norm, rotary
+from pipeline.engine.sampler import sample_batch
+from pipeline.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pipeline.engine.sequence import Sequence
+
+__all__ = ["ModelRunner"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    row: int  # first row of this chunk in the step's flattened tokens
+    n: int
+    start: int
+    blocks: torch.Tensor | None  # the sequence's blocks when it attends to earlier KV
+    mask: torch.Tensor | None  # [n, start + n] causal-with-offset mask
+
+
+@dataclass(frozen=True)
+class _Plan:
+    ids: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] flat slot of each token in the pool
+    cos: torch.Tensor
+    sin: torch.Tensor
+    num_decode: int  # rows 0..num_decode-1 are single-token decodes
+    decode_len: int  # the longest decode's length (keys beyond it are not gathered)
+    decode_blocks: torch.Tensor | None  # [B, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, decode_len]; None when every decode has the same length
+    prefills: tuple[_Prefill, ...]
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, weights: LlamaWeights, config: EngineConfig) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.weights = weights
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.block_size = config.block_size
+        per_block = model_config.kv_bytes_per_token(self.dtype.itemsize) * config.block_size
+        self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
+        shape = (model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        # torch.empty: pages are touched (and count as resident) only once a block is written.
+        self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    @classmethod
+    def from_path(cls, path: Path, config: EngineConfig) -> ModelRunner:
+        model_config = ModelConfig.from_path(path)
+        weights = LlamaWeights.load(path, model_config, config.device, _DTYPES[config.dtype])
+        return cls(model_config, weights, config)
+
+    @classmethod
+    def from_transformers(cls, model: torch.nn.Module, config: EngineConfig) -> ModelRunner:
+        """Share the weights of a loaded transformers Llama-family model (no copy on the same device)."""
+        model_config = ModelConfig.from_dict(model.config.to_dict())  # type: ignore[operator]
+        weights = LlamaWeights.from_state_dict(dict(model.state_dict()), model_config, config.device, _DTYPES[config.dtype])
+        return cls(model_config, weights, config)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model_config.kv_bytes_per_token(self.dtype.itemsize)
+
+    def run(self, output: SchedulerOutput) -> list[int | None]:
+        """Compute the step and sample; returns one entry per chunk (None where it did not sample).
+        Blocking: the async engine calls it in its model thread."""
+        chunks = list(output.chunks)
+        if not chunks:
+            return []
+        rows, row = [], 0
+        for chunk in chunks:
+            row += len(chunk.token_ids)
+            if chunk.sample:
+                rows.append(row - 1)
+        with torch.inference_mode():
+            logits = self._forward(chunks, torch.tensor(rows, dtype=torch.long, device=self.device))
+            sampling = [c for c in chunks if c.sample]
+            tokens = iter(
+                sample_batch(
+                    logits.float(),
+                    [c.seq.sampling for c in sampling],
+                    [c.seq.token_ids for c in sampling],
+                    [c.completion_index for c in sampling],
+                )
+            )
+        return [next(tokens) if c.sample else None for c in chunks]
+
+    def forward_tokens(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
+        """Feed `token_ids` at positions `seq.num_computed_tokens ...`, write their KV, advance
+        `seq.num_computed_tokens` by their count, and return float32 logits [len(token_ids), vocab]
+        (row i predicts the token after token_ids[i]). Blocks must already cover the new positions
+        (`BlockManager.allocate(seq, len(token_ids))`); `seq.token_ids` is left to the caller."""
+        start = seq.num_computed_tokens
+        chunk = ScheduledChunk(seq, start, tuple(token_ids), tuple(seq.block_table), True, 0)
+        with torch.inference_mode():
+            rows = torch.arange(len(token_ids), device=self.device)
+            logits = self._forward([chunk], rows).float()
+        seq.num_computed_tokens = start + len(token_ids)
+        return logits
+
+    def read_kv(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first `num_tokens` positions, [layers, num_tokens, kv_heads, head_dim], on CPU."""
+        blocks = torch.tensor(block_table, dtype=torch.long, device=self.device)
+        k = self.k_cache[:, blocks].flatten(1, 2)[:, :num_tokens]
+        v = self.v_cache[:, blocks].flatten(1, 2)[:, :num_tokens]
+        return k.cpu(), v.cpu()
+
+    def write_kv(self, block_table: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put K and V (as `read_kv` returns them) into positions 0.. of the given blocks."""
+        slots = self._slots(block_table, 0, k.shape[1]).to(self.device)
+        flat = self.k_cache.shape[1] * self.block_size
+        self.k_cache.view(k.shape[0], flat, *k.shape[2:]).index_copy_(1, slots, k.to(self.device, self.dtype))
+        self.v_cache.view(v.shape[0], flat, *v.shape[2:]).index_copy_(1, slots, v.to(self.device, self.dtype))
+
+    def _forward(self, chunks: list[ScheduledChunk], rows: torch.Tensor) -> torch.Tensor:
+        plan = self._plan(chunks)
+        cfg, w = self.model_config, self.weights
+        x = F.embedding(plan.ids, w.embed)
+        tokens = x.shape[0]
+        for index, layer in enumerate(w.layers):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            q = F.linear(h, layer.q, layer.q_bias).view(tokens, cfg.num_heads, cfg.head_dim)
+            k = F.linear(h, layer.k, layer.k_bias).view(tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = F.linear(h, layer.v, layer.v_bias).view(tokens, cfg.num_kv_heads, cfg.head_dim)
+            q, k = apply_rotary(q, plan.cos, plan.sin), apply_rotary(k, plan.cos, plan.sin)
+            k_pool, v_pool = self.k_cache[index], self.v_cache[index]
+            k_pool.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, plan.slots, k)
+            v_pool.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, plan.slots, v)
+            attn = self._attention(q, k, v, k_pool, v_pool, plan)
+            x = x + F.linear(attn.reshape(tokens, -1), layer.o)
+            x = x + mlp(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), layer)
+        x = rms_norm(x.index_select(0, rows), w.norm, cfg.rms_norm_eps)
+        return F.linear(x, w.lm_head)
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        plan: _Plan,
+    ) -> torch.Tensor:
+        scale = self.model_config.head_dim**-0.5
+        out = torch.empty_like(q)  # [T, heads, head_dim]
+        b = plan.num_decode
+        if b:
+            length = plan.decode_len
+            keys = k_pool[plan.decode_blocks].flatten(1, 2)[:, :length].transpose(1, 2)  # [B, kv_heads, L, head_dim]
+            values = v_pool[plan.decode_blocks].flatten(1, 2)[:, :length].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[:b].unsqueeze(2), keys, values, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
+            )
+            out[:b] = o.squeeze(2)
+        for p in plan.prefills:
+            query = q[p.row : p.row + p.n].transpose(0, 1).unsqueeze(0)
+            if p.blocks is None:  # a first chunk: its own K/V, plain causal attention
+                keys = k[p.row : p.row + p.n].transpose(0, 1).unsqueeze(0)
+                values = v[p.row : p.row + p.n].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                length = p.start + p.n
+                keys = k_pool[p.blocks].flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
+                values = v_pool[p.blocks].flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, scale=scale, enable_gqa=True)
+            out[p.row : p.row + p.n] = o[0].transpose(0, 1)
+        return out
+
+    def _plan(self, chunks: list[ScheduledChunk]) -> _Plan:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[torch.Tensor] = []
+        for chunk in chunks:
+            ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, chunk.start + len(chunk.token_ids)))
+            slots.append(self._slots(list(chunk.block_table), chunk.start, len(chunk.token_ids)))
+        dev = self.device
+        pos = torch.tensor(positions, dtype=torch.long)
+        cos, sin = rotary(pos.to(dev), self.model_config.head_dim, self.model_config.rope_theta, self.dtype)
+        num_decode = 0
+        while num_decode < len(chunks) and len(chunks[num_decode].token_ids) == 1 and chunks[num_decode].start > 0:
+            num_decode += 1
+        decode_blocks = decode_mask = None
+        if num_decode:
+            decodes = chunks[:num_decode]
+            lengths = [c.start + 1 for c in decodes]
+            width = -(-max(lengths) // self.block_size)
+            table = torch.zeros(num_decode, width, dtype=torch.long)
+            for i, c in enumerate(decodes):
+                used = c.block_table[: -(-lengths[i] // self.block_size)]
+                table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
+            decode_blocks = table.to(dev)
+            if len(set(lengths)) > 1:
+                span = torch.arange(max(lengths))
+                decode_mask = (span[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :].to(dev)
+        decode_len = max((c.start + 1 for c in chunks[:num_decode]), default=0)
+        prefills, row = [], 0
+        for i, chunk in enumerate(chunks):
+            n = len(chunk.token_ids)
+            if i >= num_decode:
+                prefills.append(self._prefill_plan(chunk, row))
+            row += n
+        return _Plan(
+            ids=torch.tensor(ids, dtype=torch.long).to(dev),
+            slots=torch.cat(slots).to(dev),
+            cos=cos,
+            sin=sin,
+            num_decode=num_decode,
+            decode_len=decode_len,
+            decode_blocks=decode_blocks,
+            decode_mask=decode_mask,
+            prefills=tuple(prefills),
+        )
+
+    def _prefill_plan(self, chunk: ScheduledChunk, row: int) -> _Prefill:
+        n, start = len(chunk.token_ids), chunk.start
+        if start == 0:
+            return _Prefill(row, n, 0, None, None)
+        length = start + n
+        blocks = torch.tensor(chunk.block_table[: -(-length // self.block_size)], dtype=torch.long).to(self.device)
+        mask = (torch.arange(length)[None, :] <= torch.arange(start, length)[:, None]).to(self.device)
+        return _Prefill(row, n, start, blocks, mask)
+
+    def _slots(self, block_table: list[int], start: int, n: int) -> torch.Tensor:
+        pos = torch.arange(start, start + n)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -1,0 +1,256 @@
+"""Which tokens of which sequences the next step computes (pure bookkeeping: no torch).
+
+Two-phase contract, as in vLLM v1:
+
+    out = scheduler.schedule()                      # decide; blocks are allocated here
+    sampled = model_runner.run(out)                 # compute (possibly in another thread)
+    done = scheduler.update_from_output(out, sampled)  # account; finished sequences free their blocks
+
+Policy: running sequences first (interactive lane, then batch, oldest first), each fed all its
+uncomputed tokens up to what is left of the step's token budget (a decode is one token, a long
+prompt is fed in chunks over several steps). When blocks run out, parked sequences are dropped
+first, then the running sequence of the lowest lane that arrived last is preempted: its blocks are
+freed and it goes back to the front of its waiting lane, to be recomputed (its full blocks usually
+come straight back from the prefix cache). Waiting sequences are admitted while budget, batch size
+and blocks allow, interactive first, except that a batch request waiting `aging_steps` steps or more
+is admitted as if it were interactive, so batch work is never starved.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pipeline.engine.block_manager import BlockManager
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.errors import RequestTooLarge
+from pipeline.engine.params import EngineRequest, Priority
+from pipeline.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One sequence's share of a step, snapshotted so the model may run while the event loop moves on."""
+
+    seq: Sequence  # the sequence (the runner reads only its sampling fields and, for penalties, its tokens)
+    start: int  # position of the first fed token (= the sequence's computed tokens before the step)
+    token_ids: tuple[int, ...]  # tokens fed this step, at positions start .. start + len - 1
+    block_table: tuple[int, ...]  # the sequence's blocks, covering at least start + len positions
+    sample: bool  # True when the chunk reaches the sequence's last token: sample one new token
+    completion_index: int  # completion index of the token sampled (seeds reproducible sampling)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step computes, decode chunks first (their order is the order of `sampled` results)."""
+
+    chunks: tuple[ScheduledChunk, ...]  # every sequence fed this step
+    num_batched_tokens: int  # sum of len(chunk.token_ids): at most max_num_batched_tokens
+    preempted: tuple[Sequence, ...] = ()  # running sequences sent back to waiting (their KV is gone)
+    dropped: tuple[Sequence, ...] = ()  # parked sequences aborted to free blocks (their handles are gone)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class _Lanes:
+    queues: dict[Priority, deque[Sequence]] = field(default_factory=lambda: {p: deque() for p in Priority})
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (s for p in Priority for s in self.queues[p])
+
+    def next(self, step: int, aging_steps: int) -> Sequence | None:
+        batch = self.queues[Priority.BATCH]
+        if batch and step - batch[0].arrival >= aging_steps:
+            return batch[0]
+        return next(iter(self), None)
+
+    def remove(self, seq: Sequence) -> bool:
+        queue = self.queues[seq.priority]
+        try:
+            queue.remove(seq)
+        except ValueError:
+            return False
+        return True
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting = _Lanes()
+        self.running: list[Sequence] = []
+        self.parked: OrderedDict[int, Sequence] = OrderedDict()  # by seq_id, oldest first
+        self.step_count = 0
+        self._next_id = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: EngineRequest, *, park_after_first: bool = False) -> Sequence:
+        """Queue a request; raises `RequestTooLarge` if it could never fit."""
+        total = len(request.prompt_ids) + max(request.max_tokens, len(request.completion_ids))
+        if not request.prompt_ids or request.max_tokens <= len(request.completion_ids):
+            raise RequestTooLarge(f"nothing to do: {len(request.prompt_ids)} prompt tokens, max_tokens={request.max_tokens}")
+        if total > self.max_model_len or self.block_manager.blocks_for(total) > self.block_manager.num_blocks:
+            raise RequestTooLarge(f"{total} tokens exceed the context ({self.max_model_len}) or the KV pool")
+        seq = Sequence.from_request(request, seq_id=self._next_id, arrival=self.step_count)
+        self._next_id += 1
+        seq.park_after_first = park_after_first
+        self.waiting.queues[seq.priority].append(seq)
+        return seq
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's chunks and allocate their blocks (see the module docstring for the policy)."""
+        self.step_count += 1
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        dropped: list[Sequence] = []
+        self.running.sort(key=lambda s: (s.priority, s.arrival, s.seq_id))
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, n):
+                if self.parked:
+                    dropped.append(self._drop_oldest_parked())
+                    continue
+                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                chunks.append(self._chunk(seq, n))
+                scheduled.add(seq.seq_id)
+                budget -= n
+        if not preempted:
+            budget = self._admit(budget, chunks, dropped)
+        decode_first = sorted(chunks, key=lambda c: len(c.token_ids) > 1)
+        total = self.config.max_num_batched_tokens - budget
+        return SchedulerOutput(tuple(decode_first), total, tuple(preempted), tuple(dropped))
+
+    def update_from_output(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Account for a finished step: advance computed tokens, register full blocks, append sampled
+        tokens, finish or park sequences. `sampled[i]` belongs to `output.chunks[i]` (None when it did not
+        sample). Sequences that left meanwhile (aborted) are skipped. Returns the sequences that got a token."""
+        progressed: list[Sequence] = []
+        for chunk, token in zip(output.chunks, sampled, strict=True):
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != chunk.start:
+                continue  # aborted, or preempted and re-admitted, while the step ran
+            seq.num_computed_tokens += len(chunk.token_ids)
+            self.block_manager.commit(seq)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            progressed.append(seq)
+            if seq.reached_stop():
+                self._finish(seq, SequenceStatus.FINISHED)
+            elif seq.park_after_first:
+                self._park(seq)
+        return progressed
+
+    def abort(self, seq: Sequence) -> bool:
+        """Stop `seq` wherever it is and free its blocks; False if it had already ended."""
+        if seq.is_done:
+            return False
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._finish(seq, SequenceStatus.ABORTED)
+        return True
+
+    def unpark(self, seq: Sequence) -> None:
+        """Schedule a parked sequence again (its decode has begun)."""
+        if self.parked.pop(seq.seq_id, None) is None:
+            raise ValueError(f"sequence {seq.seq_id} is not parked")
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def adopt_parked(self, seq: Sequence) -> None:
+        """Register an imported sequence (blocks already allocated and filled) as parked."""
+        seq.status = SequenceStatus.PARKED
+        self.parked[seq.seq_id] = seq
+        self._trim_parked()
+
+    def new_sequence(self, request: EngineRequest) -> Sequence:
+        """A sequence with an id from this scheduler that is in no queue yet (for imports)."""
+        seq = Sequence.from_request(request, seq_id=self._next_id, arrival=self.step_count)
+        self._next_id += 1
+        return seq
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk], dropped: list[Sequence]) -> int:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.next(self.step_count, self.config.aging_steps)
+            if seq is None:
+                break
+            cached = self.block_manager.cached_prefix_tokens(seq)
+            n = min(len(seq.token_ids) - cached, budget)
+            while not self.block_manager.can_allocate(seq, n) and self.parked:
+                dropped.append(self._drop_oldest_parked())
+            if not self.block_manager.can_allocate(seq, n):
+                break
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+        return budget
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        self.block_manager.allocate(seq, n)  # on first admission this also takes the prefix-cache hits
+        start = seq.num_computed_tokens
+        sample = start + n == len(seq.token_ids)
+        return ScheduledChunk(
+            seq=seq,
+            start=start,
+            token_ids=tuple(seq.token_ids[start : start + n]),
+            block_table=tuple(seq.block_table),
+            sample=sample,
+            completion_index=len(seq.token_ids) - seq.num_prompt_tokens,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.preemptions += 1
+        self.waiting.queues[seq.priority].appendleft(seq)
+
+    def _park(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.park_after_first = False
+        seq.status = SequenceStatus.PARKED
+        self.parked[seq.seq_id] = seq
+        self._trim_parked()
+
+    def _trim_parked(self) -> None:
+        while len(self.parked) > self.config.max_parked:
+            self._drop_oldest_parked()
+
+    def _drop_oldest_parked(self) -> Sequence:
+        _, seq = self.parked.popitem(last=False)
+        self._finish(seq, SequenceStatus.ABORTED)
+        return seq
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.PARKED:
+            self.parked.pop(seq.seq_id, None)
+        self.block_manager.deallocate(seq)
+        seq.status = status
