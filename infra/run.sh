@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # `make run`: starts Kafka and Redis (ports from sluice.toml), creates the topics, and runs every stage
 # and the bridge in the foreground. Ctrl-C stops all of it, by pid.
+# SLUICE_KAFKA_SECURE=1 make run: the broker's secure profile (SASL/SCRAM and ACLs; a state dir keeps
+# the profile it was first formatted with, so `make clean` first when switching).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -19,6 +21,11 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 infra/services.sh start "$state" "$kafka_port" "$redis_port"
 echo "Kafka on 127.0.0.1:$kafka_port, Redis on 127.0.0.1:$redis_port (logs in $state)"
+if [ "${SLUICE_KAFKA_SECURE:-0}" = 1 ]; then  # the secure profile: sluice's stages connect as the super user
+  export SLUICE_KAFKA_USER=admin SLUICE_KAFKA_PASSWORD
+  SLUICE_KAFKA_PASSWORD=$(cat "$state/kafka-admin.password")
+  echo "Kafka: SASL/SCRAM with ACLs; add tenants with infra/kafka/TenantAcls.java (see docs/security.md)"
+fi
 .venv/bin/sluice topics create
 .venv/bin/sluice run &
 pid=$!

@@ -4,6 +4,7 @@
     sluice worker STAGE...     some stages in this process (one process per stage scales out)
     sluice topics create       create the declared topics (idempotent)
     sluice ask "prompt"        stream an answer through the whole pipeline
+    sluice keys create|rotate|revoke|list   API keys (pipeline/gateway/keys_cli.py)
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--max-tokens", type=int, default=256)
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--model", default=None)
+    ask.add_argument("--api-key", default=None, help="an API key from `sluice keys create`")
+    from pipeline.gateway import keys_cli
+
+    keys_cli.add_parser(sub)
     args = parser.parse_args(argv)
     settings = settings_module.load()
 
@@ -42,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
         run_worker(*args.stages)
         return 0
+    if args.command == "keys":
+        return asyncio.run(keys_cli.run(settings, args))
     if args.command == "topics":
         return asyncio.run(_topics(settings, args.action))
     return asyncio.run(_ask(settings, args))
@@ -64,7 +71,7 @@ async def _ask(settings: settings_module.Settings, args: argparse.Namespace) -> 
 
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
     async with Client(settings, model=args.model) as client:
-        stream = client.stream(messages=messages, max_tokens=args.max_tokens, temperature=args.temperature)
+        stream = client.stream(messages=messages, max_tokens=args.max_tokens, temperature=args.temperature, api_key=args.api_key)
         try:
             async for chunk in stream:
                 sys.stdout.write(chunk.text)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from topics.errors import ErrorCode, retriable
+from topics.stream import RateLimit
 
 
 class SluiceError(Exception):
@@ -19,11 +20,14 @@ class SluiceError(Exception):
 class StageError(SluiceError):
     """A request ends here with `code`; `message` is shown to the client, so it never echoes input."""
 
-    def __init__(self, code: ErrorCode, message: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self, code: ErrorCode, message: str, *, retry_after_s: float | None = None, rate_limit: RateLimit | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.rate_limit = rate_limit
 
     @property
     def retriable(self) -> bool:

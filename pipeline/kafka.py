@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -16,6 +17,19 @@ from topics.registry import TopicSpec, all_topics
 log = logging.getLogger(__name__)
 
 
+def security(settings: Settings) -> dict[str, Any]:
+    """The SASL options of every client (the secure profile), from `[gateway.kafka]`; none for PLAINTEXT."""
+    sec = settings.gateway.kafka
+    if sec.protocol == "PLAINTEXT":
+        return {}
+    return {
+        "security_protocol": sec.protocol,
+        "sasl_mechanism": sec.mechanism,
+        "sasl_plain_username": sec.username,
+        "sasl_plain_password": sec.password,
+    }
+
+
 def producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
     """Idempotent, acks from all in-sync replicas, so an acknowledged message is never duplicated by retries."""
     return AIOKafkaProducer(
@@ -25,6 +39,7 @@ def producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
         acks="all",
         linger_ms=0,
         request_timeout_ms=30000,
+        **security(settings),
     )
 
 
@@ -42,6 +57,7 @@ def group_consumer(settings: Settings, group: str, topics: tuple[str, ...], clie
         max_poll_interval_ms=600000,
         session_timeout_ms=30000,
         heartbeat_interval_ms=3000,
+        **security(settings),
     )
 
 
@@ -60,6 +76,7 @@ async def broadcast_consumer(
         enable_auto_commit=False,
         auto_offset_reset="latest",
         fetch_max_wait_ms=20,
+        **security(settings),
     )
     await consumer.start()
     try:
@@ -100,7 +117,7 @@ async def _warm_group_coordinator(admin: AIOKafkaAdminClient, timeout_s: float =
 
 async def create_topics(settings: Settings) -> list[str]:
     """Creates every declared topic that does not exist yet; returns the names it created."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap, client_id="sluice-admin")
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap, client_id="sluice-admin", **security(settings))
     await admin.start()
     try:
         existing = set(await admin.list_topics())

@@ -13,3 +13,8 @@ HANDLE_SECONDS = Histogram(
 )
 IN_FLIGHT = Gauge("sluice_in_flight", "Messages a stage is working on", ["stage"])
 PRODUCED = Counter("sluice_produced_total", "Messages produced, by topic", ["stage", "topic"])
+GATEWAY_DEGRADED = Counter(
+    "sluice_gateway_degraded_total",
+    "Gateway decisions taken without Redis (failure mode), by operation and decision",
+    ["operation", "decision"],
+)

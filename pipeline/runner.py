@@ -29,7 +29,7 @@ from pipeline.stage import Address, Out, Stage, address_of
 from topics import codec, registry
 from topics.dlq import DeadLetter
 from topics.errors import ErrorCode, retriable
-from topics.stream import Failed
+from topics.stream import Failed, RateLimit
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class Runner:
                 await asyncio.gather(control, return_exceptions=True)
             await self._consumer.stop()
             await self._producer.stop()
+            if (close := getattr(self.stage, "aclose", None)) is not None:
+                await close()  # a stage's own connections (the gateway's Redis client)
 
     async def _poll_loop(self, stop: asyncio.Event) -> None:
         assert self._consumer is not None
@@ -215,7 +217,7 @@ class Runner:
                 return "undeliverable"
             except StageError as exc:
                 if address is not None:
-                    await self._terminal(address, exc.code, exc.message, exc.retry_after_s)
+                    await self._terminal(address, exc.code, exc.message, exc.retry_after_s, exc.rate_limit)
                 return exc.code.value
             except asyncio.CancelledError:
                 raise
@@ -243,7 +245,10 @@ class Runner:
         metrics.PRODUCED.labels(self.stage.name, out.topic).inc()
         return await self._producer.send(out.topic, codec.encode(out.value), key=out.key.encode(), headers=tracing.inject())
 
-    async def _terminal(self, address: Address, code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
+    async def _terminal(
+        self, address: Address, code: ErrorCode, message: str, retry_after_s: float | None = None,
+        rate_limit: RateLimit | None = None,
+    ) -> None:
         failed = Failed(
             id=address.request_id,
             reply_to=address.reply_to,
@@ -251,6 +256,7 @@ class Runner:
             message=message,
             retriable=retriable(code),
             retry_after_s=retry_after_s,
+            rate_limit=rate_limit,
             tenant=address.tenant,
             model=address.model,
             created_at=address.created_at,

@@ -7,6 +7,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
+from pipeline.gateway.redact import RedactKeys
 from pipeline.runner import Runner
 from pipeline.settings import Settings
 from pipeline.stage import Stage
@@ -16,7 +17,9 @@ log = logging.getLogger(__name__)
 
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)  # its DEBUG records carry message payloads
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactKeys())
 
 
 async def run_stages(stages: list[Stage], settings: Settings, stop: asyncio.Event, *, instance: str = "0") -> None:

@@ -12,6 +12,8 @@ class ErrorCode(enum.StrEnum):
     unauthorized = "unauthorized"
     forbidden = "forbidden"
     rate_limited = "rate_limited"
+    budget_exceeded = "budget_exceeded"  # the key's or tenant's spend reached its budget
+    unavailable = "unavailable"  # a dependency (Redis) is down and the gateway is configured to fail closed
     not_found = "not_found"  # unknown model
     cancelled = "cancelled"  # the client went away or asked to stop
     deadline_exceeded = "deadline_exceeded"
@@ -26,6 +28,8 @@ POLICY: dict[ErrorCode, tuple[int, bool]] = {
     ErrorCode.unauthorized: (401, False),
     ErrorCode.forbidden: (403, False),
     ErrorCode.rate_limited: (429, True),
+    ErrorCode.budget_exceeded: (402, False),
+    ErrorCode.unavailable: (503, True),
     ErrorCode.not_found: (404, False),
     ErrorCode.cancelled: (499, False),
     ErrorCode.deadline_exceeded: (504, True),

@@ -40,4 +40,10 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="requ
     priority: Priority = Priority.interactive
     deadline_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # seconds after created_at
     api_key: str | None = None  # checked by ingest's authenticator (gateway issue); never logged
-    tenant: str = "default"
+    tenant: str = "default"  # a claim only: ingest replaces it with the authenticated principal's tenant
+    # Set by the bridge (never by the client): the caller's address and user agent, and an HMAC over
+    # them with the gateway's client_info_secret, so ingest can tell them from a Kafka producer's claim.
+    client_ip: str | None = None
+    user_agent: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+    client_attestation: str | None = None
+    key_id: str | None = None  # set by ingest: the public id of the API key it authenticated (never the key)

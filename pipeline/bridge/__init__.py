@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import Iterator
 
 import uvicorn
 
-from pipeline.bridge.app import create_app
+from pipeline.bridge.app import MAX_HEADER_BYTES, create_app
 from pipeline.errors import SluiceError
 from pipeline.sdk import Client
 from pipeline.settings import Settings
@@ -49,6 +50,7 @@ async def serve(settings: Settings, client: Client, stop: asyncio.Event, *, owns
 
     With `owns_client` the app starts and stops `client`; otherwise the caller has started it."""
     app = create_app(settings, client, owns_client=owns_client)
+    tls = settings.gateway.tls
     config = uvicorn.Config(
         app,
         host=settings.bridge.host,
@@ -57,6 +59,13 @@ async def serve(settings: Settings, client: Client, stop: asyncio.Event, *, owns
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        proxy_headers=False,  # the client address is the TCP peer's; X-Forwarded-For is never trusted
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        # TLS, and with a client CA mutual TLS: a client without a certificate the CA signed cannot connect.
+        ssl_certfile=tls.certfile or None,
+        ssl_keyfile=tls.keyfile or None,
+        ssl_ca_certs=tls.client_ca or None,
+        ssl_cert_reqs=ssl.CERT_REQUIRED if tls.client_ca else ssl.CERT_NONE,
     )
     server = _Server(config)
     serving = asyncio.create_task(server.serve_until_exit())

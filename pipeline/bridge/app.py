@@ -18,13 +18,17 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import HTTPConnection
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from pipeline.bridge.openai_format import (
@@ -39,14 +43,17 @@ from pipeline.bridge.openai_format import (
     parse_completion,
 )
 from pipeline.bridge.relay import RelayResponse
+from pipeline.gateway.network import attest
 from pipeline.bridge.websocket import StreamSession
 from pipeline.sdk import Client
 from pipeline.settings import LimitSettings, Settings
 from topics.errors import ErrorCode
+from topics.requests import Request
 
 log = logging.getLogger(__name__)
 
 Parser = Callable[[Json], Parsed]
+MAX_HEADER_BYTES = 16 * 1024  # a request whose headers are larger is refused with 431 before any route runs
 Endpoint = Callable[[HttpRequest], Awaitable[Response]]
 
 
@@ -78,24 +85,57 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
         await StreamSession(websocket, client, cap, bearer_token(websocket)).run()
 
     routes = [
-        Route("/v1/chat/completions", _completions(client, parse_chat, cap), methods=["POST"]),
-        Route("/v1/completions", _completions(client, parse_completion, cap), methods=["POST"]),
+        Route("/v1/chat/completions", _completions(client, parse_chat, cap, settings), methods=["POST"]),
+        Route("/v1/completions", _completions(client, parse_completion, cap, settings), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
         WebSocketRoute("/v1/stream", stream),
     ]
     handlers = {BridgeError: _bridge_error, HTTPException: _http_error, Exception: _internal_error}
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+    hosts = settings.gateway.allowed_hosts
+    middleware = [Middleware(HeaderLimit, limit=MAX_HEADER_BYTES)]
+    middleware += [Middleware(TrustedHostMiddleware, allowed_hosts=list(hosts))] if hosts else []
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
 
 
-def _completions(client: Client, parse: Parser, cap: int) -> Endpoint:
+def _completions(client: Client, parse: Parser, cap: int, settings: Settings) -> Endpoint:
     async def endpoint(request: HttpRequest) -> Response:
         parsed = parse(decode_body(await read_capped(request, cap)))
         sdk_request = client.request(**parsed.request_kwargs(), api_key=bearer_token(request))
-        return RelayResponse(client, sdk_request, parsed)
+        return RelayResponse(client, with_client_info(sdk_request, request, settings.gateway.client_info_secret), parsed)
 
     return endpoint
+
+
+class HeaderLimit:
+    """Refuses a request whose headers total more than `limit` bytes: 431 over HTTP, a refused handshake
+    over WebSocket. (uvicorn's h11 limit bounds only a head that arrives in pieces.)"""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and sum(len(k) + len(v) for k, v in scope["headers"]) > self.limit:
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1009})
+                return
+            body = error_body(f"the request headers are over {self.limit} bytes", code=ErrorCode.invalid_request)
+            await JSONResponse(body, status_code=431)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def with_client_info(sdk_request: Request, connection: HTTPConnection, secret: str) -> Request:
+    """The request with the caller's address and user agent, signed for ingest's network rules.
+
+    The address is the TCP peer's: uvicorn runs without proxy headers, so X-Forwarded-For is ignored."""
+    ip = connection.client.host if connection.client else None
+    agent = connection.headers.get("user-agent")
+    agent = agent[:512] if agent is not None else None
+    signature = attest(secret, sdk_request.id, ip, agent) if secret else None
+    return msgspec.structs.replace(sdk_request, client_ip=ip, user_agent=agent, client_attestation=signature)
 
 
 async def read_capped(request: HttpRequest, cap: int) -> bytes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from starlette.responses import Response
@@ -38,7 +39,7 @@ from pipeline.metrics import HANDLE_SECONDS, IN_FLIGHT, MESSAGES
 from pipeline.sdk import Client, RequestFailed, Stream
 from topics.errors import ErrorCode, http_status
 from topics.requests import Request
-from topics.stream import Chunk, Done
+from topics.stream import Chunk, Done, Failed
 
 STAGE = "bridge"  # the metric label and log field of every request the bridge answers
 
@@ -109,7 +110,7 @@ class RelayResponse(Response):
                 first = await anext(aiter(stream), None)
             except RequestFailed as exc:
                 self._tally.outcome = exc.code.value
-                await _send_json(send, *failed_error(exc.failed))
+                await _send_json(send, *failed_error(exc.failed), headers=limit_headers(exc.failed))
                 return
             except TimeoutError:
                 await self._timed_out(send)
@@ -172,9 +173,25 @@ async def _send_body(send: Send, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
-async def _send_json(send: Send, status: int, body: Json) -> None:
+def limit_headers(failed: Failed) -> list[tuple[bytes, bytes]]:
+    """`Retry-After` (whole seconds, rounded up) and `x-ratelimit-*` for a refusal that carries them."""
+    headers = []
+    if failed.retry_after_s is not None:
+        headers.append((b"retry-after", str(max(1, math.ceil(failed.retry_after_s))).encode()))
+    if (limit := failed.rate_limit) is not None:
+        kind = limit.resource
+        headers += [
+            (f"x-ratelimit-limit-{kind}".encode(), str(limit.limit).encode()),
+            (f"x-ratelimit-remaining-{kind}".encode(), str(limit.remaining).encode()),
+            (f"x-ratelimit-reset-{kind}".encode(), f"{limit.reset_s:.3f}s".encode()),
+            (b"x-ratelimit-scope", limit.scope.encode()),
+        ]
+    return headers
+
+
+async def _send_json(send: Send, status: int, body: Json, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     data = to_json(body)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *(headers or [])]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data, "more_body": False})
 

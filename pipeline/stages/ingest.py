@@ -1,7 +1,6 @@
-"""ingest: the front door. Validates a request against the operator's limits and passes it on.
-
-Authentication and rate limits (the gateway issue) plug in here; until then every well-formed
-request is admitted under its tenant name.
+"""ingest: the front door. Validates a request against the operator's limits, asks the gateway who sent
+it and whether it may (authentication, model, network rules, rate limits, budgets), and passes it on
+under the authenticated tenant, without its credential.
 """
 
 from __future__ import annotations
@@ -10,6 +9,8 @@ import time
 from collections.abc import AsyncIterator
 
 from pipeline.errors import StageError, Undeliverable
+from pipeline.gateway.build import memory_gateway
+from pipeline.gateway.gateway import Gateway
 from pipeline.settings import Settings
 from pipeline.stage import Out, Stopwatch
 from topics import registry
@@ -24,10 +25,15 @@ class IngestStage:
     input_type = Request
     ordered = False
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, gateway: Gateway | None = None) -> None:
+        """`gateway` holds the shared state (Redis in production); None: one in memory, for tests."""
+        self._gateway = gateway or memory_gateway(settings)
         self._limits = settings.limits
         self._models = frozenset(settings.models)
         self._replies = settings.reply_topics
+
+    async def aclose(self) -> None:
+        await self._gateway.aclose()
 
     def check(self, request: Request, now: float) -> None:
         """Raises StageError with a reason the client can act on; returns if the request is admissible."""
@@ -52,5 +58,6 @@ class IngestStage:
         clock = Stopwatch()
         now = time.time()
         self.check(message, now)
-        envelope = Envelope(request=message, principal=message.tenant, admitted_at=now, timings={self.name: clock.ms()})
+        request, principal = await self._gateway.admit(message)
+        envelope = Envelope(request=request, principal=principal.name, admitted_at=now, timings={self.name: clock.ms()})
         yield Out(registry.ADMITTED, message.id, envelope)

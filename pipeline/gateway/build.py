@@ -1,0 +1,39 @@
+"""The Gateway a stage uses, built from settings: Redis stores, or memory stores for tests and tools."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from pipeline.gateway.gateway import Gateway
+from pipeline.gateway.jwt_auth import JwtVerifier
+from pipeline.gateway.keys import MemoryKeyStore
+from pipeline.gateway.limits import MemoryLimiter
+from pipeline.gateway.redis_keys import RedisKeyStore
+from pipeline.gateway.redis_limits import RedisLimiter
+from pipeline.settings import REPO_ROOT, Settings
+
+
+def redis_client(settings: Settings) -> Redis:
+    """A client that fails fast (short timeouts, one immediate retry): the gateway decides what Redis being
+    away means. The retry is for a pooled connection that died with a Redis restart: it reconnects at
+    once. Every script is idempotent per request id, so a retried command never counts twice."""
+    timeout = settings.gateway.redis_timeout_s
+    return Redis.from_url(
+        settings.redis.url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1),
+        health_check_interval=0,
+    )
+
+
+def _jwt(settings: Settings) -> JwtVerifier | None:
+    return JwtVerifier(settings.gateway.jwt, REPO_ROOT) if settings.gateway.jwt.enabled else None
+
+
+def redis_gateway(settings: Settings, redis: Redis | None = None) -> Gateway:
+    redis = redis or redis_client(settings)
+    return Gateway(settings.gateway, RedisKeyStore(redis), RedisLimiter(redis, settings.gateway.window_s), _jwt(settings))
+
+
+def memory_gateway(settings: Settings) -> Gateway:
+    return Gateway(settings.gateway, MemoryKeyStore(), MemoryLimiter(settings.gateway.window_s), _jwt(settings))

@@ -1,0 +1,127 @@
+"""`[gateway]` in sluice.toml: authentication, limits, budgets, network rules, TLS, Kafka SASL.
+
+Read once by `pipeline.settings.load()` (which also applies the SLUICE_KAFKA_USER, SLUICE_KAFKA_PASSWORD
+and SLUICE_GATEWAY_SECRET environment variables) and validated there. A limit of 0 means "no limit".
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """Limits for every request of one tenant together; keys of the tenant have their own on top."""
+
+    rpm: int = 0
+    tpm: int = 0
+    budget: float = 0.0  # currency units, accumulated over the tenant's lifetime
+    models: tuple[str, ...] = ()  # empty: every configured model
+    allow_cidrs: tuple[str, ...] = ()  # non-empty: only these client addresses
+    deny_cidrs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelPrice:
+    prompt_per_1k: float = 0.0
+    completion_per_1k: float = 0.0
+
+
+@dataclass(frozen=True)
+class JwtSettings:
+    enabled: bool = False
+    algorithms: tuple[str, ...] = ("RS256",)  # pinned: a token with any other `alg` is refused
+    issuer: str = ""
+    audience: str = ""
+    jwks_file: str = ""  # a JWKS JSON file (relative to the repository root or absolute)
+    jwks_url: str = ""  # or a URL the operator configured; fetched and cached by PyJWT
+    leeway_s: float = 0.0
+    tenant_claim: str = "tenant"
+    models_claim: str = "models"  # optional claim: a list restricting the models
+
+
+@dataclass(frozen=True)
+class NetworkSettings:
+    """Global rules; tenants add their own CIDR lists. No GeoIP database exists offline, so a geo-block
+    is a named list of CIDRs the operator maintains (e.g. from their provider's published ranges)."""
+
+    allow_cidrs: tuple[str, ...] = ()
+    deny_cidrs: tuple[str, ...] = ()
+    geo_block: dict[str, tuple[str, ...]] = field(default_factory=dict)  # region name -> CIDRs
+    deny_user_agents: tuple[str, ...] = ()  # regular expressions, matched with re.search
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """The bridge's TLS. With `client_ca` set, clients must present a certificate it signed (mTLS)."""
+
+    certfile: str = ""
+    keyfile: str = ""
+    client_ca: str = ""
+
+
+@dataclass(frozen=True)
+class KafkaSecurity:
+    """How sluice's clients authenticate to the broker (the secure profile: SASL/SCRAM)."""
+
+    protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    mechanism: Literal["SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"] = "SCRAM-SHA-256"
+    username: str = ""
+    password: str = field(default="", repr=False)  # better from SLUICE_KAFKA_PASSWORD than from the file
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    auth_required: bool = False  # false: a request without credentials runs as `anonymous_tenant`
+    anonymous_tenant: str = "default"
+    on_redis_down: Literal["open", "closed"] = "closed"
+    redis_timeout_s: float = 0.25
+    key_cache_s: float = 5.0  # how long ingest reuses a key lookup; also how late a revocation may bite
+    rotate_overlap_s: float = 86400.0  # after `keys rotate`, the old key works this long
+    window_s: float = 60.0  # the sliding window of every rpm/tpm limit
+    chars_per_token: int = 4  # prompt tokens estimated at admission (bytes / this); corrected at the end
+    global_rpm: int = 0
+    global_tpm: int = 0
+    ip_rpm: int = 0
+    ip_tpm: int = 0
+    client_info_secret: str = field(default="", repr=False)  # HMAC key for the bridge's client ip/user agent; empty: trusted
+    allowed_hosts: tuple[str, ...] = ()  # the bridge answers only these Host headers; empty: any
+    tenants: dict[str, TenantPolicy] = field(default_factory=dict)
+    prices: dict[str, ModelPrice] = field(default_factory=dict)
+    jwt: JwtSettings = field(default_factory=JwtSettings)
+    network: NetworkSettings = field(default_factory=NetworkSettings)
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, as messages for SettingsError."""
+        found = []
+        cidrs = [*self.network.allow_cidrs, *self.network.deny_cidrs]
+        cidrs += [c for block in self.network.geo_block.values() for c in block]
+        cidrs += [c for t in self.tenants.values() for c in (*t.allow_cidrs, *t.deny_cidrs)]
+        for cidr in cidrs:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                found.append(f"gateway: {cidr!r} is not a CIDR")
+        for pattern in self.network.deny_user_agents:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                found.append(f"gateway.network.deny_user_agents: {pattern!r}: {exc}")
+        if self.jwt.enabled and not (self.jwt.jwks_file or self.jwt.jwks_url):
+            found.append("gateway.jwt: enabled needs jwks_file or jwks_url")
+        if self.jwt.enabled and (not self.jwt.issuer or not self.jwt.audience):
+            found.append("gateway.jwt: enabled needs issuer and audience")
+        if {a.lower() for a in self.jwt.algorithms} & {"none", ""}:
+            found.append("gateway.jwt.algorithms may not include 'none'")
+        if bool(self.tls.certfile) != bool(self.tls.keyfile) or (self.tls.client_ca and not self.tls.certfile):
+            found.append("gateway.tls: certfile and keyfile go together; client_ca needs them")
+        if self.kafka.protocol != "PLAINTEXT" and not (self.kafka.username and self.kafka.password):
+            found.append("gateway.kafka: SASL needs username and password (SLUICE_KAFKA_USER/SLUICE_KAFKA_PASSWORD)")
+        if self.window_s <= 0 or self.chars_per_token < 1 or self.redis_timeout_s <= 0:
+            found.append("gateway: window_s, chars_per_token and redis_timeout_s must be positive")
+        return found

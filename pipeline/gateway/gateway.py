@@ -1,0 +1,211 @@
+"""Gateway: the decisions ingest asks for before admitting a request, and the charge emit reports.
+
+    admit(request)  network rules -> authenticate (API key, JWT, or anonymous) -> authorise the model
+                    -> tenant network rules -> limits and budgets; returns the request to forward, with
+                    the authenticated tenant and key id and without the credential; raises StageError.
+    finish(event)   charges completion tokens (and the prompt-token estimate's shortfall) and spend.
+
+Redis being away is a `StoreUnavailable`: limits follow `on_redis_down` (open: admit; closed: refuse
+with `unavailable`), authentication uses a cached lookup or refuses; every such decision is counted
+in `sluice_gateway_degraded_total{operation,decision}`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from pipeline.errors import StageError
+from pipeline.gateway.config import GatewaySettings, TenantPolicy
+from pipeline.gateway.errors import StoreUnavailable
+from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier, looks_like_jwt
+from pipeline.gateway.keys import PREFIX, KeyEntry, KeyStore, hash_key, well_formed
+from pipeline.gateway.limits import Limiter, Refusal, Scope
+from pipeline.gateway.network import Address, NetworkRules, attest, parse_ip
+from pipeline.metrics import GATEWAY_DEGRADED
+from topics.errors import ErrorCode
+from topics.requests import Request
+from topics.stream import Done, Failed, RateLimit
+
+log = logging.getLogger(__name__)
+CACHE_ENTRIES = 10_000
+STALE_LIMIT_S = 300.0  # with Redis away, a cached key lookup this old is still used
+TICKET_GRACE_S = 60.0
+INVALID_KEY = "the API key is not valid"
+
+
+@dataclass(frozen=True)
+class Principal:
+    name: str  # "key:<id>", "jwt:<sub>" or "anonymous": what Envelope.principal records
+    tenant: str
+    key_id: str | None = None
+    models: tuple[str, ...] = ()  # empty: no restriction
+    key_scope: Scope | None = None
+
+
+class Ticket(msgspec.Struct, frozen=True):
+    """What admission remembers for the charge at the end: the scopes and the prompt estimate."""
+
+    scopes: list[tuple[str, str, bool]]  # (kind, name, billed)
+    prompt_estimate: int
+
+
+class Gateway:
+    def __init__(
+        self, settings: GatewaySettings, keys: KeyStore, limiter: Limiter, jwt: JwtVerifier | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._settings = settings
+        self._keys = keys
+        self._limiter = limiter
+        self._jwt = jwt
+        self._clock = clock
+        self._network = NetworkRules(settings.network, settings.tenants)
+        self._cache: OrderedDict[str, tuple[KeyEntry, float]] = OrderedDict()
+        self._ticket = msgspec.msgpack.Decoder(Ticket)
+
+    async def aclose(self) -> None:
+        """Closes the stores' connections (a Redis client), if they have any."""
+        for store in (self._keys, self._limiter):
+            if (close := getattr(store, "aclose", None)) is not None:
+                await close()
+
+    async def admit(self, request: Request) -> tuple[Request, Principal]:
+        ip, user_agent = self._client_info(request)
+        if reason := self._network.refusal(ip, user_agent):
+            raise StageError(ErrorCode.forbidden, reason)
+        principal = await self._authenticate(request.api_key)
+        policy = self._settings.tenants.get(principal.tenant, TenantPolicy())
+        for allowed in (principal.models, policy.models):
+            if allowed and request.model not in allowed:
+                raise StageError(ErrorCode.forbidden, "these credentials may not use the requested model")
+        if reason := self._network.tenant_refusal(ip, principal.tenant):
+            raise StageError(ErrorCode.forbidden, reason)
+        await self._limit(request, principal, policy, ip)
+        forwarded = msgspec.structs.replace(
+            request, api_key=None, tenant=principal.tenant, key_id=principal.key_id, client_attestation=None
+        )
+        return forwarded, principal
+
+    async def finish(self, event: Done | Failed) -> None:
+        """Charges a finished request's tokens and spend to the scopes it was admitted under (once)."""
+        try:
+            raw = await self._limiter.take_ticket(event.id)
+            if raw is None:
+                return
+            ticket = self._ticket.decode(raw)
+            usage = event.usage
+            tokens = usage.completion_tokens + max(0, usage.prompt_tokens - ticket.prompt_estimate)
+            price = self._settings.prices.get(event.model)
+            spend = 0.0
+            if price is not None:
+                spend = (usage.prompt_tokens * price.prompt_per_1k + usage.completion_tokens * price.completion_per_1k) / 1000
+            scopes = [Scope(kind, name, billed=billed) for kind, name, billed in ticket.scopes]  # type: ignore[arg-type]
+            await self._limiter.charge(scopes, event.id, tokens, spend)
+        except StoreUnavailable:
+            GATEWAY_DEGRADED.labels("charge", "dropped").inc()
+            log.warning("request %s: usage not charged, Redis unavailable", event.id)
+
+    def _client_info(self, request: Request) -> tuple[Address | None, str | None]:
+        """The bridge's client ip and user agent, if its signature holds (or no secret is configured)."""
+        if request.client_ip is None and request.user_agent is None:
+            return None, None
+        secret = self._settings.client_info_secret
+        if secret:
+            expected = attest(secret, request.id, request.client_ip, request.user_agent)
+            if not hmac.compare_digest(expected, request.client_attestation or ""):
+                return None, None
+        return parse_ip(request.client_ip), request.user_agent
+
+    async def _authenticate(self, credential: str | None) -> Principal:
+        """A sluice key or (if enabled) a JWT is always verified. Anything else, or nothing, is anonymous
+        when auth is not required (OpenAI clients must send some key: "unused" is common), else refused."""
+        if credential is not None and credential.startswith(PREFIX):
+            return await self._by_key(credential)
+        if credential is not None and self._jwt is not None and looks_like_jwt(credential):
+            try:
+                claims = await self._jwt.verify(credential)
+            except InvalidToken as exc:
+                raise StageError(ErrorCode.unauthorized, str(exc)) from None
+            scope = Scope("key", "jwt:" + claims.subject, billed=True)
+            return Principal("jwt:" + claims.subject, claims.tenant, None, claims.models, scope)
+        if not self._settings.auth_required:
+            return Principal(self._settings.anonymous_tenant, self._settings.anonymous_tenant)  # name: the tenant
+        if credential is None:
+            raise StageError(ErrorCode.unauthorized, "an API key is required (Authorization: Bearer sk-sluice-...)")
+        raise StageError(ErrorCode.unauthorized, INVALID_KEY)
+
+    async def _by_key(self, raw: str) -> Principal:
+        if not well_formed(raw):
+            raise StageError(ErrorCode.unauthorized, INVALID_KEY)
+        key_hash = hash_key(raw)
+        entry = await self._lookup(key_hash)
+        if entry is None or not entry.valid(self._clock()):
+            raise StageError(ErrorCode.unauthorized, INVALID_KEY)
+        r = entry.record
+        scope = Scope("key", r.key_id, r.rpm, r.tpm, r.budget, billed=True)
+        return Principal("key:" + r.key_id, r.tenant, r.key_id, r.models, scope)
+
+    async def _lookup(self, key_hash: str) -> KeyEntry | None:
+        now = self._clock()
+        cached = self._cache.get(key_hash)
+        if cached is not None and now - cached[1] < self._settings.key_cache_s:
+            return cached[0]
+        try:
+            entry = await self._keys.lookup(key_hash)
+        except StoreUnavailable:
+            if cached is not None and now - cached[1] < STALE_LIMIT_S:
+                GATEWAY_DEGRADED.labels("auth", "cached").inc()
+                return cached[0]
+            GATEWAY_DEGRADED.labels("auth", "closed").inc()
+            raise StageError(ErrorCode.unavailable, "credentials cannot be checked right now", retry_after_s=1.0) from None
+        self._cache.pop(key_hash, None)
+        if entry is not None and self._settings.key_cache_s > 0:
+            self._cache[key_hash] = (entry, now)
+            if len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return entry
+
+    def scopes(self, principal: Principal, policy: TenantPolicy, ip: Address | None) -> list[Scope]:
+        s = self._settings
+        scopes = [principal.key_scope] if principal.key_scope is not None else []
+        scopes.append(Scope("tenant", principal.tenant, policy.rpm, policy.tpm, policy.budget, billed=True))
+        if ip is not None and (s.ip_rpm or s.ip_tpm):
+            scopes.append(Scope("ip", str(ip), s.ip_rpm, s.ip_tpm))
+        if s.global_rpm or s.global_tpm:
+            scopes.append(Scope("global", "all", s.global_rpm, s.global_tpm))
+        return scopes
+
+    async def _limit(self, request: Request, principal: Principal, policy: TenantPolicy, ip: Address | None) -> None:
+        scopes = self.scopes(principal, policy, ip)
+        size = sum(len(m.content.encode()) for m in request.messages) + len((request.prompt or "").encode())
+        estimate = math.ceil(size / self._settings.chars_per_token)
+        ticket = msgspec.msgpack.encode(Ticket([(sc.kind, sc.name, sc.billed) for sc in scopes], estimate))
+        try:
+            refusal = await self._limiter.admit(scopes, request.id, estimate, ticket, request.deadline_s + TICKET_GRACE_S)
+        except StoreUnavailable:
+            decision = self._settings.on_redis_down
+            GATEWAY_DEGRADED.labels("limit", decision).inc()
+            if decision == "open":
+                return
+            raise StageError(ErrorCode.unavailable, "limits cannot be checked right now", retry_after_s=1.0) from None
+        if refusal is not None:
+            raise refused(refusal)
+
+
+def refused(refusal: Refusal) -> StageError:
+    scope = refusal.scope.kind
+    if refusal.resource == "budget":
+        return StageError(ErrorCode.budget_exceeded, f"the {scope}'s budget is spent")
+    if refusal.retry_after_s is None:
+        return StageError(ErrorCode.invalid_request, f"the prompt alone is over this {scope}'s tokens-per-minute limit")
+    info = RateLimit(scope, refusal.resource, int(refusal.limit), refusal.remaining, round(refusal.retry_after_s, 3))
+    message = f"rate limit reached: {refusal.resource} per minute for this {scope}"
+    return StageError(ErrorCode.rate_limited, message, retry_after_s=info.reset_s, rate_limit=info)

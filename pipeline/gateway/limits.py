@@ -1,0 +1,162 @@
+"""Rate limits and budgets: the Limiter protocol and its in-memory implementation.
+
+Every limit is a *sliding window log* over `window_s`: a scope (a key, a tenant, a client address, or
+everything) admits a request only if fewer than `rpm` requests and at most `tpm - tokens` tokens were
+recorded in the last window. A log is exact (no burst at a window edge, unlike fixed windows or a
+token bucket with a burst), and a refusal knows exactly when the oldest entry that blocks it leaves
+the window, which is the retry-after. Budgets are a running spend per scope with no window.
+
+Admission across scopes is all or nothing: each scope is checked and recorded atomically on its own
+(one Lua script per scope in Redis, so scopes may live on different Redis Cluster slots), and if a
+later scope refuses, the scopes already recorded are released. A request id recorded once is admitted
+again without counting twice, so a redelivered request is not charged twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+Resource = Literal["requests", "tokens", "budget"]
+_SAFE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Scope:
+    kind: Literal["key", "tenant", "ip", "global"]
+    name: str
+    rpm: int = 0  # 0: no limit
+    tpm: int = 0
+    budget: float = 0.0
+    billed: bool = False  # spend accumulates here (keys and tenants; not addresses or the global scope)
+
+    @property
+    def tag(self) -> str:
+        """`kind:name`, safe inside a Redis hash tag (names with other characters are hashed)."""
+        name = self.name if _SAFE.match(self.name) else "h" + hashlib.sha256(self.name.encode()).hexdigest()[:24]
+        return f"{self.kind}:{name}"
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.rpm or self.tpm or self.budget)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    scope: Scope
+    resource: Resource
+    limit: float
+    remaining: int
+    retry_after_s: float | None  # None: it will never fit (a budget spent, more tokens than the limit)
+
+
+class Limiter(Protocol):
+    """Shared limit state. Implementations: `MemoryLimiter` and `redis_limits.RedisLimiter`; both raise
+    `StoreUnavailable` (errors.py) only when their store cannot be reached."""
+
+    async def admit(self, scopes: Sequence[Scope], member: str, tokens: int, ticket: bytes, ticket_ttl_s: float) -> Refusal | None:
+        """Records request `member` with `tokens` in every scope, and keeps `ticket` for `take_ticket`,
+        if every scope has room; otherwise records nothing and says which limit refused."""
+
+    async def charge(self, scopes: Sequence[Scope], member: str, tokens: int, spend: float) -> None:
+        """Adds tokens to every scope and spend to the billed ones, after the fact (completion tokens);
+        never refuses; idempotent per member."""
+
+    async def take_ticket(self, member: str) -> bytes | None:
+        """The ticket `admit` kept for `member`, removed so a second call returns None."""
+
+    async def spent(self, scope: Scope) -> float: ...
+
+
+@dataclass
+class _Log:
+    """One scope's window. Entries are inserted in time order, so the oldest is first in each dict."""
+
+    requests: dict[str, float] = field(default_factory=dict)  # member -> time
+    tokens: dict[str, tuple[float, int]] = field(default_factory=dict)  # member -> (time, tokens)
+    total: int = 0  # the tokens in `tokens`
+    spend: float = 0.0
+
+    def expire(self, cutoff: float) -> None:
+        while self.requests and (oldest := next(iter(self.requests))) and self.requests[oldest] <= cutoff:
+            del self.requests[oldest]
+        while self.tokens and (oldest := next(iter(self.tokens))) and self.tokens[oldest][0] <= cutoff:
+            self.total -= self.tokens.pop(oldest)[1]
+
+    def add_tokens(self, entry: str, at: float, tokens: int) -> None:
+        self.tokens[entry] = (at, tokens)
+        self.total += tokens
+
+    def used(self) -> int:
+        return self.total
+
+
+class MemoryLimiter:
+    """The same semantics as the Redis limiter, for one process (tests, and a Redis-less demo)."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.time) -> None:
+        self._window = window_s
+        self._clock = clock
+        self._logs: dict[str, _Log] = {}
+        self._tickets: dict[str, tuple[bytes, float]] = {}
+
+    async def admit(self, scopes: Sequence[Scope], member: str, tokens: int, ticket: bytes, ticket_ttl_s: float) -> Refusal | None:
+        now = self._clock()
+        for scope in scopes:
+            refusal = self._check(scope, member, tokens, now)
+            if refusal is not None:
+                return refusal
+        for scope in scopes:
+            log = self._logs.setdefault(scope.tag, _Log())
+            if member not in log.requests:
+                log.requests[member] = now
+                if tokens:
+                    log.add_tokens(member + "|p", now, tokens)
+        self._tickets[member] = (ticket, now + ticket_ttl_s)
+        return None
+
+    def _check(self, scope: Scope, member: str, tokens: int, now: float) -> Refusal | None:
+        log = self._logs.setdefault(scope.tag, _Log())
+        log.expire(now - self._window)
+        if member in log.requests:
+            return None
+        if scope.budget and log.spend >= scope.budget:
+            return Refusal(scope, "budget", scope.budget, 0, None)
+        if scope.rpm and len(log.requests) >= scope.rpm:
+            times = list(log.requests.values())
+            return Refusal(scope, "requests", scope.rpm, 0, times[len(times) - scope.rpm] + self._window - now)
+        used = log.used()
+        if scope.tpm and used + tokens > scope.tpm:
+            if tokens > scope.tpm:
+                return Refusal(scope, "tokens", scope.tpm, max(scope.tpm - used, 0), None)
+            need, retry = used + tokens - scope.tpm, self._window
+            for at, n in log.tokens.values():
+                need -= n
+                if need <= 0:
+                    retry = at + self._window - now
+                    break
+            return Refusal(scope, "tokens", scope.tpm, max(scope.tpm - used, 0), retry)
+        return None
+
+    async def charge(self, scopes: Sequence[Scope], member: str, tokens: int, spend: float) -> None:
+        if tokens <= 0 and spend <= 0:
+            return
+        now = self._clock()
+        for scope in scopes:
+            log = self._logs.setdefault(scope.tag, _Log())
+            entry = member + "|c"
+            if entry not in log.tokens:
+                log.add_tokens(entry, now, tokens)
+                log.spend += spend if scope.billed else 0.0
+
+    async def take_ticket(self, member: str) -> bytes | None:
+        ticket, until = self._tickets.pop(member, (None, 0.0))
+        return ticket if ticket is not None and until > self._clock() else None
+
+    async def spent(self, scope: Scope) -> float:
+        log = self._logs.get(scope.tag)
+        return log.spend if log else 0.0

@@ -1,0 +1,124 @@
+"""The Redis Limiter: `lua/admit.lua`, `lua/charge.lua` and `lua/release.lua`, one atomic script per
+scope, on Redis's clock. A scope's keys share the hash tag `{kind:name}`, so on Redis Cluster each
+script touches one slot; the scopes of one request are sent in one pipeline (one round trip)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pipeline.gateway.errors import StoreUnavailable
+from pipeline.gateway.limits import Refusal, Resource, Scope
+
+_LUA = Path(__file__).with_name("lua")
+DOWN = (RedisConnectionError, RedisTimeoutError, OSError)  # BusyLoadingError (a restart) is a ConnectionError
+
+
+def rate_keys(scope: Scope) -> list[str]:
+    tag = "{" + scope.tag + "}"
+    return [f"sluice:rl:{tag}:req", f"sluice:rl:{tag}:tok", f"sluice:rl:{tag}:toksum"]
+
+
+def spend_key(scope: Scope) -> str:
+    return "sluice:spend:{" + scope.tag + "}"
+
+
+def ticket_key(member: str) -> str:
+    return "sluice:ticket:{" + member + "}"
+
+
+class _Script:
+    """A Lua file called by EVALSHA; `RedisLimiter._run` loads it again after Redis lost it (a restart)."""
+
+    def __init__(self, name: str) -> None:
+        self.text = (_LUA / name).read_text()
+        self.sha = hashlib.sha1(self.text.encode()).hexdigest()
+
+    def __call__(self, pipe: Pipeline, keys: list[str], args: list[Any]) -> None:
+        pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+
+class RedisLimiter:
+    def __init__(self, redis: Redis, window_s: float) -> None:
+        self._redis = redis
+        self._window_ms = int(window_s * 1000)
+        self._admit = _Script("admit.lua")
+        self._charge = _Script("charge.lua")
+        self._release = _Script("release.lua")
+
+    async def _run(self, build: Callable[[Pipeline], None]) -> list[Any]:
+        """One round trip of the commands `build` queues; StoreUnavailable if Redis is away."""
+        try:
+            for attempt in (1, 2):
+                try:
+                    async with self._redis.pipeline(transaction=False) as pipe:
+                        build(pipe)
+                        return list(await pipe.execute())
+                except NoScriptError:
+                    if attempt == 2:
+                        raise
+                    for script in (self._admit, self._charge, self._release):
+                        await self._redis.script_load(script.text)
+        except DOWN as exc:
+            raise StoreUnavailable(f"redis: {type(exc).__name__}") from None
+        raise AssertionError("unreachable")
+
+    async def admit(self, scopes: Sequence[Scope], member: str, tokens: int, ticket: bytes, ticket_ttl_s: float) -> Refusal | None:
+        def admit_all(pipe: Pipeline) -> None:
+            for s in scopes:
+                args = [self._window_ms, s.rpm, s.tpm, repr(float(s.budget)), member, tokens]
+                self._admit(pipe, [*rate_keys(s), spend_key(s)], args)
+            pipe.set(ticket_key(member), ticket, px=max(int(ticket_ttl_s * 1000), 1000))
+
+        results = await self._run(admit_all)
+        refused = [(s, r) for s, r in zip(scopes, results, strict=False) if int(r[0]) == 0]
+        if not refused:
+            return None
+
+        def release(pipe: Pipeline) -> None:
+            for s, r in zip(scopes, results, strict=False):
+                if int(r[0]) == 1:
+                    self._release(pipe, rate_keys(s), [self._window_ms, member, tokens])
+            pipe.delete(ticket_key(member))
+
+        await self._run(release)
+        scope, (_, resource, limit, remaining, retry_ms) = refused[0]
+        res: Resource = resource.decode() if isinstance(resource, bytes) else resource
+        limit_value = scope.budget if res == "budget" else int(limit)
+        retry = None if int(retry_ms) < 0 else max(int(retry_ms), 1) / 1000.0
+        return Refusal(scope, res, limit_value, int(remaining), retry)
+
+    async def charge(self, scopes: Sequence[Scope], member: str, tokens: int, spend: float) -> None:
+        if tokens <= 0 and spend <= 0:
+            return
+        def charge_all(pipe: Pipeline) -> None:
+            for s in scopes:
+                keys = [rate_keys(s)[1], rate_keys(s)[2], spend_key(s)]
+                self._charge(pipe, keys, [self._window_ms, member, tokens, repr(float(spend if s.billed else 0.0))])
+
+        await self._run(charge_all)
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+    async def take_ticket(self, member: str) -> bytes | None:
+        try:
+            value: bytes | None = await self._redis.getdel(ticket_key(member))
+        except DOWN as exc:
+            raise StoreUnavailable(f"redis: {type(exc).__name__}") from None
+        return value
+
+    async def spent(self, scope: Scope) -> float:
+        try:
+            value = await self._redis.get(spend_key(scope))
+        except DOWN as exc:
+            raise StoreUnavailable(f"redis: {type(exc).__name__}") from None
+        return float(value or 0.0)

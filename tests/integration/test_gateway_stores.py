@@ -1,0 +1,121 @@
+"""One suite for every implementation of the gateway's shared state: the in-memory limiter and key store
+(what unit tests use) and the Redis ones (what runs), so both keep the same semantics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from pipeline.gateway.build import redis_client
+from pipeline.gateway.keys import KeyEntry, KeyManager, KeyRecord, KeyStore, MemoryKeyStore, hash_key
+from pipeline.gateway.limits import Limiter, MemoryLimiter, Scope
+from pipeline.gateway.redis_keys import RedisKeyStore
+from pipeline.gateway.redis_limits import RedisLimiter
+from pipeline.settings import Settings
+from tests.integration.gateway_fixtures import with_gateway
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+WINDOW_S = 1.0
+
+
+@pytest_asyncio.fixture(params=["memory", "redis"], loop_scope="session")
+async def limiter(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[Limiter]:
+    if request.param == "memory":
+        yield MemoryLimiter(WINDOW_S)
+        return
+    redis = redis_client(with_gateway(settings, redis_timeout_s=2.0))
+    yield RedisLimiter(redis, WINDOW_S)
+    await redis.aclose()
+
+
+@pytest_asyncio.fixture(params=["memory", "redis"], loop_scope="session")
+async def key_store(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[KeyStore]:
+    if request.param == "memory":
+        yield MemoryKeyStore()
+        return
+    redis = redis_client(with_gateway(settings, redis_timeout_s=2.0))
+    yield RedisKeyStore(redis)
+    await redis.aclose()
+
+
+def scope(kind: str = "key", **limits: float) -> Scope:
+    return Scope(kind, "t-" + uuid.uuid4().hex[:10], billed=kind in ("key", "tenant"), **limits)  # type: ignore[arg-type]
+
+
+def rid() -> str:
+    return uuid.uuid4().hex
+
+
+async def test_requests_up_to_the_limit_then_a_refusal_with_retry_after(limiter: Limiter) -> None:
+    s = scope(rpm=3)
+    ids = [rid() for _ in range(3)]
+    for i in ids:
+        assert await limiter.admit([s], i, 0, b"t", 10) is None
+    refusal = await limiter.admit([s], rid(), 0, b"t", 10)
+    assert refusal is not None and refusal.resource == "requests" and refusal.limit == 3 and refusal.remaining == 0
+    assert refusal.retry_after_s is not None and 0 < refusal.retry_after_s <= WINDOW_S
+    assert await limiter.admit([s], ids[0], 0, b"t", 10) is None  # a redelivery is not counted again
+    await asyncio.sleep(WINDOW_S + 0.05)
+    assert await limiter.admit([s], rid(), 0, b"t", 10) is None  # the window slid
+
+
+async def test_admission_is_all_or_nothing_across_scopes(limiter: Limiter) -> None:
+    roomy, full = scope(rpm=10), scope("tenant", rpm=1)
+    assert await limiter.admit([full], rid(), 0, b"t", 10) is None
+    member = rid()
+    refusal = await limiter.admit([roomy, full], member, 5, b"t", 10)
+    assert refusal is not None and refusal.scope == full
+    assert await limiter.take_ticket(member) is None
+    for _ in range(10):  # the refused request left no trace in `roomy`
+        assert await limiter.admit([roomy], rid(), 0, b"t", 10) is None
+    assert await limiter.admit([roomy], rid(), 0, b"t", 10) is not None
+
+
+async def test_tokens_admission_and_charge(limiter: Limiter) -> None:
+    s = scope(tpm=100)
+    first = rid()
+    assert await limiter.admit([s], first, 30, b"ticket", 10) is None
+    assert await limiter.take_ticket(first) == b"ticket" and await limiter.take_ticket(first) is None
+    await limiter.charge([s], first, 60, 0.0)
+    await limiter.charge([s], first, 60, 0.0)  # once per request
+    assert await limiter.admit([s], rid(), 10, b"t", 10) is None  # 30 + 60 + 10 = 100
+    refusal = await limiter.admit([s], rid(), 1, b"t", 10)
+    assert refusal is not None and refusal.resource == "tokens" and refusal.remaining == 0
+    assert refusal.retry_after_s is not None and refusal.retry_after_s <= WINDOW_S
+    never = await limiter.admit([s], rid(), 101, b"t", 10)
+    assert never is not None and never.retry_after_s is None
+
+
+async def test_spend_goes_to_billed_scopes_and_budgets_refuse(limiter: Limiter) -> None:
+    key, address = scope(budget=1.0), scope("ip")
+    member = rid()
+    assert await limiter.admit([key, address], member, 1, b"t", 10) is None
+    await limiter.charge([key, address], member, 5, 1.25)
+    assert await limiter.spent(key) == pytest.approx(1.25) and await limiter.spent(address) == 0.0
+    refusal = await limiter.admit([key, address], rid(), 1, b"t", 10)
+    assert refusal is not None and refusal.resource == "budget" and refusal.retry_after_s is None
+
+
+async def test_key_store_round_trip_expiry_and_forgetting(key_store: KeyStore) -> None:
+    manager = KeyManager(key_store, rotate_overlap_s=1.0)
+    raw, record = await manager.create("tenant-" + uuid.uuid4().hex[:6], models=("m",), rpm=7, budget=2.0)
+    entry = await key_store.lookup(hash_key(raw))
+    assert isinstance(entry, KeyEntry) and entry.record.key_id == record.key_id and entry.record.rpm == 7
+    assert entry.not_after == 0 and entry.valid(time.time())
+    new, _ = await manager.rotate(record.key_id)
+    old_entry = await key_store.lookup(hash_key(raw))
+    assert old_entry is not None and old_entry.not_after > time.time()
+    await asyncio.sleep(1.1)
+    gone = await key_store.lookup(hash_key(raw))
+    assert gone is None or not gone.valid(time.time())
+    assert (await key_store.lookup(hash_key(new))) is not None
+    got = await key_store.get(record.key_id)
+    assert isinstance(got, KeyRecord) and got.key_id in {r.key_id for r in await key_store.all()}
+    await manager.revoke(record.key_id)
+    assert await key_store.lookup(hash_key(new)) is None
+    assert await key_store.lookup(hash_key("sk-sluice-unknown")) is None

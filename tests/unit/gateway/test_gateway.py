@@ -1,0 +1,178 @@
+"""The gateway's decisions on in-memory stores: authentication, models, network rules, limits, budgets,
+the failure mode, and what it forwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.errors import StageError
+from pipeline.gateway.config import ModelPrice, NetworkSettings, TenantPolicy
+from pipeline.gateway.errors import StoreUnavailable
+from pipeline.gateway.keys import PREFIX
+from pipeline.gateway.limits import Refusal, Scope
+from pipeline.gateway.network import attest
+from pipeline.metrics import GATEWAY_DEGRADED
+from tests.unit.gateway.helpers import rig
+from tests.unit.helpers import MODEL, request
+from topics.errors import ErrorCode
+from topics.stream import Done, Usage
+
+pytestmark = pytest.mark.asyncio
+
+
+async def refusal(gateway_call: object) -> StageError:
+    with pytest.raises(StageError) as caught:
+        await gateway_call  # type: ignore[misc]
+    return caught.value
+
+
+async def test_a_valid_key_is_admitted_under_its_tenant_without_the_credential() -> None:
+    r = rig()
+    raw, record = await r.keys.create("acme")
+    forwarded, principal = await r.gateway.admit(request(api_key=raw, tenant="someone-else"))
+    assert forwarded.api_key is None and forwarded.tenant == "acme" and forwarded.key_id == record.key_id
+    assert principal.name == "key:" + record.key_id
+
+
+@pytest.mark.parametrize(
+    "credential", [None, "' OR '1'='1", PREFIX + "A" * 43, PREFIX + "x", "eyJhbGciOiJub25lIn0.e30.", "a" * 100_000]
+)
+async def test_missing_or_invalid_credentials_are_unauthorized(credential: str | None) -> None:
+    r = rig()
+    await r.keys.create("acme")
+    error = await refusal(r.gateway.admit(request(api_key=credential)))
+    assert error.code is ErrorCode.unauthorized
+    assert credential is None or credential not in error.message
+
+
+async def test_without_auth_required_a_keyless_request_runs_as_the_anonymous_tenant() -> None:
+    r = rig(auth_required=False, anonymous_tenant="public")
+    forwarded, principal = await r.gateway.admit(request(tenant="acme"))
+    assert forwarded.tenant == "public" and principal.name == "public"
+    forwarded, _ = await r.gateway.admit(request("r1b", api_key="unused"))  # what OpenAI clients send
+    assert forwarded.tenant == "public" and forwarded.api_key is None
+    error = await refusal(r.gateway.admit(request("r2", api_key=PREFIX + "B" * 43)))
+    assert error.code is ErrorCode.unauthorized  # a key that is given is always checked
+
+
+async def test_revoked_and_rotated_out_keys_stop_working() -> None:
+    r = rig(rotate_overlap_s=60)
+    raw, record = await r.keys.create("acme")
+    new, _ = await r.keys.rotate(record.key_id)
+    await r.gateway.admit(request("a", api_key=raw))  # within the overlap
+    r.clock.now += 61
+    assert (await refusal(r.gateway.admit(request("b", api_key=raw)))).code is ErrorCode.unauthorized
+    await r.gateway.admit(request("c", api_key=new))
+    await r.keys.revoke(record.key_id)
+    assert (await refusal(r.gateway.admit(request("d", api_key=new)))).code is ErrorCode.unauthorized
+
+
+async def test_a_key_may_use_only_its_models_and_its_tenants_models() -> None:
+    r = rig(tenants={"acme": TenantPolicy(models=("other",))})
+    raw, _ = await r.keys.create("beta", models=("other",))
+    assert (await refusal(r.gateway.admit(request(api_key=raw)))).code is ErrorCode.forbidden
+    raw2, _ = await r.keys.create("acme")
+    assert (await refusal(r.gateway.admit(request("r2", api_key=raw2)))).code is ErrorCode.forbidden
+    assert request().model == MODEL
+
+
+@pytest.mark.parametrize(
+    ("ip", "agent", "tenant_policy", "allowed"),
+    [
+        ("10.0.0.5", "curl/8", TenantPolicy(), True),
+        ("192.0.2.7", "curl/8", TenantPolicy(), False),  # global deny
+        ("198.51.100.9", "curl/8", TenantPolicy(), False),  # geo block
+        ("10.0.0.5", "EvilBot/1.0", TenantPolicy(), False),  # user agent
+        ("10.0.0.5", "curl/8", TenantPolicy(allow_cidrs=("10.1.0.0/16",)), False),  # tenant allow list
+        ("10.1.2.3", "curl/8", TenantPolicy(allow_cidrs=("10.1.0.0/16",), deny_cidrs=("10.1.2.0/24",)), False),
+        ("2001:db8::1", "curl/8", TenantPolicy(), False),  # IPv6 deny
+        (None, None, TenantPolicy(allow_cidrs=("10.0.0.0/8",)), False),  # unknown address fails an allow list
+    ],
+)
+async def test_network_rules(ip: str | None, agent: str | None, tenant_policy: TenantPolicy, allowed: bool) -> None:
+    network = NetworkSettings(deny_cidrs=("192.0.2.0/24", "2001:db8::/32"), geo_block={"XX": ("198.51.100.0/24",)},
+                              deny_user_agents=(r"(?i)evilbot",))
+    r = rig(network=network, tenants={"acme": tenant_policy})
+    raw, _ = await r.keys.create("acme")
+    call = r.gateway.admit(request(api_key=raw, client_ip=ip, user_agent=agent))
+    if allowed:
+        await call
+    else:
+        assert (await refusal(call)).code is ErrorCode.forbidden
+
+
+async def test_client_info_counts_only_with_the_bridges_signature() -> None:
+    r = rig(client_info_secret="s3cret", network=NetworkSettings(deny_cidrs=("192.0.2.0/24",)))
+    raw, _ = await r.keys.create("acme")
+    forged = request("f", api_key=raw, client_ip="192.0.2.1", client_attestation="00" * 32)
+    await r.gateway.admit(forged)  # a forged claim is ignored: the address is unknown, not denied
+    signed = request("s", api_key=raw, client_ip="192.0.2.1", client_attestation=attest("s3cret", "s", "192.0.2.1", None))
+    assert (await refusal(r.gateway.admit(signed))).code is ErrorCode.forbidden
+
+
+async def test_requests_per_minute_with_retry_after_and_the_window_sliding() -> None:
+    r = rig()
+    raw, _ = await r.keys.create("acme", rpm=3)
+    for i in range(3):
+        await r.gateway.admit(request(f"r{i}", api_key=raw))
+        r.clock.now += 10
+    error = await refusal(r.gateway.admit(request("r3", api_key=raw)))
+    assert error.code is ErrorCode.rate_limited and error.rate_limit is not None
+    assert error.retry_after_s == pytest.approx(30.0) and error.rate_limit.scope == "key"
+    await r.gateway.admit(request("r0", api_key=raw))  # a redelivery of an admitted request is not counted again
+    r.clock.now += 30.01
+    await r.gateway.admit(request("r4", api_key=raw))
+
+
+async def test_tokens_per_minute_count_prompts_at_admission_and_completions_at_the_end() -> None:
+    r = rig(chars_per_token=1)
+    raw, _ = await r.keys.create("acme", tpm=100)
+    forwarded, _ = await r.gateway.admit(request("a", api_key=raw))  # "hello there": 11 tokens estimated
+    await r.gateway.finish(Done(id="a", reply_to="x", chunks=1, digest="", finish_reason="stop",
+                                usage=Usage(prompt_tokens=11, completion_tokens=85), tenant="acme", model=MODEL))
+    error = await refusal(r.gateway.admit(request("b", api_key=raw)))
+    assert error.code is ErrorCode.rate_limited and error.rate_limit is not None and error.rate_limit.resource == "tokens"
+    big = await refusal(r.gateway.admit(request("c", api_key=raw, prompt="x" * 101, messages=())))
+    assert big.code is ErrorCode.invalid_request
+
+
+async def test_budgets_refuse_once_spend_reaches_them() -> None:
+    r = rig(prices={MODEL: ModelPrice(prompt_per_1k=1.0, completion_per_1k=2.0)})
+    raw, record = await r.keys.create("acme", budget=0.5)
+    await r.gateway.admit(request("a", api_key=raw))
+    done = Done(id="a", reply_to="x", chunks=1, digest="", finish_reason="stop",
+                usage=Usage(prompt_tokens=100, completion_tokens=200), model=MODEL)
+    await r.gateway.finish(done)
+    await r.gateway.finish(done)  # charged once
+    assert await r.limiter.spent(Scope("key", record.key_id)) == pytest.approx(0.5)
+    assert await r.limiter.spent(Scope("tenant", "acme")) == pytest.approx(0.5)
+    assert (await refusal(r.gateway.admit(request("b", api_key=raw)))).code is ErrorCode.budget_exceeded
+
+
+class DownLimiter:
+    async def admit(self, *args: object) -> Refusal | None:
+        raise StoreUnavailable("redis: ConnectionError")
+
+    async def charge(self, *args: object) -> None:
+        raise StoreUnavailable("redis: ConnectionError")
+
+    async def take_ticket(self, member: str) -> bytes | None:
+        raise StoreUnavailable("redis: ConnectionError")
+
+    async def spent(self, scope: Scope) -> float:
+        raise StoreUnavailable("redis: ConnectionError")
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+async def test_redis_down_follows_the_failure_mode_and_is_counted(mode: str) -> None:
+    r = rig(on_redis_down=mode)
+    raw, _ = await r.keys.create("acme", rpm=1)
+    r.gateway._limiter = DownLimiter()  # type: ignore[assignment]
+    before = GATEWAY_DEGRADED.labels("limit", mode)._value.get()
+    if mode == "open":
+        await r.gateway.admit(request(api_key=raw))
+    else:
+        error = await refusal(r.gateway.admit(request(api_key=raw)))
+        assert error.code is ErrorCode.unavailable and error.retriable
+    assert GATEWAY_DEGRADED.labels("limit", mode)._value.get() == before + 1
+    await r.gateway.finish(Done(id="r1", reply_to="x", chunks=0, digest="", finish_reason="stop", usage=Usage()))
