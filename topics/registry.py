@@ -16,8 +16,10 @@ DAY_MS = 24 * 3600 * 1000
 
 REQUESTS = "llm.requests"
 ADMITTED = "llm.admitted"
+GUARDED = "llm.guarded"  # guard -> route: the sanitised request
 PREFILLED = "llm.prefilled"
 TOKENS = "llm.tokens"
+CHECKED = "llm.checked"  # postguard -> emit: the stream after the output checks
 CONTROL = "llm.control"
 DLQ = "llm.dlq"
 USAGE = "llm.usage"
@@ -58,8 +60,10 @@ def all_topics(*, pools: tuple[str, ...], replies: tuple[str, ...], partitions: 
     specs = [
         TopicSpec(REQUESTS, partitions, "request.v1", day),
         TopicSpec(ADMITTED, partitions, "envelope.v1", hour),
+        TopicSpec(GUARDED, partitions, "envelope.v1", hour),
         TopicSpec(PREFILLED, partitions, "envelope.v1", hour),
         TopicSpec(TOKENS, partitions, "chunk.v1 | done.v1 | error.v1", hour),
+        TopicSpec(CHECKED, partitions, "chunk.v1 | done.v1 | error.v1", hour),
         TopicSpec(CONTROL, partitions, "cancel.v1", hour),
         TopicSpec(DLQ, 1, "dead_letter.v1", {"retention.ms": str(7 * DAY_MS)}),
         TopicSpec(USAGE, partitions, "usage.v1", {"retention.ms": str(30 * DAY_MS)}),

@@ -38,6 +38,16 @@ class Done(msgspec.Struct, frozen=True, tag="done.v1", tag_field="kind"):
     created_at: float = 0.0
 
 
+class RateLimit(msgspec.Struct, frozen=True):
+    """Which limit refused a request: the bridge turns it into `x-ratelimit-*` headers."""
+
+    scope: str  # "key", "tenant", "ip" or "global"
+    resource: str  # "requests" or "tokens"
+    limit: int  # per window
+    remaining: int
+    reset_s: float  # seconds until the window has room again
+
+
 class Failed(msgspec.Struct, frozen=True, tag="error.v1", tag_field="kind"):
     id: str
     reply_to: str
@@ -48,6 +58,7 @@ class Failed(msgspec.Struct, frozen=True, tag="error.v1", tag_field="kind"):
     usage: Usage = Usage()
     timings: dict[str, float] = {}
     retry_after_s: float | None = None
+    rate_limit: RateLimit | None = None  # set when code is rate_limited
     tenant: str = "default"
     model: str = ""
     created_at: float = 0.0

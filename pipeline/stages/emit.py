@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import msgspec
 
@@ -19,6 +20,14 @@ from topics.usage import UsageRecord
 _REMEMBER = 100_000  # requests whose progress emit keeps, oldest forgotten first
 
 
+class Meter(Protocol):
+    """Told of every terminal event once it is sent: charges tokens and spend (the gateway)."""
+
+    async def finish(self, event: Done | Failed) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
 class EmitStage:
     name = "emit"
     input_topics = (registry.TOKENS,)
@@ -26,10 +35,15 @@ class EmitStage:
     ordered = True  # chunks of one request must leave in the order they arrived
     terminal_topic = None  # the runner's own error events go straight to the reply topic
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, meter: Meter | None = None) -> None:
         self._replies = settings.reply_topics
+        self._meter = meter
         self._next_seq: OrderedDict[str, int] = OrderedDict()
         self._finished: OrderedDict[str, None] = OrderedDict()
+
+    async def aclose(self) -> None:
+        if self._meter is not None:
+            await self._meter.aclose()
 
     async def handle(self, message: StreamEvent) -> AsyncIterator[Out]:
         clock = Stopwatch()
@@ -59,6 +73,8 @@ class EmitStage:
             total_ms=total, timings=timings, at=now,
         )
         yield Out(registry.USAGE, message.tenant, usage)
+        if self._meter is not None:
+            await self._meter.finish(message)
 
     @staticmethod
     def _remember(table: OrderedDict[str, object], key: str, value: object) -> None:

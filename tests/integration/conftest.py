@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Two checkouts (or two engineers) testing at once give each run its own ports: SLUICE_TEST_PORTS=K,R
 KAFKA_PORT, REDIS_PORT = (int(p) for p in os.environ.get("SLUICE_TEST_PORTS", "29092,26379").split(","))
 STATE = ROOT / ".state" / f"test-{KAFKA_PORT}"
+GUARDRAILS_BLOCKED = r"\bbananas?\b"
 
 
 def _listening(port: int) -> bool:
@@ -51,7 +53,9 @@ def services() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def settings(services: None) -> Settings:
     env = {"SLUICE_KAFKA_BOOTSTRAP": f"127.0.0.1:{KAFKA_PORT}", "SLUICE_REDIS_URL": f"redis://127.0.0.1:{REDIS_PORT}/0"}
-    return settings_module.load(env=env)
+    settings = settings_module.load(env=env)
+    # test_guardrails.py makes the model say this word mid-answer to fire the output guard's kill switch.
+    return replace(settings, guard=replace(settings.guard, blocklist=(*settings.guard.blocklist, GUARDRAILS_BLOCKED)))
 
 
 @pytest.fixture(scope="session")
@@ -75,3 +79,7 @@ async def stack(settings: Settings, backends: dict[str, Backend]) -> AsyncIterat
     yield settings
     stop.set()
     await asyncio.gather(*tasks)
+    for backend in backends.values():
+        close = getattr(backend, "aclose", None)
+        if close is not None:
+            await close()

@@ -1,0 +1,121 @@
+"""Guardrail latency: the input guard (PII and injection together) per 300-character prompt, and what
+postguard adds per streamed chunk.
+
+    .venv/bin/python -m bench.guard_latency [--requests 300] [--chunks 3000]
+
+Input guard: one request at a time (batch 1, the latency case) through `GuardStage.handle`, which
+runs Presidio (spaCy NER + the recognisers) and the MiniLM int8 classifier in a worker thread; also
+each part alone. Prompts are 300 characters built from ordinary sentences, a third with PII in them.
+Postguard: `PostguardStage.handle` per chunk of answers streamed word by word (holdback 16, default
+[guard] settings: pattern PII, blocklist, alt-profanity-check), the time from the chunk's arrival to
+the handler's last output. No broker: these are the stages' own costs, the figures the targets name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+
+from bench.stats import row
+from pipeline.guard.config import GuardSettings
+from pipeline.guard.loader import InputGuard, TextCheck, output_guard
+from pipeline.settings import Settings
+from pipeline.stages.guard import GuardStage
+from pipeline.stages.postguard import PostguardStage
+from topics.envelope import Envelope
+from topics.requests import ChatMessage, Request
+from topics.stream import Chunk, Done, Usage
+
+SENTENCES = [
+    "Can you explain how the event loop works in Node.js and why it matters for servers?",
+    "I am planning a trip to Lisbon in May and would like a three day itinerary.",
+    "What is the difference between a list and a tuple in Python, with examples?",
+    "Please summarise the main causes of the French Revolution in plain words.",
+    "My team keeps missing deadlines; how should I run our weekly planning meeting?",
+    "Write a short poem about the sea at night, with a calm and hopeful tone.",
+    "How much water should a healthy adult drink each day, and does coffee count?",
+    "Compare PostgreSQL and MySQL for a small web shop with a few thousand orders.",
+]
+PII = [
+    "You can reach me at maria.lopez@example.com or on +1 415-555-0134.",
+    "My card 4111 1111 1111 1111 was charged twice, the IBAN is DE89 3704 0044 0532 0130 00.",
+    "I am John Carter and my server at 10.20.30.40 rejects my key sk-proj-Zx81kQw2LmN0pRt5VbY7cD3e.",
+]
+ANSWER = (
+    "Sure. The event loop is the part of Node.js that waits for work and runs callbacks one at a time. "
+    "When a request arrives, the loop hands slow work such as disk or network access to the system, and "
+    "keeps serving other requests meanwhile. When that work finishes, its callback is queued and runs "
+    "on the loop. This is why one Node.js process can serve many clients at once, as long as no single "
+    "callback blocks the loop for long. Heavy computation belongs in a worker thread. "
+)
+
+
+def prompts(n: int, rng: random.Random) -> list[str]:
+    out = []
+    for i in range(n):
+        parts = [rng.choice(PII)] if i % 3 == 0 else []
+        while sum(len(p) + 1 for p in parts) < 300:
+            parts.append(rng.choice(SENTENCES))
+        rng.shuffle(parts)
+        out.append(" ".join(parts)[:300])
+    return out
+
+
+def envelope(i: int, text: str) -> Envelope:
+    request = Request(id=f"b{i}", reply_to="llm.responses.sdk", model="m", created_at=time.time(), messages=(ChatMessage("user", text),))
+    return Envelope(request=request, principal="default", admitted_at=time.time())
+
+
+async def input_guard(n: int, rng: random.Random) -> list[str]:
+    guard = InputGuard(GuardSettings())
+    stage = GuardStage(Settings(), guard)
+    texts = prompts(n, rng)
+    for i, t in enumerate(texts[:20]):  # warm-up: first calls allocate and compile
+        [out async for out in stage.handle(envelope(i, t))]
+    handler, pii, injection = [], [], []
+    for i, t in enumerate(texts):
+        started = time.perf_counter()
+        [out async for out in stage.handle(envelope(i, t))]
+        handler.append((time.perf_counter() - started) * 1000)
+        started = time.perf_counter()
+        guard.pii.analyze([t])
+        pii.append((time.perf_counter() - started) * 1000)
+        started = time.perf_counter()
+        guard.injection.score([t])
+        injection.append((time.perf_counter() - started) * 1000)
+    _ = guard.check([[TextCheck(t, True)] for t in texts[:16]])
+    return [row("input guard: guard stage handler (PII + injection)", handler), row("  PII alone (Presidio + spaCy NER)", pii),
+            row("  injection alone (MiniLM int8 + LR + patterns)", injection)]
+
+
+async def postguard(chunks: int) -> list[str]:
+    settings = GuardSettings()
+    stage = PostguardStage(settings, output_guard(settings))
+    words = [w + " " for w in ANSWER.split()]
+    per_chunk, rid, sent = [], 0, 0
+    while sent < chunks:
+        rid += 1
+        for seq, word in enumerate(words):
+            started = time.perf_counter()
+            [out async for out in stage.handle(Chunk(id=f"p{rid}", reply_to="llm.responses.sdk", seq=seq, text=word))]
+            per_chunk.append((time.perf_counter() - started) * 1000)
+        done = Done(id=f"p{rid}", reply_to="llm.responses.sdk", chunks=len(words), digest="", finish_reason="stop", usage=Usage())
+        [out async for out in stage.handle(done)]
+        sent += len(words)
+    return [row(f"postguard per chunk (holdback {settings.holdback_tokens})", per_chunk[len(words):])]
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--chunks", type=int, default=3000)
+    args = parser.parse_args()
+    rows = await input_guard(args.requests, random.Random(7)) + await postguard(args.chunks)
+    print("| what | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

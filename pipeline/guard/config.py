@@ -1,0 +1,64 @@
+"""`[guard]` in sluice.toml: PII policy per tenant and entity, injection thresholds, the output
+holdback window, the blocklist and the toxicity backend. Read once by `pipeline.settings.load()` and
+validated there (`problems()`); no model is loaded to validate it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeline.guard.entities import DEFAULT_POLICY, ENTITIES, Action
+
+
+@dataclass(frozen=True)
+class TenantGuard:
+    """What one tenant changes; anything left out falls back to the [guard] defaults."""
+
+    pii: dict[str, Action] = field(default_factory=dict)  # entity -> action, over [guard.pii]
+    injection_threshold: float | None = None
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    pii: dict[str, Action] = field(default_factory=lambda: dict(DEFAULT_POLICY))  # entity -> action
+    pii_min_score: float = 0.4  # Presidio findings below this score are ignored
+    injection_threshold: float = 0.8  # classifier probability at or above which a prompt is refused
+    tenants: dict[str, TenantGuard] = field(default_factory=dict)
+    holdback_tokens: int = 16  # postguard holds this many chunks back while it checks them
+    blocklist: tuple[str, ...] = ()  # regular expressions (case-insensitive) that end a stream
+    toxicity_backend: Literal["profanity_check", "detoxify"] = "profanity_check"
+    toxicity_threshold: float = 0.8  # per-sentence score at or above which a stream is ended
+    detoxify_checkpoint: str = ""  # a local Detoxify checkpoint (.ckpt); required for "detoxify"
+    detoxify_config_dir: str = ""  # its Hugging Face config and tokenizer, for loading with no network
+
+    def policy(self, tenant: str) -> dict[str, Action]:
+        override = self.tenants.get(tenant)
+        return {**DEFAULT_POLICY, **self.pii, **(override.pii if override else {})}
+
+    def injection_threshold_for(self, tenant: str) -> float:
+        override = self.tenants.get(tenant)
+        if override is not None and override.injection_threshold is not None:
+            return override.injection_threshold
+        return self.injection_threshold
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        policies = {"guard.pii": self.pii, **{f"guard.tenants.{t}.pii": v.pii for t, v in self.tenants.items()}}
+        for where, policy in policies.items():
+            found += [f"{where}: unknown entity {e!r} (known: {', '.join(ENTITIES)})" for e in policy if e not in ENTITIES]
+        thresholds = {"guard.injection_threshold": self.injection_threshold, "guard.pii_min_score": self.pii_min_score,
+                      "guard.toxicity_threshold": self.toxicity_threshold}
+        thresholds |= {f"guard.tenants.{t}.injection_threshold": v.injection_threshold for t, v in self.tenants.items()
+                       if v.injection_threshold is not None}
+        found += [f"{name} must be between 0 and 1, got {value}" for name, value in thresholds.items() if not 0.0 <= value <= 1.0]
+        if self.holdback_tokens < 1:
+            found.append(f"guard.holdback_tokens must be at least 1, got {self.holdback_tokens}")
+        for pattern in self.blocklist:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                found.append(f"guard.blocklist: {pattern!r} is not a regular expression ({exc})")
+        if self.toxicity_backend == "detoxify" and not self.detoxify_checkpoint:
+            found.append("guard.toxicity_backend = 'detoxify' needs guard.detoxify_checkpoint (a local file)")
+        return found

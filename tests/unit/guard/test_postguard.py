@@ -1,0 +1,139 @@
+"""postguard on in-memory streams: holdback, redaction in the stream, and the kill switch."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from pipeline.guard.config import GuardSettings
+from pipeline.stages.postguard import PostguardStage
+from tests.unit.fakes import run_handler
+from topics import registry
+from topics.control import Cancel, CancelReason
+from topics.errors import ErrorCode
+from topics.stream import Chunk, Done, Failed, Usage
+
+pytestmark = pytest.mark.asyncio
+REPLY = "llm.responses.sdk"
+
+
+def stage(make_output_guard, **settings: object) -> PostguardStage:  # type: ignore[no-untyped-def]
+    return PostguardStage(GuardSettings(**settings), make_output_guard(**settings))  # type: ignore[arg-type]
+
+
+def chunk(seq: int, text: str, rid: str = "r1") -> Chunk:
+    return Chunk(id=rid, reply_to=REPLY, seq=seq, text=text)
+
+
+def done(chunks: int, rid: str = "r1") -> Done:
+    return Done(id=rid, reply_to=REPLY, chunks=chunks, digest="x", finish_reason="stop", usage=Usage(5, chunks), timings={"decode": 1.0}, tenant="t1")
+
+
+async def feed(guard: PostguardStage, words: list[str], end: Done | Failed | None = None) -> list:  # type: ignore[type-arg]
+    outs = []
+    for i, word in enumerate(words):
+        outs += await run_handler(guard, chunk(i, word))
+    if end is not None:
+        outs += await run_handler(guard, end)
+    return outs
+
+
+def texts(outs: list) -> str:  # type: ignore[type-arg]
+    return "".join(o.value.text for o in outs if isinstance(o.value, Chunk))
+
+
+async def test_holds_back_the_newest_chunks_then_releases_all_with_the_terminal_event(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = stage(make_output_guard, holdback_tokens=3)
+    words = ["Paris ", "is ", "the ", "capital ", "of ", "France."]
+    outs = await feed(guard, words[:3])
+    assert outs == []
+    outs = await feed_more(guard, words, 3)
+    assert texts(outs) == "Paris is the "
+    outs += await run_handler(guard, done(len(words)))
+    assert texts(outs) == "".join(words)
+    chunks = [o.value for o in outs if isinstance(o.value, Chunk)]
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    terminal = outs[-1].value
+    assert isinstance(terminal, Done) and terminal.chunks == len(chunks)
+    assert terminal.digest == hashlib.sha256("".join(words).encode()).hexdigest()
+    assert "postguard" in terminal.timings and terminal.tenant == "t1"
+    assert all(o.topic == registry.CHECKED for o in outs)
+
+
+async def feed_more(guard: PostguardStage, words: list[str], start: int) -> list:  # type: ignore[type-arg]
+    outs = []
+    for i in range(start, len(words)):
+        outs += await run_handler(guard, chunk(i, words[i]))
+    return outs
+
+
+async def test_pii_is_redacted_in_the_stream_even_across_chunks(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = stage(make_output_guard, holdback_tokens=4)
+    words = ["Write ", "to ", "jane", ".doe@", "example", ".org ", "for ", "details ", "about ", "it", "."]
+    outs = await feed(guard, words, done(len(words)))
+    assert texts(outs) == "Write to <EMAIL_1> for details about it."
+
+
+async def test_a_blocklisted_phrase_fires_the_kill_switch(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = stage(make_output_guard, holdback_tokens=4, blocklist=(r"secret\s+plan",))
+    words = ["Sure. ", "Here ", "is ", "the ", "answer. ", "The ", "secret ", "plan ", "is ", "to ", "win."]
+    outs = await feed(guard, words)
+    assert texts(outs) == "Sure. Here is the answer. The "
+    cancels = [o for o in outs if o.topic == registry.CONTROL]
+    assert len(cancels) == 1 and cancels[0].value == Cancel(id="r1", reason=CancelReason.output_guard, at=cancels[0].value.at)
+    # decode stops and ends with its own content_filter event; postguard sends the one terminal event
+    decode_end = Failed(id="r1", reply_to=REPLY, code=ErrorCode.content_filter, message="generation stopped", retriable=False, chunks=9, usage=Usage(5, 9), tenant="t1")
+    [end] = await run_handler(guard, decode_end)
+    assert end.topic == registry.CHECKED and isinstance(end.value, Failed)
+    assert end.value.code is ErrorCode.content_filter and end.value.message.startswith("blocklist:")
+    assert end.value.chunks == sum(isinstance(o.value, Chunk) for o in outs)
+    assert end.value.usage == Usage(5, 9) and end.value.tenant == "t1"
+    assert await run_handler(guard, chunk(20, "late")) == []
+
+
+async def test_a_toxic_sentence_is_cut_at_its_start(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = stage(make_output_guard, holdback_tokens=6)
+    words = ["Happy ", "to ", "help. ", "You ", "are ", "a ", "fucking ", "idiot ", "and ", "I ", "hate ", "you."]
+    outs = await feed(guard, words)
+    assert texts(outs) == "Happy to help. "
+    assert any(o.topic == registry.CONTROL for o in outs)
+    [end] = await run_handler(guard, done(len(words)))
+    assert isinstance(end.value, Failed) and end.value.message.startswith("toxicity:")
+
+
+async def test_a_violation_in_the_last_chunk_turns_done_into_content_filter(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = stage(make_output_guard, holdback_tokens=16, blocklist=("forbidden",))
+    outs = await feed(guard, ["All ", "good ", "forbidden"], done(3))
+    assert texts(outs) == "All good "
+    assert isinstance(outs[-1].value, Failed) and outs[-1].value.code is ErrorCode.content_filter
+    assert outs[-1].value.chunks == 1
+
+
+async def test_a_private_key_header_in_the_output_is_blocked(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = stage(make_output_guard, holdback_tokens=4)
+    words = ["Here ", "you ", "go: ", "-----BEGIN ", "RSA ", "PRIVATE ", "KEY-----", "\nMIIE"]
+    outs = await feed(guard, words)
+    assert texts(outs) == "Here you go: "
+    assert any(o.topic == registry.CONTROL for o in outs)
+
+
+async def test_redelivered_chunks_are_dropped(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = stage(make_output_guard, holdback_tokens=1)
+    outs = await feed(guard, ["a ", "b ", "c "])
+    outs += await run_handler(guard, chunk(1, "b "))
+    outs += await run_handler(guard, done(3))
+    assert texts(outs) == "a b c "
+
+
+async def test_a_stream_met_midway_ends_with_a_retriable_error(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    [out] = await run_handler(stage(make_output_guard), chunk(5, "word"))
+    assert isinstance(out.value, Failed) and out.value.code is ErrorCode.internal and out.value.retriable
+
+
+async def test_an_upstream_error_flushes_the_checked_text_first(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = stage(make_output_guard, holdback_tokens=8)
+    upstream = Failed(id="r1", reply_to=REPLY, code=ErrorCode.cancelled, message="client gone", retriable=False, chunks=2)
+    outs = await feed(guard, ["one ", "two "], upstream)
+    assert texts(outs) == "one two "
+    assert isinstance(outs[-1].value, Failed) and outs[-1].value.code is ErrorCode.cancelled and outs[-1].value.chunks == 1
