@@ -2,7 +2,8 @@
 with the same prompts, in the same run; plus where the time goes (handler time per stage, and the
 Kafka hops between them).
 
-    .venv/bin/python -m bench.pipeline_overhead                    # echo backend at 50 requests/s
+    .venv/bin/python -m bench.pipeline_overhead --without-guards   # transport only, echo backend, 50 requests/s
+    .venv/bin/python -m bench.pipeline_overhead --rate 10          # every stage, guards included
     .venv/bin/python -m bench.pipeline_overhead --backend model --rate 2 --requests 40
 
 Starts its own Kafka and Redis (infra/services.sh, ports 49092/46379) unless --bootstrap is given, and
@@ -29,10 +30,12 @@ from pipeline.runner import Runner
 from pipeline.sdk import Client
 from pipeline.settings import Settings
 from pipeline.stages.generation import generation_request
+from topics import registry
 from workers import topology
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("ingest", "route", "prefill", "decode", "emit")
+ALL_STAGES = tuple(topology.STAGES)  # every stage of the default topology, guards included
+TRANSPORT_ONLY = ("ingest", "route", "prefill", "decode", "emit")  # --without-guards: the foundation topology
 PROMPTS = [
     "What is the capital of France?",
     "Give me three tips for writing clean Python.",
@@ -57,7 +60,11 @@ async def paced(n: int, rate: float, call: Callable[[int], Awaitable[float]]) ->
 async def measure(settings: Settings, backend: Backend, args: argparse.Namespace) -> None:
     await kafka.create_topics(settings)
     stop = asyncio.Event()
-    runners = [Runner(s, settings, instance="bench") for s in topology.build(list(STAGES), settings, {"local": backend})]
+    stages = topology.build(list(args.stages), settings, {"local": backend})
+    if args.without_guards:  # route and emit read what ingest and decode write, as before the guards existed
+        for stage in stages:
+            stage.input_topics = {"route": (registry.ADMITTED,), "emit": (registry.TOKENS,)}.get(stage.name, stage.input_topics)
+    runners = [Runner(s, settings, instance="bench") for s in stages]
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
     timings: list[dict[str, float]] = []
@@ -87,18 +94,19 @@ async def measure(settings: Settings, backend: Backend, args: argparse.Namespace
 
 def report(args: argparse.Namespace, direct_ms: list[float], pipeline_ms: list[float], timings: list[dict[str, float]]) -> None:
     d, p = summary(direct_ms), summary(pipeline_ms)
-    print(f"\nbackend={args.backend} rate={args.rate}/s requests={args.requests} max_tokens={args.max_tokens}\n")
+    print(f"\nstages={','.join(args.stages)}\nbackend={args.backend} rate={args.rate}/s requests={args.requests} max_tokens={args.max_tokens}\n")
     print("| measured | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")
     print(row("direct call to the backend", direct_ms))
     print(row("through every stage (SDK to terminal event)", pipeline_ms))
     print(f"| **overhead** (pipeline minus direct) | **{p['p50'] - d['p50']:.2f}** | **{p['p99'] - d['p99']:.2f}** | {p['mean'] - d['mean']:.2f} | |")
     print("\nWhere the time goes (from each terminal event's `timings`):\n")
     print("| part | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")
-    for stage in STAGES:
+    for stage in args.stages:
         print(row(f"{stage} handler", [t[stage] for t in timings if stage in t]))
-    hops = [t["total"] - sum(t.get(s, 0.0) for s in STAGES) for t in timings]
-    print(row("Kafka hops and queues (total minus handlers; 5 hops)", hops))
-    print(row("per hop (the above / 5)", [h / 5 for h in hops]))
+    hops = [t["total"] - sum(t.get(s, 0.0) for s in args.stages) for t in timings]
+    n = len(args.stages)  # hops between stages, plus the client's: one per stage
+    print(row(f"Kafka hops and queues (total minus handlers; {n} hops)", hops))
+    print(row(f"per hop (the above / {n})", [h / n for h in hops]))
 
 
 def main() -> None:
@@ -108,9 +116,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--bootstrap", help="use a running Kafka instead of starting one")
+    parser.add_argument("--redis", help="with --bootstrap: the running Redis's URL")
+    parser.add_argument("--without-guards", action="store_true", help="the foundation topology: no guard, no postguard")
     args = parser.parse_args()
+    args.stages = TRANSPORT_ONLY if args.without_guards else ALL_STAGES
     state = ROOT / ".state" / "bench"
-    env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:49092"}
+    env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:49092", "SLUICE_REDIS_URL": args.redis or "redis://127.0.0.1:46379/0"}
     settings = settings_module.load(env=env)
     settings = replace(settings, runtime=replace(settings.runtime, max_in_flight=256))
     if not args.bootstrap:

@@ -14,6 +14,7 @@ import asyncio
 import sys
 
 from pipeline import settings as settings_module
+from workers.topology import STAGES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run every stage and the bridge in this process")
     worker = sub.add_parser("worker", help="run the named stages in this process")
-    worker.add_argument("stages", nargs="+", choices=["ingest", "route", "prefill", "decode", "emit"])
+    worker.add_argument("stages", nargs="+", choices=list(STAGES))
     topics = sub.add_parser("topics", help="manage topics")
     topics.add_argument("action", choices=["create", "list"])
     ask = sub.add_parser("ask", help="stream an answer through the pipeline")
