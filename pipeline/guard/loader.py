@@ -3,6 +3,8 @@ batched across requests) and the output guard (pattern PII, blocklist, toxicity)
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from dataclasses import dataclass
 
 from pipeline.guard.config import GuardSettings
@@ -31,11 +33,15 @@ class InputGuard:
     def __init__(self, settings: GuardSettings) -> None:
         self.pii = PiiAnalyzer(min_score=settings.pii_min_score)
         self.injection = InjectionClassifier(MiniLmEmbedder(threads=1))
+        # spaCy and onnxruntime release the GIL: PII runs on this thread while injection runs on the
+        # caller's, so a request waits for the slower check, not for both.
+        self._pii_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-pii")
 
     def check(self, requests: list[list[TextCheck]]) -> list[list[TextVerdict]]:
         flat = [c for checks in requests for c in checks]
-        findings = self.pii.analyze([c.text for c in flat])
+        pii = self._pii_thread.submit(self.pii.analyze, [c.text for c in flat])
         scored = iter(self.injection.score([c.text for c in flat if c.injection]))
+        findings = pii.result()
         verdicts = [TextVerdict(f, next(scored) if c.injection else None) for c, f in zip(flat, findings, strict=True)]
         out, at = [], 0
         for checks in requests:

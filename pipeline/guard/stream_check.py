@@ -31,6 +31,7 @@ class StreamState:
     lengths: deque[int] = field(default_factory=deque)  # characters of each held chunk, oldest first
     context: str = ""  # released text of the sentence still open
     placeholders: Placeholders = field(default_factory=Placeholders)
+    toxicity: dict[str, float] = field(default_factory=dict)  # scores of the window's sentences, by text
 
 
 @dataclass(frozen=True)
@@ -63,20 +64,16 @@ class OutputGuard:
 
     def _step(self, state: StreamState, *, final: bool) -> Step:
         findings = self._scanner.scan(state.pending)
-        cut = self._first_violation(state, findings)
-        if cut is not None:
-            upto = cut.at
-        elif final:
-            upto = len(state.pending)
-        else:
-            upto = sum(list(state.lengths)[: max(len(state.lengths) - self._holdback, 0)])
+        release = len(state.pending) if final else sum(list(state.lengths)[: max(len(state.lengths) - self._holdback, 0)])
+        cut = self._first_violation(state, findings, release)
+        upto = cut.at if cut is not None else release
         for f in findings:  # never release part of a finding: hold it back whole
             if f.start < upto < f.end:
                 upto = f.start
         released = self._release(state, upto, [f for f in findings if f.end <= upto])
         return Step(released, cut.reason if cut is not None else None)
 
-    def _first_violation(self, state: StreamState, findings: list[Finding]) -> _Cut | None:
+    def _first_violation(self, state: StreamState, findings: list[Finding], release: int) -> _Cut | None:
         cuts: list[_Cut] = []
         offset = len(state.context)
         window = state.context + state.pending
@@ -84,7 +81,11 @@ class OutputGuard:
             if match := pattern.search(window):
                 cuts.append(_Cut(max(match.start() - offset, 0), Reason.blocklist))
         starts, sentences = self._sentences(window)
-        for start, score in zip(starts, self._toxicity.scores(sentences)):
+        if sentences and not _SENTENCE_END.search(window[starts[-1]:]) and starts[-1] - offset >= release:
+            # The sentence still being written is scored once it ends, or once its text is about to be
+            # released: until then it is held back anyway, and scoring every chunk of it costs ~2 ms each.
+            starts, sentences = starts[:-1], sentences[:-1]
+        for start, score in zip(starts, self._toxicity_scores(state, sentences)):
             if score >= self._threshold:
                 cuts.append(_Cut(max(start - offset, 0), Reason.toxicity))
                 break
@@ -93,6 +94,16 @@ class OutputGuard:
                 cuts.append(_Cut(f.start, Reason.output_pii))
                 break
         return min(cuts, key=lambda c: c.at) if cuts else None
+
+    def _toxicity_scores(self, state: StreamState, sentences: list[str]) -> list[float]:
+        """Scores each sentence once: a finished sentence does not change while the window moves on,
+        so per chunk only the sentence still being written is scored again."""
+        new = [s for s in dict.fromkeys(sentences) if s not in state.toxicity]
+        known = {s: state.toxicity[s] for s in sentences if s in state.toxicity}
+        if new:
+            known.update(zip(new, self._toxicity.scores(new)))
+        state.toxicity = known
+        return [known[s] for s in sentences]
 
     @staticmethod
     def _sentences(text: str) -> tuple[list[int], list[str]]:
