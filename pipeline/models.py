@@ -75,6 +75,12 @@ def convert_default_model(cache_dir: Path) -> Path:
     tokenizer.save_pretrained(staging)
     _verify(model, tokenizer, staging)
     (staging / MARKER).write_text(f"converted from {gguf.name}\n")
+    return publish_checkpoint(staging, target)
+
+
+def publish_checkpoint(staging: Path, target: Path) -> Path:
+    """Moves a verified checkpoint (its marker written) from `staging` to `target` in one rename, so a
+    reader never sees half a checkpoint; a concurrent conversion that finished first wins."""
     if target.exists() and not (target / MARKER).exists():
         shutil.rmtree(target)  # an incomplete earlier attempt
     try:

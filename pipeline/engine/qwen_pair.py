@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.models import ModelConversionError, ModelNotInstalled
+from pipeline.models import ModelConversionError, ModelNotInstalled, publish_checkpoint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -101,15 +101,7 @@ def convert_pair_model(cache_dir: Path, name: str, dtype: torch.dtype = torch.fl
     if got != expected:
         raise ModelConversionError(f"{name}: converted model generates {got}, the GGUF model {expected}")
     (staging / MARKER).write_text(f"converted from {len(parts)} parts of {model_spec.pip_name}, {dtype}\n")
-    if target.exists() and not (target / MARKER).exists():
-        shutil.rmtree(target)  # an incomplete earlier attempt
-    try:
-        staging.rename(target)
-    except OSError:
-        if not (target / MARKER).exists():
-            raise
-        shutil.rmtree(staging)  # another process finished the same conversion first
-    return target
+    return publish_checkpoint(staging, target)
 
 
 def load_pair_model(path: Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
