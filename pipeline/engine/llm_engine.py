@@ -69,17 +69,8 @@ class LLMEngine:
 
     def export_kv(self, seq: Sequence) -> KVState:
         """The state of a parked (or otherwise idle) sequence; it stays where it is."""
-        request = EngineRequest(
-            prompt_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]),
-            completion_ids=tuple(seq.completion_ids),
-            max_tokens=seq.max_tokens,
-            sampling=seq.sampling,
-            stop_token_ids=seq.stop_token_ids,
-            priority=seq.priority,
-            salt=seq.salt,
-        )
         k, v = self.runner.read_kv(seq.block_table, seq.num_computed_tokens)
-        return KVState(request=request, model=self.model_fingerprint, k=k, v=v)
+        return KVState(request=seq.to_request(), model=self.model_fingerprint, k=k, v=v)
 
     def import_kv(self, state: KVState) -> Sequence:
         """A parked sequence holding `state`'s KV in fresh blocks; resume it with `scheduler.unpark`."""

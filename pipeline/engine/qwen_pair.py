@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.models import ModelConversionError, ModelNotInstalled, publish_checkpoint
+from pipeline.models import ModelConversionError, ModelNotInstalled, greedy_tokens, publish_checkpoint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -88,7 +88,7 @@ def convert_pair_model(cache_dir: Path, name: str, dtype: torch.dtype = torch.fl
     tokenizer.eos_token = END_OF_TURN  # the end of an assistant turn, as in the model's generation config
     model = AutoModelForCausalLM.from_pretrained(staging, gguf_file=gguf.name, dtype=dtype).eval()
     ids = list(tokenizer.apply_chat_template(_CHECK_PROMPT, add_generation_prompt=True))
-    expected = _greedy(model, ids)
+    expected = greedy_tokens(model, ids, _CHECK_TOKENS)
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     del model
@@ -97,7 +97,7 @@ def convert_pair_model(cache_dir: Path, name: str, dtype: torch.dtype = torch.fl
     converted, converted_tokenizer = load_pair_model(staging, dtype)
     if list(converted_tokenizer.apply_chat_template(_CHECK_PROMPT, add_generation_prompt=True)) != ids:
         raise ModelConversionError(f"{name}: the saved tokenizer encodes the chat prompt differently")
-    got = _greedy(converted, ids)
+    got = greedy_tokens(converted, ids, _CHECK_TOKENS)
     if got != expected:
         raise ModelConversionError(f"{name}: converted model generates {got}, the GGUF model {expected}")
     (staging / MARKER).write_text(f"converted from {len(parts)} parts of {model_spec.pip_name}, {dtype}\n")
@@ -110,19 +110,6 @@ def load_pair_model(path: Path, dtype: torch.dtype = torch.float32) -> tuple[Pre
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
-def _greedy(model: PreTrainedModel, ids: list[int]) -> list[int]:
-    input_ids = torch.tensor([ids])
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=_CHECK_TOKENS,
-            do_sample=False,
-            pad_token_id=model.generation_config.eos_token_id,
-        )
-    return [int(t) for t in out[0, len(ids) :]]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -53,6 +53,18 @@ class Sequence:
             arrival=arrival,
         )
 
+    def to_request(self) -> EngineRequest:
+        """The request that recreates this sequence elsewhere, tokens generated so far included."""
+        return EngineRequest(
+            prompt_ids=tuple(self.token_ids[: self.num_prompt_tokens]),
+            completion_ids=tuple(self.completion_ids),
+            max_tokens=self.max_tokens,
+            sampling=self.sampling,
+            stop_token_ids=self.stop_token_ids,
+            priority=self.priority,
+            salt=self.salt,
+        )
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

@@ -30,7 +30,7 @@ class Meter(Protocol):
 
 class EmitStage:
     name = "emit"
-    input_topics = (registry.TOKENS,)
+    input_topics = (registry.CHECKED,)  # what postguard released
     input_type = StreamEvent
     ordered = True  # chunks of one request must leave in the order they arrived
     terminal_topic = None  # the runner's own error events go straight to the reply topic

@@ -20,7 +20,7 @@ from topics.errors import ErrorCode
 
 class RouteStage:
     name = "route"
-    input_topics = (registry.ADMITTED,)
+    input_topics = (registry.GUARDED,)  # what guard passed
     input_type = Envelope
     ordered = False
 
