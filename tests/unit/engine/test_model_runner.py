@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from pipeline.engine import model_runner
 from pipeline.engine.params import EngineRequest
 from tests.unit.engine.conftest import Loaded, chat_ids, make_engine
 
@@ -26,7 +28,11 @@ def reference(loaded: Loaded, ids: tuple[int, ...], n: int) -> list[int]:
     return [int(t) for t in out[0, len(ids) :]]
 
 
-def test_batched_greedy_equals_transformers_generate(loaded: Loaded) -> None:
+@pytest.mark.parametrize("group", [8, 2], ids=["one-decode-group", "decodes-in-length-groups"])
+def test_batched_greedy_equals_transformers_generate(loaded: Loaded, group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # with groups of 2 the three decodes are sorted by length and split ("Hi" and the poem, then the
+    # long one), so rows are attended out of order and written back in place
+    monkeypatch.setattr(model_runner, "DECODE_GROUP", group)
     prompts = [chat_ids(loaded, p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) == len(prompts)
     # a small token budget: the long prompt is prefilled in chunks while the others already decode
