@@ -24,8 +24,9 @@ infra/kafka/lib/.resolved: infra/kafka/pom.xml
 	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
 	touch $@
 
-.cache/models/.converted: .venv/.installed pipeline/models.py
+.cache/models/.converted: .venv/.installed pipeline/models.py pipeline/guard/minilm_onnx.py
 	$(PY) -m pipeline.models .cache/models
+	$(PY) -m pipeline.guard.minilm_onnx .cache/models
 	touch $@
 
 run: setup

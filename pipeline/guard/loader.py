@@ -4,11 +4,11 @@ batched across requests) and the output guard (pattern PII, blocklist, toxicity)
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.guard.config import GuardSettings
-from pipeline.guard.embedder import MiniLmEmbedder
+from pipeline.guard.embedder import load_embedder
 from pipeline.guard.injection import InjectionClassifier, InjectionVerdict
 from pipeline.guard.pii import Finding, PatternScanner, PiiAnalyzer
 from pipeline.guard.stream_check import OutputGuard
@@ -30,9 +30,9 @@ class TextVerdict:
 class InputGuard:
     """PII and prompt injection over every text of a batch of requests, in one NLP and one embedding pass."""
 
-    def __init__(self, settings: GuardSettings) -> None:
+    def __init__(self, settings: GuardSettings, model_cache: Path) -> None:
         self.pii = PiiAnalyzer(min_score=settings.pii_min_score)
-        self.injection = InjectionClassifier(MiniLmEmbedder(threads=1))
+        self.injection = InjectionClassifier(load_embedder(model_cache, threads=1))
         # spaCy and onnxruntime release the GIL: PII runs on this thread while injection runs on the
         # caller's, so a request waits for the slower check, not for both.
         self._pii_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-pii")

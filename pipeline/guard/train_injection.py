@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.guard.embedder import MiniLmEmbedder, package_dir
+from pipeline.guard.embedder import load_embedder, package_dir
 from pipeline.guard.injection import WEIGHTS, classifier_applies, matches_pattern
+from pipeline.settings import Settings
 
 THRESHOLDS = (0.5, 0.7, 0.8)
 
@@ -85,17 +86,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=WEIGHTS.parent)
     parser.add_argument("--evaluate", action="store_true", help="only measure the committed weights on the test splits")
     args = parser.parse_args()
-    embedder = MiniLmEmbedder(threads=2)
+    embedder = load_embedder(Settings().model_cache, threads=2)
     corpora = ("s-labs", "neuralchemy")
 
     def embed(split: Split) -> np.ndarray:
-        # Batches of similar length: a batch is padded to its longest text.
-        order = sorted(range(len(split.texts)), key=lambda i: len(split.texts[i]))
-        out = np.zeros((len(order), 384), dtype=np.float32)
-        for at in range(0, len(order), 32):
-            rows = order[at : at + 32]
-            out[rows] = embedder.embed([split.texts[i] for i in rows])
-        print(f"  embedded {len(order)} rows", flush=True)
+        out = embedder.embed(split.texts)  # one text at a time, as the guard embeds them
+        print(f"  embedded {len(out)} rows", flush=True)
         return out
 
     test = {c: load_split(c, "test") for c in corpora}

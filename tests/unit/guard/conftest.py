@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.guard.config import GuardSettings
 from pipeline.guard.loader import InputGuard, output_guard
+from pipeline.settings import Settings
 from pipeline.guard.stream_check import OutputGuard
 
 
@@ -56,7 +57,7 @@ def no_network() -> Iterator[NoNetwork]:
 
 @pytest.fixture(scope="session")
 def input_guard(no_network: NoNetwork) -> InputGuard:
-    return InputGuard(GuardSettings())
+    return InputGuard(GuardSettings(), Settings().model_cache)
 
 
 @pytest.fixture(scope="session")
