@@ -28,7 +28,8 @@ class TextVerdict:
 
 
 class InputGuard:
-    """PII and prompt injection over every text of a batch of requests, in one NLP and one embedding pass."""
+    """PII and prompt injection over every text of a batch of requests: one spaCy pass for the batch,
+    one embedding per text (see embedder.py for why not batched)."""
 
     def __init__(self, settings: GuardSettings, model_cache: Path) -> None:
         self.pii = PiiAnalyzer(min_score=settings.pii_min_score)
