@@ -22,7 +22,7 @@ import time
 import torch
 
 from bench.engine_common import add_model_args, load_model, make_engine, peak_rss_mib, sharegpt_workload, sync
-from pipeline.engine.config import EngineConfig
+from pipeline.engine.config import EngineConfig, ModelConfig
 from pipeline.engine.params import EngineRequest
 
 EOS = 2
@@ -80,7 +80,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model, tokenizer = load_model(args)
     workload = sharegpt_workload(tokenizer, args.requests, args.max_prompt, args.max_output)
-    per_token = make_engine(model, EngineConfig(num_blocks=1, device=args.device, dtype=args.dtype)).runner.kv_bytes_per_token
+    per_token = ModelConfig.from_dict(model.config.to_dict()).kv_bytes_per_token(getattr(torch, args.dtype).itemsize)
     kv_bytes = args.batch * (args.max_prompt + args.max_output) * per_token  # a static batch's worst case
 
     def engine_for(max_num_seqs: int):  # type: ignore[no-untyped-def]

@@ -56,18 +56,13 @@ def make_engine(model: torch.nn.Module, config: EngineConfig) -> LLMEngine:
     return LLMEngine(ModelRunner.from_transformers(model, config))
 
 
-def sharegpt_conversations(limit: int) -> list[tuple[str, str]]:
-    """(first human turn, first gpt answer) pairs from the truncated ShareGPT JSON, in file order."""
-    return first_turns(limit)
-
-
 def sharegpt_workload(tokenizer, n: int, max_prompt: int, max_output: int, seed: int = 0) -> Workload:  # type: ignore[no-untyped-def]
     """n chat prompts of at most `max_prompt` tokens; each max_tokens is its ShareGPT answer's length,
     clipped to [4, max_output]. Without a tokenizer (random weights) the same lengths with random ids."""
     rng = random.Random(seed)
     prompts: list[tuple[int, ...]] = []
     lengths: list[int] = []
-    for human, gpt in sharegpt_conversations(n * 20):
+    for human, gpt in first_turns(n * 20):
         if tokenizer is not None:
             ids = tuple(int(t) for t in tokenizer.apply_chat_template([{"role": "user", "content": human}], add_generation_prompt=True))
             answer = len(tokenizer(gpt, add_special_tokens=False)["input_ids"])

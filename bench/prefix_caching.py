@@ -14,17 +14,18 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.engine_common import add_model_args, load_model, make_engine, peak_rss_mib, sharegpt_conversations, sync
+from bench.engine_common import add_model_args, load_model, make_engine, peak_rss_mib, sync
 from bench.stats import row
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.params import EngineRequest
 from pipeline.engine.sequence import SequenceStatus
+from pipeline.sharegpt import first_turns
 
 
 def system_prompt(tokenizer, target_tokens: int) -> str:  # type: ignore[no-untyped-def]
     """Policy-like text built from ShareGPT answers until it reaches about `target_tokens` tokens."""
     text = "You are a support assistant. Follow these notes when you answer:\n"
-    for _, answer in sharegpt_conversations(200):
+    for _, answer in first_turns(200):
         if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= target_tokens:
             break
         text += answer[:400] + "\n"
@@ -56,7 +57,7 @@ def main() -> None:
         prompts = [tuple(system_ids + [rng.randrange(1000, 40000) for _ in range(24)]) for _ in range(args.requests * 2 + 1)]
     else:
         system = system_prompt(tokenizer, args.system_tokens)
-        questions = [q[:200] for q, _ in sharegpt_conversations(args.requests * 2 + 1)]
+        questions = [q[:200] for q, _ in first_turns(args.requests * 2 + 1)]
 
         def render(q: str) -> tuple[int, ...]:
             messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]

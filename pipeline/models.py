@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.checkpoints import MARKER, publish_checkpoint
+from pipeline.checkpoints import MARKER, is_converted, publish_checkpoint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -65,7 +65,7 @@ def find_default_gguf() -> Path:
 def convert_default_model(cache_dir: Path) -> Path:
     """Convert the packaged GGUF into `cache_dir/smollm2-135m-instruct/` once and return that directory."""
     target = cache_dir / MODEL_DIRNAME
-    if (target / MARKER).exists():
+    if is_converted(target):
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.checkpoints import MARKER, publish_checkpoint
+from pipeline.checkpoints import MARKER, is_converted, publish_checkpoint
 from pipeline.models import ModelConversionError, ModelNotInstalled, greedy_tokens
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def convert_pair_model(cache_dir: Path, name: str, dtype: torch.dtype = torch.fl
     """Convert the model `name` (a key of PAIR) into `cache_dir/<name>/` once and return that directory."""
     model_spec = PAIR[name]
     target = cache_dir / name
-    if (target / MARKER).exists():
+    if is_converted(target):
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

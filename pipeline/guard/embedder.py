@@ -17,7 +17,6 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from pipeline.checkpoints import is_converted
 from pipeline.guard.errors import GuardModelMissing
 
 DIMS = 384
@@ -35,14 +34,9 @@ def package_dir(name: str) -> Path:
 def load_embedder(model_cache: Path, threads: int = 1) -> MiniLmEmbedder:
     """The embedder from the model cache, converting it first if this machine has not yet (seconds,
     offline; `make setup` does it ahead)."""
-    from pipeline.guard.minilm_onnx import DIRNAME
+    from pipeline.guard.minilm_onnx import convert_minilm  # here: minilm_onnx imports this module
 
-    path = model_cache / DIRNAME
-    if not is_converted(path):
-        from pipeline.guard.minilm_onnx import convert_minilm
-
-        path = convert_minilm(model_cache)
-    return MiniLmEmbedder(path, threads)
+    return MiniLmEmbedder(convert_minilm(model_cache), threads)
 
 
 class MiniLmEmbedder:

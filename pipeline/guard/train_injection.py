@@ -122,14 +122,13 @@ def main() -> None:
     parser.add_argument("--no-chat-training", action="store_true", help="train on the two corpora alone (for comparison; use another --out)")
     args = parser.parse_args()
     embedder = load_embedder(Settings().model_cache, threads=2)
-    corpora = CORPORA
 
     def embed(split: Split) -> np.ndarray:
         out = embedder.embed(split.texts)  # one text at a time, as the guard embeds them
         print(f"  embedded {len(out)} rows", flush=True)
         return out
 
-    test = {c: load_split(c, "test") for c in corpora}
+    test = {c: load_split(c, "test") for c in CORPORA}
     if args.evaluate:
         with np.load(args.out / "injection_lr.npz") as data:
             coef, intercept = data["coef"], float(data["intercept"])
@@ -139,7 +138,7 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         return
     started = time.perf_counter()
-    trained_on = corpora[:2] if args.no_chat_training else corpora
+    trained_on = CORPORA[:2] if args.no_chat_training else CORPORA
     train = {c: load_split(c, "train") for c in trained_on}
     valid = {c: load_split(c, "validation") for c in trained_on}
     x_train = np.concatenate([embed(train[c]) for c in trained_on])
