@@ -22,20 +22,18 @@ from pathlib import Path
 
 from bench.echo_backend import EchoBackend
 from bench.stats import row, summary
+from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
-from pipeline import kafka
 from pipeline import settings as settings_module
 from pipeline.backends.base import Backend
 from pipeline.runner import Runner
 from pipeline.sdk import Client
 from pipeline.settings import Settings
 from pipeline.stages.generation import generation_request
-from topics import registry
-from workers import topology
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL_STAGES = tuple(topology.STAGES)  # every stage of the default topology, guards included
-TRANSPORT_ONLY = ("ingest", "route", "prefill", "decode", "emit")  # --without-guards: the foundation topology
+ALL_STAGES = "guarded"  # every stage, guards included
+TRANSPORT_ONLY = "bare"  # --without-guards: the foundation topology
 PROMPTS = [
     "What is the capital of France?",
     "Give me three tips for writing clean Python.",
@@ -60,10 +58,10 @@ async def paced(n: int, rate: float, call: Callable[[int], Awaitable[float]]) ->
 async def measure(settings: Settings, backend: Backend, args: argparse.Namespace) -> None:
     await kafka.create_topics(settings)
     stop = asyncio.Event()
-    stages = topology.build(list(args.stages), settings, {"local": backend})
-    if args.without_guards:  # route and emit read what ingest and decode write, as before the guards existed
-        for stage in stages:
-            stage.input_topics = {"route": (registry.ADMITTED,), "emit": (registry.TOKENS,)}.get(stage.name, stage.input_topics)
+    settings = replace(settings, profile=args.profile)  # the graph wires the topics: no stage is patched
+    nodes = assemble.nodes_of(settings)
+    args.stages = [n.name for n in nodes]
+    stages = assemble.build(nodes, settings, {"local": backend})
     runners = [Runner(s, settings, instance="bench") for s in stages]
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
@@ -73,7 +71,7 @@ async def measure(settings: Settings, backend: Backend, args: argparse.Namespace
         async def direct(i: int) -> float:
             request = client.request(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], max_tokens=args.max_tokens)
             t = time.perf_counter()
-            async for _ in backend.generate(generation_request(request)):
+            async for _ in backend.generate(generation_request(request, request.id)):
                 pass
             return (time.perf_counter() - t) * 1000
 
@@ -119,7 +117,7 @@ def main() -> None:
     parser.add_argument("--redis", help="with --bootstrap: the running Redis's URL")
     parser.add_argument("--without-guards", action="store_true", help="the foundation topology: no guard, no postguard")
     args = parser.parse_args()
-    args.stages = TRANSPORT_ONLY if args.without_guards else ALL_STAGES
+    args.profile = TRANSPORT_ONLY if args.without_guards else ALL_STAGES
     state = ROOT / ".state" / "bench"
     env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:49092", "SLUICE_REDIS_URL": args.redis or "redis://127.0.0.1:46379/0"}
     settings = settings_module.load(env=env)

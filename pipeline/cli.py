@@ -1,7 +1,8 @@
 """The `sluice` command.
 
-    sluice run                 every stage and the bridge in this process (the embedded default)
-    sluice worker STAGE...     some stages in this process (one process per stage scales out)
+    sluice run                 every stage and the bridge in one supervised process (the embedded default)
+    sluice worker STAGE...     some stages in this process (one process per stage scales out); a kind
+                               (`decode`: every pool's) or a name (`decode.local`)
     sluice topics create       create the declared topics (idempotent)
     sluice ask "prompt"        stream an answer through the whole pipeline
     sluice keys create|rotate|revoke|list   API keys (pipeline/gateway/keys_cli.py)
@@ -14,15 +15,16 @@ import asyncio
 import sys
 
 from pipeline import settings as settings_module
-from workers.topology import STAGES
+from pipeline.topology import KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sluice", description="an LLM request pipeline on Kafka")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="run every stage and the bridge in this process")
+    run = sub.add_parser("run", help="run every stage and the bridge, restarted if it fails")
+    run.add_argument("--in-process", action="store_true", help="in this process, unsupervised")
     worker = sub.add_parser("worker", help="run the named stages in this process")
-    worker.add_argument("stages", nargs="+", choices=list(STAGES))
+    worker.add_argument("stages", nargs="+", metavar="STAGE", help=f"a kind ({', '.join(KINDS)}) or a name (decode.local)")
     topics = sub.add_parser("topics", help="manage topics")
     topics.add_argument("action", choices=["create", "list"])
     ask = sub.add_parser("ask", help="stream an answer through the pipeline")
@@ -38,13 +40,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = settings_module.load()
 
-    if args.command == "run":
+    if args.command == "run" and args.in_process:
         from pipeline.embedded import run_embedded
 
         run_embedded(settings)
         return 0
+    if args.command == "run":
+        from pipeline.serve import configure_logging
+        from pipeline.supervisor import Child, Supervisor
+
+        configure_logging()
+        return Supervisor([Child("sluice", [sys.executable, "-m", "pipeline.cli", "run", "--in-process"])]).run()
     if args.command == "worker":
-        from workers.main import run_worker
+        from pipeline.process import run_worker
 
         run_worker(*args.stages)
         return 0

@@ -1,4 +1,5 @@
-"""`sluice run`: every stage and the bridge in one process, on the local Kafka and Redis."""
+"""`sluice run --in-process`: every stage of the profile and the bridge in one process, on the local
+Kafka and Redis (`sluice run` supervises it: pipeline/supervisor.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import logging
 
 from pipeline import kafka, serve, tracing
 from pipeline.settings import Settings
-from workers import topology
-from workers.main import run_stages
+from pipeline.process import run_stages
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ async def _main(settings: Settings, stop: asyncio.Event) -> None:
     client = Client(settings, reply_name=settings.bridge.reply_name, client_id="sluice-bridge")
     await client.start()
     try:
-        stages = asyncio.create_task(run_stages(list(topology.STAGES), settings, stop))
+        stages = asyncio.create_task(run_stages(None, settings, stop))
         bridge = asyncio.create_task(serve_bridge(settings, client, stop))
         log.info("bridge on http://%s:%d", settings.bridge.host, settings.bridge.port)
         done, _ = await asyncio.wait({stages, bridge}, return_when=asyncio.FIRST_COMPLETED)

@@ -4,6 +4,8 @@
     ├── StageError          a handler refuses or fails a request: ends it with a terminal error event
     │   └── RetriableError  worth another attempt (a dependency was briefly away) before giving up
     ├── Undeliverable       a message with no safe reply address: dead-lettered, no terminal event
+    ├── InfraUnavailable    the broker or a store (Redis) is away: retried with backoff until the
+    │                       request's deadline, never dead-lettered as a bug
     └── settings.SettingsError (in pipeline.settings) bad configuration, at start-up only
 """
 
@@ -43,3 +45,8 @@ class RetriableError(StageError):
 
 class Undeliverable(SluiceError):
     """The message names no reply topic the operator configured, so there is nowhere to answer it."""
+
+
+class InfraUnavailable(SluiceError):
+    """A dependency (the broker, Redis) did not answer. Not the message's fault: the runner retries the
+    message with backoff until the request's deadline instead of dead-lettering it."""

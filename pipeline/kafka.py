@@ -55,8 +55,10 @@ def group_consumer(settings: Settings, group: str, topics: tuple[str, ...], clie
         isolation_level="read_committed",
         fetch_max_wait_ms=20,
         max_poll_interval_ms=600000,
-        session_timeout_ms=30000,
-        heartbeat_interval_ms=3000,
+        session_timeout_ms=settings.kafka.session_timeout_ms,
+        heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms,
+        # A join waits this long for members to rejoin: a stuck member must not hold the group for minutes.
+        rebalance_timeout_ms=max(10000, settings.kafka.session_timeout_ms * 3),
         **security(settings),
     )
 
@@ -95,7 +97,7 @@ async def broadcast_consumer(
 
 def topic_specs(settings: Settings) -> list[TopicSpec]:
     return all_topics(
-        pools=tuple(dict.fromkeys(b.pool for b in settings.backends)),
+        pools=settings.pools,
         replies=settings.replies,
         partitions=settings.kafka.partitions,
     )

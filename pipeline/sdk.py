@@ -9,8 +9,11 @@
         answer = await client.complete(prompt="Say hello")
 
 One `Client` produces to `llm.requests` and reads its reply topic from the moment it starts; events are
-fanned out to the waiting request by id. Redelivered chunks are dropped by sequence number, so each
-caller sees 0..n-1 once, then exactly one terminal event.
+fanned out to the waiting request by the client's id (the pipeline namespaces it as `<tenant>/<id>`;
+the first namespaced id seen for a request is the only one accepted after it). Redelivered chunks are
+dropped by sequence number and early ones held until the gap fills, so each caller sees 0..n-1 once
+and in order, then exactly one terminal event; a terminal event that arrives with a gap open ends the
+stream with `stream_incomplete` rather than a text with a hole.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from pipeline import kafka
+from pipeline.sequencing import Sequencer
 from pipeline.settings import Settings
 from topics import codec, registry
 from topics.control import Cancel, CancelReason
-from topics.errors import ErrorCode
+from topics.errors import ErrorCode, retriable
+from topics.hops import client_id_of
 from topics.requests import ChatMessage, Request
 from topics.stream import Chunk, Done, Failed, StreamEvent, Terminal
 
@@ -59,6 +64,7 @@ class Stream:
         self._client = client
         self.request = request
         self.done: Done | None = None
+        self.pipeline_id: str | None = None  # `<tenant>/<id>`, once the pipeline has answered
         self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._chunks = self._iterate()
 
@@ -81,10 +87,15 @@ class Stream:
         return self.request.id
 
     def _deliver(self, event: StreamEvent) -> None:
+        if "/" in event.id:  # namespaced by ingest: the first one seen is this request's
+            if self.pipeline_id is None:
+                self.pipeline_id = event.id
+            elif event.id != self.pipeline_id:
+                return
         self._queue.put_nowait(event)
 
     async def _iterate(self) -> AsyncGenerator[Chunk, None]:
-        next_seq = 0
+        order = Sequencer()
         deadline = time.monotonic() + self.request.deadline_s + GRACE_S
         finished = False
         try:
@@ -95,12 +106,12 @@ class Stream:
                     raise TimeoutError(f"no terminal event for request {self.id}")
                 event = await asyncio.wait_for(self._queue.get(), timeout)
                 if isinstance(event, Chunk):
-                    if event.seq < next_seq:
-                        continue
-                    next_seq = event.seq + 1
-                    yield event
+                    for chunk in order.accept(event):
+                        yield chunk
                     continue
                 finished = True
+                if order.gap() or (isinstance(event, Done) and event.chunks > order.next_seq):
+                    raise RequestFailed(_incomplete(event, order.next_seq))
                 if isinstance(event, Failed):
                     raise RequestFailed(event)
                 self.done = event
@@ -108,7 +119,16 @@ class Stream:
         finally:
             self._client._forget(self.id)
             if not finished:  # the caller stopped early: let decode stop too
-                await self._client.cancel(self.id)
+                await self._client.cancel(self.pipeline_id or self.id)
+
+
+def _incomplete(event: Done | Failed, received: int) -> Failed:
+    code = ErrorCode.stream_incomplete
+    return Failed(
+        id=event.id, reply_to=event.reply_to, code=code, message=f"only chunks 0..{received - 1} of this answer arrived",
+        retriable=retriable(code), tenant=event.tenant, model=event.model, created_at=event.created_at,
+        chunks=received, usage=event.usage, timings=event.timings,
+    )
 
 
 class Client:
@@ -210,7 +230,7 @@ class Client:
                     except codec.SchemaError as exc:  # emit wrote it, so this is a version skew: say so
                         log.error("unreadable event on %s: %s", self.reply_topic, exc)
                         continue
-                    stream = self._streams.get(event.id)
+                    stream = self._streams.get(client_id_of(event.id))
                     if stream is not None:
                         stream._deliver(event)
 

@@ -8,6 +8,7 @@ import signal
 from collections.abc import Awaitable, Callable
 
 from pipeline.gateway.redact import RedactKeys
+from pipeline.logs import RateLimit
 from pipeline.runner import Runner
 from pipeline.settings import Settings
 from pipeline.stage import Stage
@@ -17,8 +18,10 @@ log = logging.getLogger(__name__)
 
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)  # its DEBUG records carry message payloads
+    for name in ("aiokafka", "kafka"):  # their DEBUG records carry message payloads
+        logging.getLogger(name).setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
+        handler.addFilter(RateLimit())  # first: a dropped line is not formatted for redaction
         handler.addFilter(RedactKeys())
 
 

@@ -16,6 +16,7 @@ import msgspec
 
 from pipeline.gateway.config import GatewaySettings
 from pipeline.guard.config import GuardSettings
+from pipeline.topology import check_profile
 from topics.registry import reply_topic, routed_topic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +31,10 @@ class SettingsError(ValueError):
 class KafkaSettings:
     bootstrap: str = "127.0.0.1:19092"
     partitions: int = 4
+    # A dead worker's partitions move to a live one after the session timeout (the broker's
+    # group.min.session.timeout.ms must allow it; infra/kafka sets 1 s).
+    session_timeout_ms: int = 3000
+    heartbeat_interval_ms: int = 500
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,21 @@ class BackendSettings:
     name: str
     model: str  # the model name clients ask for
     pool: str  # consumers of llm.routed.<pool> serve this backend
-    kind: Literal["local"] = "local"
+    kind: Literal["local", "instant"] = "local"  # instant: numbered tokens, no model (chaos tests, benchmarks)
     max_batch: int = 16
+    token_delay_ms: float = 0.0  # instant backend only: time per generated token
+
+
+@dataclass(frozen=True)
+class StateSettings:
+    ttl_s: float = 3600.0  # per-request state (stream progress, ownership, cancellations) lives this long
+    store: Literal["redis", "memory"] = "redis"  # memory: one process only (tests, a demo without Redis)
+
+
+DEFAULT_PROFILES = {
+    "guarded": ("ingest", "guard", "route", "prefill", "decode", "postguard", "emit"),
+    "bare": ("ingest", "route", "prefill", "decode", "emit"),
+}
 
 
 @dataclass(frozen=True)
@@ -76,12 +94,24 @@ class Settings:
     backends: tuple[BackendSettings, ...] = (BackendSettings(name="local", model="smollm2-135m-instruct", pool="local"),)
     replies: tuple[str, ...] = ("bridge", "sdk")
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    state: StateSettings = field(default_factory=StateSettings)
+    profile: str = "guarded"  # which row of `profiles` runs
+    profiles: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_PROFILES))
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     guard: GuardSettings = field(default_factory=GuardSettings)
 
     @property
     def reply_topics(self) -> frozenset[str]:
         return frozenset(reply_topic(r) for r in self.replies)
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(b.pool for b in self.backends))
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The stage kinds of the active profile."""
+        return self.profiles[self.profile]
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -114,6 +144,13 @@ class Settings:
                             ("runtime.max_in_flight", self.runtime.max_in_flight)):
             if value < 1:
                 raise SettingsError(f"{name} must be at least 1, got {value}")
+        if self.profile not in self.profiles:
+            raise SettingsError(f"profile {self.profile!r} is not in [profiles] ({', '.join(self.profiles)})")
+        for name, kinds in self.profiles.items():
+            if problems := check_profile(kinds):
+                raise SettingsError(f"profile {name!r}: {'; '.join(problems)}")
+        if not 0 < self.kafka.heartbeat_interval_ms * 3 <= self.kafka.session_timeout_ms:
+            raise SettingsError("kafka.heartbeat_interval_ms must be positive and at most a third of session_timeout_ms")
         if problems := self.gateway.problems():
             raise SettingsError("; ".join(problems))
         if problems := self.guard.problems():
@@ -137,6 +174,8 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
         settings = replace(settings, kafka=replace(settings.kafka, bootstrap=env["SLUICE_KAFKA_BOOTSTRAP"]))
     if "SLUICE_REDIS_URL" in env:
         settings = replace(settings, redis=RedisSettings(url=env["SLUICE_REDIS_URL"]))
+    if "SLUICE_PROFILE" in env:
+        settings = replace(settings, profile=env["SLUICE_PROFILE"])
     if "SLUICE_BRIDGE_PORT" in env:
         try:
             port = int(env["SLUICE_BRIDGE_PORT"])

@@ -2,69 +2,118 @@
 
 A stage imports no Kafka client. The runner (`pipeline.runner`) consumes `input_topics` with the
 consumer group `name`, decodes each payload as `input_type`, calls `handle`, produces what it yields,
-and commits only after every produce is acknowledged.
+and commits only after every produce is acknowledged. A stage gets its topics from the graph
+(`pipeline.topology.Topics`); it names none itself.
+
+Capabilities beyond `handle` are declared protocols the runner checks with isinstance:
+`Controlled` (hears every cancellation), `Resettable` (keeps per-request caches in front of its
+state store), `Closable` (has connections of its own to close).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from topics.envelope import Envelope
+from pipeline.topology import Topics
+from topics.errors import ErrorCode, retriable
+from topics.hops import Admitted
 from topics.requests import Request
-from topics.stream import Chunk, Done, Failed
+from topics.stream import Chunk, Done, Failed, FinishReason, RateLimit, Usage
 
 
 @dataclass(frozen=True)
 class Out:
-    """One message to produce. `key` is the request id, so a request's messages keep their order."""
+    """One message to produce. `key` is the request id, so a request's messages keep their order.
+    `acked`, if set, is awaited once the broker has acknowledged this message (in yield order): a stage
+    records progress there, so what it records was really sent."""
 
     topic: str
     key: str
     value: msgspec.Struct
+    acked: Callable[[], Awaitable[None]] | None = None
 
 
 class Stage(Protocol):
     name: str  # also the consumer group, span name, metric label and log field
-    input_topics: tuple[str, ...]
+    topics: Topics
     input_type: Any  # a msgspec type (a Struct or a union of tagged Structs)
     ordered: bool  # True: one message at a time per partition (the stage keeps per-request state)
 
     def handle(self, message: Any) -> AsyncIterator[Out]: ...
 
 
-class ControlledStage(Stage, Protocol):
-    """A stage that also hears every message on its control topics (all partitions, from now on)."""
-
-    control_topics: tuple[str, ...]
-    control_type: Any
+@runtime_checkable
+class Controlled(Protocol):
+    """A stage that also hears every message on `topics.control` (all partitions, from now on)."""
 
     async def on_control(self, message: Any) -> None: ...
 
 
+@runtime_checkable
+class Resettable(Protocol):
+    """A stage that caches per-request state in front of its store. The runner resets one request
+    before handling its message again (an infrastructure error interrupted it), and all of them when
+    its partitions are revoked (another worker may own those requests now)."""
+
+    async def reset(self, request_id: str | None) -> None: ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Address:
-    """Where a request's terminal event goes, as far as a message tells."""
+    """Who a request is and where its terminal event goes, as far as a message tells; builds the
+    request's terminal events, so every stage ends a request the same way."""
 
     request_id: str
     reply_to: str
-    tenant: str = "default"
+    tenant: str = ""
     model: str = ""
     created_at: float = 0.0
+    deadline_s: float = 300.0
+
+    @property
+    def deadline(self) -> float:
+        return self.created_at + self.deadline_s if self.created_at else time.time() + self.deadline_s
+
+    def failed(
+        self, code: ErrorCode, message: str, *, chunks: int = 0, usage: Usage = Usage(),
+        timings: dict[str, float] | None = None, retry_after_s: float | None = None, rate_limit: RateLimit | None = None,
+    ) -> Failed:
+        return Failed(
+            id=self.request_id, reply_to=self.reply_to, code=code, message=message, retriable=retriable(code),
+            tenant=self.tenant, model=self.model, created_at=self.created_at, chunks=chunks, usage=usage,
+            timings=timings or {}, retry_after_s=retry_after_s, rate_limit=rate_limit,
+        )
+
+    def done(self, *, chunks: int, digest: str, finish: FinishReason, usage: Usage, timings: dict[str, float]) -> Done:
+        return Done(
+            id=self.request_id, reply_to=self.reply_to, chunks=chunks, digest=digest, finish_reason=finish,
+            usage=usage, tenant=self.tenant, model=self.model, created_at=self.created_at, timings=timings,
+        )
+
+    def chunk(self, seq: int, text: str, token_ids: tuple[int, ...] = ()) -> Chunk:
+        return Chunk(id=self.request_id, reply_to=self.reply_to, seq=seq, text=text, tenant=self.tenant, token_ids=token_ids)
 
 
 def address_of(message: object) -> Address | None:
-    if isinstance(message, Envelope):
-        message = message.request
-    if isinstance(message, Request):
+    if isinstance(message, Admitted):  # Routed and Prefilled too
+        r = message.request
+        return Address(message.id, r.reply_to, message.tenant, r.model, r.created_at, r.deadline_s)
+    if isinstance(message, Request):  # not authenticated yet: the client's id, no tenant
+        return Address(message.id, message.reply_to, "", message.model, message.created_at, message.deadline_s)
+    if isinstance(message, Done | Failed):
         return Address(message.id, message.reply_to, message.tenant, message.model, message.created_at)
-    if isinstance(message, Chunk | Done | Failed):
-        tenant = message.tenant if isinstance(message, Done | Failed) else "default"
-        return Address(message.id, message.reply_to, tenant)
+    if isinstance(message, Chunk):
+        return Address(message.id, message.reply_to, message.tenant)
     return None
 
 

@@ -3,7 +3,8 @@ sizes and outcomes, never prompt text or credentials."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -12,6 +13,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 Headers = Sequence[tuple[str, bytes]]
 
 tracer = trace.get_tracer("sluice")
+
+MAX_HEADER_BYTES = 512  # a traceparent is 55 bytes; W3C lets tracestate reach 512 characters
+_TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 
 
 def install(exporter: SpanExporter | None = None) -> TracerProvider:
@@ -23,9 +27,24 @@ def install(exporter: SpanExporter | None = None) -> TracerProvider:
     return provider
 
 
-def extract(headers: Headers | None) -> context.Context:
-    carrier = {k: v.decode("latin-1") for k, v in headers or () if k in ("traceparent", "tracestate")}
-    return propagate.extract(carrier)
+def extract(headers: Iterable[Any] | None) -> context.Context:
+    """The trace context a record's headers carry. Never raises: headers come from any producer, and a
+    trace link is advisory, so a header that is not a (str, bytes) pair, a value that is not ASCII or
+    is longer than `MAX_HEADER_BYTES`, or a propagator that fails on what is left, only costs the link
+    (the span starts a new trace)."""
+    carrier: dict[str, str] = {}
+    try:
+        for item in headers or ():
+            if not isinstance(item, tuple | list) or len(item) != 2:
+                continue
+            key, value = item
+            if not (isinstance(key, str) and key in _TRACE_KEYS and isinstance(value, bytes)):
+                continue
+            if len(value) <= MAX_HEADER_BYTES and value.isascii():
+                carrier[key] = value.decode("ascii")
+        return propagate.extract(carrier)
+    except Exception:  # a headers object that fails to iterate, or a propagator that fails: no link
+        return context.get_current()
 
 
 def inject() -> list[tuple[str, bytes]]:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 
 import msgspec
 
+from topics import registry
 from topics.control import Cancel
 from topics.dlq import DeadLetter
-from topics.envelope import Envelope
-from topics.requests import Request
+from topics.hops import Admitted, Prefilled, Routed
+from topics.requests import ID_PATTERN, Request
 from topics.stream import Chunk, Done, Failed
 from topics.usage import UsageRecord
 
@@ -17,6 +19,10 @@ T = TypeVar("T")
 
 _encoder = msgspec.json.Encoder()
 _decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+SALVAGE_MAX_BYTES = 1 << 20  # larger payloads are not parsed a second time to find who to tell
+ID_MAX_CHARS = 64  # Request.id's limit
+_ID = re.compile(ID_PATTERN)
 
 
 class SchemaError(ValueError):
@@ -41,19 +47,42 @@ def decode(data: bytes, type_: type[T] | Any) -> T:
         decoder = _decoders[type_] = msgspec.json.Decoder(type_)
     try:
         return decoder.decode(data)
-    except msgspec.DecodeError as exc:  # ValidationError is a subclass
+    except msgspec.MsgspecError as exc:  # DecodeError, and its subclass ValidationError
         raise SchemaError(str(exc)) from None
+    except RecursionError:  # msgspec recurses once per nesting level, for a typed field as for a skipped one
+        raise SchemaError("payload is nested too deeply") from None
+    except UnicodeDecodeError:  # msgspec raises it, not a DecodeError, for invalid UTF-8 in a string
+        raise SchemaError("payload is not valid UTF-8") from None
 
 
 def salvage_reply(data: bytes) -> tuple[str | None, str | None]:
-    """Request id and reply topic from a payload that failed to decode, where they are readable."""
+    """Request id and reply topic from a payload that failed to decode, where they are readable.
+
+    Never raises: this runs on bytes that already failed their schema, which may be anything a producer
+    sent. Payloads over `SALVAGE_MAX_BYTES` are not read, and whatever cannot be read (nesting deeper
+    than msgspec's recursion limit, invalid JSON, a value of the wrong type) gives (None, None). An id
+    is returned only if it follows the client id rule of `Request.id`, a reply topic only if it names a
+    reply topic (`registry.is_reply_topic`); the runner still checks that the topic is configured.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview) or len(data) > SALVAGE_MAX_BYTES:
+        return None, None
     try:
         found = msgspec.json.decode(data, type=_Salvage)
-    except msgspec.DecodeError:
+        if isinstance(found.request, dict):  # a hop: the client's request is nested
+            rid, reply = found.request.get("id"), found.request.get("reply_to")
+        else:
+            rid, reply = found.id, found.reply_to
+    except Exception:  # the contract is "never raises": an unreadable payload names nobody to tell
         return None, None
-    source = found.request if isinstance(found.request, dict) else {"id": found.id, "reply_to": found.reply_to}
-    rid, reply = source.get("id"), source.get("reply_to")
-    return (rid if isinstance(rid, str) else None, reply if isinstance(reply, str) else None)
+    if not _is_client_id(rid):
+        rid = None
+    if not (isinstance(reply, str) and registry.is_reply_topic(reply)):
+        reply = None
+    return rid, reply
+
+
+def _is_client_id(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= ID_MAX_CHARS and _ID.fullmatch(value) is not None
 
 
 __all__ = [
@@ -65,7 +94,9 @@ __all__ = [
     "Chunk",
     "DeadLetter",
     "Done",
-    "Envelope",
+    "Admitted",
+    "Prefilled",
+    "Routed",
     "Failed",
     "Request",
     "UsageRecord",

@@ -13,7 +13,7 @@ class CancelReason(enum.StrEnum):
     deadline = "deadline"
 
 
-class Cancel(msgspec.Struct, frozen=True, tag="cancel.v1", tag_field="kind"):
-    id: str  # request id
+class Cancel(msgspec.Struct, frozen=True, tag="cancel.v2", tag_field="kind"):
+    id: str  # the pipeline's request id (`<tenant>/<client id>`), or the client's id before it has seen one
     reason: CancelReason
     at: float

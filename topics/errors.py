@@ -20,6 +20,7 @@ class ErrorCode(enum.StrEnum):
     content_filter = "content_filter"
     backend_error = "backend_error"
     internal = "internal"  # a stage failed on the message; it is in the dead-letter topic
+    stream_incomplete = "stream_incomplete"  # chunks were lost between decode and the client; retry
 
 
 # HTTP status the bridge answers with, and whether retrying the same request may succeed.
@@ -36,6 +37,7 @@ POLICY: dict[ErrorCode, tuple[int, bool]] = {
     ErrorCode.content_filter: (400, False),
     ErrorCode.backend_error: (502, True),
     ErrorCode.internal: (500, True),
+    ErrorCode.stream_incomplete: (502, True),
 }
 
 

@@ -8,6 +8,9 @@ from typing import Annotated, Literal
 import msgspec
 
 
+ID_PATTERN = r"^[A-Za-z0-9._:-]+$"  # no "/": ingest namespaces ids as "<tenant>/<id>" (topics.hops)
+
+
 class Priority(enum.StrEnum):
     interactive = "interactive"
     batch = "batch"
@@ -26,10 +29,10 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int | None = None
 
 
-class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="request.v1", tag_field="kind"):
+class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="request.v2", tag_field="kind"):
     """One LLM call. Exactly one of `messages` (chat) and `prompt` (completion) is set."""
 
-    id: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")]
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=ID_PATTERN)]  # the client's id
     reply_to: str  # a reply topic the operator configured; anything else is refused
     model: str
     created_at: float  # unix seconds, set by the client
@@ -37,7 +40,7 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="requ
     prompt: str | None = None
     sampling: Sampling = Sampling()
     stream: bool = True
-    priority: Priority = Priority.interactive
+    priority: Priority = Priority.interactive  # the engine's scheduling lane
     deadline_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # seconds after created_at
     api_key: str | None = None  # checked by ingest's authenticator (gateway issue); never logged
     tenant: str = "default"  # a claim only: ingest replaces it with the authenticated principal's tenant

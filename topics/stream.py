@@ -1,16 +1,35 @@
-"""`llm.tokens` (decode to emit) and `llm.responses.<name>` (emit to clients): a tagged union of
-numbered chunks and exactly one terminal event per request.
+"""`llm.tokens` (decode to postguard), `llm.checked` (postguard to emit) and `llm.responses.<name>`
+(emit to clients): a tagged union of numbered chunks and exactly one terminal event per request.
 
-`Chunk.seq` runs 0..n-1 with no gap; `Done.chunks` is n and `Done.digest` the SHA-256 of the text.
-Stages that end a request early (ingest rejects it, a handler fails) send a `Failed` on `llm.tokens`,
-so emit is the only writer of reply topics.
+`Chunk.seq` runs 0..n-1 with no gap; `Done.chunks` is n and `Done.digest` the hash chain of the chunk
+texts (`digest_step`: resumable, so a worker that takes a stream over continues it).
+Every event carries the pipeline's request id (`<tenant>/<client id>`, topics.hops) and the tenant.
+Stages that end a request early (ingest rejects it, a handler fails) send a `Failed` into the stream
+topics, so emit is the only writer of reply topics. Ingest's refusals of requests it could not
+authenticate carry the client's own id and the tenant "" (nobody was authenticated).
 """
 
 from __future__ import annotations
 
+import enum
+import hashlib
+
 import msgspec
 
 from topics.errors import ErrorCode
+
+
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
+
+
+def digest_step(digest: str, text: str) -> str:
+    """The digest after one more chunk: sha256(previous hex digest + text), from EMPTY_DIGEST."""
+    return hashlib.sha256(digest.encode() + text.encode()).hexdigest()
+
+
+class FinishReason(enum.StrEnum):
+    stop = "stop"  # an end-of-sequence token or a stop string
+    length = "length"  # max_tokens reached
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -18,24 +37,26 @@ class Usage(msgspec.Struct, frozen=True):
     completion_tokens: int = 0
 
 
-class Chunk(msgspec.Struct, frozen=True, tag="chunk.v1", tag_field="kind"):
+class Chunk(msgspec.Struct, frozen=True, tag="chunk.v2", tag_field="kind"):
     id: str  # request id
     reply_to: str
     seq: int
     text: str
+    tenant: str
+    token_ids: tuple[int, ...] = ()  # the completion tokens this chunk covers (empty after postguard rewrites text)
 
 
-class Done(msgspec.Struct, frozen=True, tag="done.v1", tag_field="kind"):
+class Done(msgspec.Struct, frozen=True, tag="done.v2", tag_field="kind"):
     id: str
     reply_to: str
     chunks: int
-    digest: str  # sha256 hex of the concatenated chunk texts
-    finish_reason: str  # "stop" or "length"
+    digest: str  # the hash chain of the chunk texts (digest_step)
+    finish_reason: FinishReason
     usage: Usage
+    tenant: str
+    model: str
+    created_at: float
     timings: dict[str, float] = {}  # stage -> ms; emit adds "total" (created_at to terminal)
-    tenant: str = "default"
-    model: str = ""
-    created_at: float = 0.0
 
 
 class RateLimit(msgspec.Struct, frozen=True):
@@ -48,20 +69,20 @@ class RateLimit(msgspec.Struct, frozen=True):
     reset_s: float  # seconds until the window has room again
 
 
-class Failed(msgspec.Struct, frozen=True, tag="error.v1", tag_field="kind"):
+class Failed(msgspec.Struct, frozen=True, tag="error.v2", tag_field="kind"):
     id: str
     reply_to: str
     code: ErrorCode
     message: str  # safe for the client: never echoes prompt text or credentials
     retriable: bool
+    tenant: str
+    model: str
+    created_at: float
     chunks: int = 0  # chunks sent before the error
     usage: Usage = Usage()
     timings: dict[str, float] = {}
     retry_after_s: float | None = None
     rate_limit: RateLimit | None = None  # set when code is rate_limited
-    tenant: str = "default"
-    model: str = ""
-    created_at: float = 0.0
 
 
 StreamEvent = Chunk | Done | Failed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 
-class UsageRecord(msgspec.Struct, frozen=True, tag="usage.v1", tag_field="kind"):
+class UsageRecord(msgspec.Struct, frozen=True, tag="usage.v2", tag_field="kind"):
     id: str
     tenant: str
     model: str

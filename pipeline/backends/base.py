@@ -31,8 +31,12 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     tenant: str = "default"  # isolates cached prefixes: one tenant's prompt never serves another's
-    # Token ids already delivered to the client, when a decode worker resumes another's stream.
+    # Completion token ids already consumed when a decode worker resumes another's stream, and how many
+    # characters of their text were sent (None: all of it). The continuation is what the first worker
+    # would have produced: sampling is seeded per (seed, completion index).
     resume_token_ids: tuple[int, ...] = field(default=())
+    resume_sent_chars: int | None = None
+    priority: Literal["interactive", "batch"] = "interactive"  # the engine's scheduling lane
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.errors import EngineClosed, EngineError, RequestTooLarge, SequenceAborted, StepFailed
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.model_runner import ModelRunner
-from pipeline.engine.params import EngineRequest, SamplingParams
+from pipeline.engine.params import EngineRequest, Priority, SamplingParams
 from pipeline.models import END_OF_TURN
 
 __all__ = ["LocalBackend"]
@@ -164,6 +164,7 @@ class LocalBackend:
             max_tokens=request.max_tokens,
             sampling=SamplingParams.of(request.temperature, request.top_p, request.seed),
             stop_token_ids=self._eos_ids,
+            priority=Priority.BATCH if request.priority == "batch" else Priority.INTERACTIVE,
             salt=request.tenant,  # prefix-cache blocks are never shared across tenants
         )
 
@@ -216,6 +217,9 @@ class LocalBackend:
         resume = request.resume_token_ids
         if prefilled is None:
             return TextStream.start(self._detokenize, resume_ids=resume, **common)
+        if request.resume_sent_chars is not None:  # a takeover: this much of the completion's text was sent
+            ids = (*resume, prefilled.first_token_id)
+            return TextStream(self._detokenize, completion_ids=ids, sent_chars=request.resume_sent_chars, **common)
         return TextStream.after_first(
             self._detokenize,
             resume_ids=resume,

@@ -22,6 +22,7 @@ class TenantPolicy:
     models: tuple[str, ...] = ()  # empty: every configured model
     allow_cidrs: tuple[str, ...] = ()  # non-empty: only these client addresses
     deny_cidrs: tuple[str, ...] = ()
+    replies: tuple[str, ...] = ()  # reply topic names (`replies`) this tenant may name; empty: any of them
 
 
 @dataclass(frozen=True)

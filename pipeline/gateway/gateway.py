@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pipeline.errors import StageError
+from pipeline.errors import StageError, Undeliverable
 from pipeline.gateway.config import GatewaySettings, TenantPolicy
 from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier, looks_like_jwt
@@ -31,6 +31,8 @@ from pipeline.gateway.limits import Limiter, Refusal, Scope
 from pipeline.gateway.network import Address, NetworkRules, attest, parse_ip
 from pipeline.metrics import GATEWAY_DEGRADED
 from topics.errors import ErrorCode
+from topics.hops import request_key
+from topics.registry import reply_topic
 from topics.requests import Request
 from topics.stream import Done, Failed, RateLimit
 
@@ -86,6 +88,9 @@ class Gateway:
         for allowed in (principal.models, policy.models):
             if allowed and request.model not in allowed:
                 raise StageError(ErrorCode.forbidden, "these credentials may not use the requested model")
+        if policy.replies and request.reply_to not in {reply_topic(r) for r in policy.replies}:
+            # Not answered there: the reply topic is exactly what these credentials may not reach.
+            raise Undeliverable("these credentials may not use the requested reply topic")
         if reason := self._network.tenant_refusal(ip, principal.tenant):
             raise StageError(ErrorCode.forbidden, reason)
         await self._limit(request, principal, policy, ip)
@@ -189,7 +194,8 @@ class Gateway:
         estimate = math.ceil(size / self._settings.chars_per_token)
         ticket = msgspec.msgpack.encode(Ticket([(sc.kind, sc.name, sc.billed) for sc in scopes], estimate))
         try:
-            refusal = await self._limiter.admit(scopes, request.id, estimate, ticket, request.deadline_s + TICKET_GRACE_S)
+            member = request_key(principal.tenant, request.id)  # a new id is a new request, per tenant
+            refusal = await self._limiter.admit(scopes, member, estimate, ticket, request.deadline_s + TICKET_GRACE_S)
         except StoreUnavailable:
             decision = self._settings.on_redis_down
             GATEWAY_DEGRADED.labels("limit", decision).inc()

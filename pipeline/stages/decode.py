@@ -1,23 +1,39 @@
-"""decode: the generation phase. Streams numbered chunks until a stop token, a stop string or
-`max_tokens`, then exactly one terminal event; stops within a step when `llm.control` cancels."""
+"""decode: the generation phase, for one pool. Streams numbered chunks until a stop token, a stop string
+or `max_tokens`, then exactly one terminal event; stops within a step when `llm.control` cancels.
+
+The stream survives its worker. Each chunk, once the broker acknowledged it, is recorded in the state
+store with the tokens consumed so far and the characters sent (`Progress`), under this worker's
+ownership. A worker that takes a request over (a crash, a rebalance, a redelivery) takes ownership
+first, then continues from the recorded progress: the backend re-prefills prompt + tokens and samples
+what the first worker would have sampled (seeded per request and position), so the client sees one
+seamless stream and only the chunks in flight at the crash are decoded twice (emit drops them). A
+worker that finds it no longer owns the request (it was paused past its session and replaced) stops
+without a word: its successor finishes the stream.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from pipeline.backends.base import Backend
-from pipeline.backends.errors import BackendError, Cancelled
-from pipeline.stage import Out, Stopwatch
-from pipeline.stages.generation import digest, from_wire, generation_request
-from topics import registry
-from topics.control import Cancel, CancelReason
-from topics.envelope import Envelope
-from topics.errors import ErrorCode, retriable
-from topics.stream import Chunk, Done, Failed, Usage
+import msgspec
 
+from pipeline.backends.base import Backend, Delta, Prefilled as BackendPrefilled
+from pipeline.backends.errors import BackendError, Cancelled
+from pipeline.stage import Address, Out, Stopwatch, address_of
+from pipeline.stages.generation import generation_request
+from pipeline.state import StateStore
+from pipeline.topology import Topics
+from topics.control import Cancel, CancelReason
+from topics.errors import ErrorCode
+from topics.hops import Prefilled, client_id_of
+from topics.stream import EMPTY_DIGEST, FinishReason, Usage, digest_step
+
+log = logging.getLogger(__name__)
 _REMEMBER_CANCELLED = 10_000
 _CODE = {
     CancelReason.client_gone: ErrorCode.cancelled,
@@ -26,77 +42,123 @@ _CODE = {
 }
 
 
-class DecodeStage:
-    name = "decode"
-    input_topics = (registry.PREFILLED,)
-    input_type = Envelope
-    ordered = False
-    control_topics = (registry.CONTROL,)
-    control_type = Cancel
+class Progress(msgspec.Struct, frozen=True):
+    """How far a request's stream got: what a successor resumes from."""
 
-    def __init__(self, backend: Backend) -> None:
+    tokens: tuple[int, ...]  # completion tokens consumed (the first token included)
+    sent_chars: int  # characters of their text sent in chunks
+    next_seq: int  # the next chunk's number
+    digest: str  # the hash chain of the texts sent (topics.stream.digest_step)
+
+
+_progress = msgspec.msgpack.Decoder(Progress)
+
+
+class DecodeStage:
+    input_type = Prefilled
+    ordered = False
+
+    def __init__(self, backend: Backend, topics: Topics, store: StateStore, name: str = "decode") -> None:
+        self.name, self.topics = name, topics
         self._backend = backend
+        self._store = store
+        self._owner = f"{name}:{uuid.uuid4().hex[:12]}"  # this worker, for this process's life
         # Cancellations seen, kept a while: one may arrive before its request reaches decode.
         self._cancelled: OrderedDict[str, CancelReason] = OrderedDict()
         self._active: set[str] = set()
+        self._fenced: set[str] = set()
+
+    async def aclose(self) -> None:
+        await self._store.aclose()
 
     async def on_control(self, message: Cancel) -> None:
         self._cancelled[message.id] = message.reason
         if len(self._cancelled) > _REMEMBER_CANCELLED:
             self._cancelled.popitem(last=False)
-        if message.id in self._active:
-            await self._backend.cancel(message.id)
+        for rid in [r for r in self._active if message.id in (r, client_id_of(r))]:
+            await self._backend.cancel(rid)
 
-    async def handle(self, message: Envelope) -> AsyncIterator[Out]:
+    def _cancel_reason(self, rid: str, stored: dict[str, bytes]) -> CancelReason | None:
+        if (raw := stored.get("cancel")) is not None:
+            return CancelReason(raw.decode())
+        return self._cancelled.get(rid) or self._cancelled.get(client_id_of(rid))
+
+    async def handle(self, message: Prefilled) -> AsyncIterator[Out]:
         clock = Stopwatch()
-        request, prefill = message.request, message.prefill
-        assert prefill is not None, "decode reads only envelopes that prefill filled in"
-        parts = [prefill.first_text]
-        seq = 1 if prefill.first_text else 0
-        completion = 1
-        deadline = request.created_at + request.deadline_s
-        error: tuple[ErrorCode, str] | None = None
-        finish = "length"
-
-        def failed(code: ErrorCode, text: str) -> Failed:
-            return Failed(
-                id=request.id, reply_to=request.reply_to, code=code, message=text, retriable=retriable(code),
-                chunks=seq, usage=Usage(prefill.prompt_tokens, completion),
-                timings={**message.timings, self.name: clock.ms()},
-                tenant=request.tenant, model=request.model, created_at=request.created_at,
-            )
-
-        if request.id in self._cancelled:
-            yield Out(registry.TOKENS, request.id, failed(_CODE[self._cancelled[request.id]], "cancelled before decode started"))
+        rid, request, prefill = message.id, message.request, message.prefill
+        address = address_of(message)
+        assert address is not None
+        stored = await self._store.take(rid, self._owner)
+        if "finished" in stored:
+            return  # a redelivery of a request whose terminal event was already sent
+        sent_first = bool(prefill.first_text)  # prefill sent it as chunk 0
+        first = Progress((prefill.first_token_id,), len(prefill.first_text), int(sent_first),
+                         digest_step(EMPTY_DIGEST, prefill.first_text) if sent_first else EMPTY_DIGEST)
+        progress = _progress.decode(stored["progress"]) if "progress" in stored else first
+        timings = lambda: {**message.timings, self.name: clock.ms()}  # noqa: E731
+        usage = lambda p: Usage(prefill.prompt_tokens, len(p.tokens))  # noqa: E731
+        if (reason := self._cancel_reason(rid, stored)) is not None:
+            failed = address.failed(_CODE[reason], "cancelled before decode started", chunks=progress.next_seq, usage=usage(progress), timings=timings())
+            yield self._terminal(rid, failed)
             return
-        self._active.add(request.id)
+        resumed = "progress" in stored
+        generation = generation_request(request, rid, progress.tokens[:-1], progress.sent_chars if resumed else None)
+        handoff = BackendPrefilled(prefill.handle, progress.tokens[-1], prefill.first_text, prefill.prompt_tokens, None)
+        error: tuple[ErrorCode, str] | None = None
+        finish = FinishReason.length
+        pending: tuple[int, ...] = ()  # tokens consumed since the last chunk (their text held back)
+        self._active.add(rid)
         try:
-            stream = self._backend.decode(generation_request(request), from_wire(prefill))
+            stream = self._backend.decode(generation, handoff)
             async with aclosing(stream):
                 async for delta in stream:
-                    completion += len(delta.token_ids)
+                    if rid in self._fenced:
+                        return  # another worker owns this request now; it finishes the stream
+                    pending += delta.token_ids
                     if delta.text:
-                        parts.append(delta.text)
-                        yield Out(registry.TOKENS, request.id, Chunk(id=request.id, reply_to=request.reply_to, seq=seq, text=delta.text))
-                        seq += 1
+                        progress = self._advance(progress, pending, delta)
+                        yield Out(self.topics.stream or "", rid, address.chunk(progress.next_seq - 1, delta.text, pending), acked=self._record(rid, progress))
+                        pending = ()
+                    elif pending:
+                        progress = msgspec.structs.replace(progress, tokens=progress.tokens + pending)
+                        pending = ()
                     if delta.finish_reason is not None:
-                        finish = delta.finish_reason
-                    elif time.time() > deadline:
+                        finish = FinishReason(delta.finish_reason)
+                    elif time.time() > address.deadline:
                         error = (ErrorCode.deadline_exceeded, "the request's deadline passed during generation")
                         break
         except Cancelled:
-            reason = self._cancelled.get(request.id, CancelReason.client_gone)
+            reason = self._cancelled.get(rid) or self._cancelled.get(client_id_of(rid)) or CancelReason.client_gone
             error = (_CODE[reason], f"generation stopped: {reason.value}")
         except BackendError as exc:
             error = (exc.code, f"backend failed during decode ({type(exc).__name__})")
         finally:
-            self._active.discard(request.id)
+            self._active.discard(rid)
+            self._fenced.discard(rid)
         if error is not None:
-            yield Out(registry.TOKENS, request.id, failed(*error))
+            yield self._terminal(rid, address.failed(*error, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
             return
-        done = Done(
-            id=request.id, reply_to=request.reply_to, chunks=seq, digest=digest(parts), finish_reason=finish,
-            usage=Usage(prefill.prompt_tokens, completion), timings={**message.timings, self.name: clock.ms()},
-            tenant=request.tenant, model=request.model, created_at=request.created_at,
-        )
-        yield Out(registry.TOKENS, request.id, done)
+        done = address.done(chunks=progress.next_seq, digest=progress.digest, finish=finish, usage=usage(progress), timings=timings())
+        yield self._terminal(rid, done)
+
+    @staticmethod
+    def _advance(progress: Progress, tokens: tuple[int, ...], delta: Delta) -> Progress:
+        return Progress(progress.tokens + tokens, progress.sent_chars + len(delta.text), progress.next_seq + 1,
+                        digest_step(progress.digest, delta.text))
+
+    def _record(self, rid: str, progress: Progress):  # type: ignore[no-untyped-def]
+        """After the broker acknowledged a chunk: record how far the stream got, if this worker still owns it."""
+        encoded = msgspec.msgpack.encode(progress)
+
+        async def acked() -> None:
+            if not await self._store.write(rid, {"progress": encoded}, owner=self._owner):
+                log.info("stage=%s request=%s taken over by another worker; stopping", self.name, rid)
+                self._fenced.add(rid)
+
+        return acked
+
+    def _terminal(self, rid: str, event: msgspec.Struct) -> Out:
+        async def acked() -> None:
+            await self._store.write(rid, {"finished": b"1"}, owner=self._owner)
+
+        return Out(self.topics.stream or "", rid, event, acked=acked)

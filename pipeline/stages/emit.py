@@ -1,23 +1,34 @@
-"""emit: the only writer of reply topics. Forwards chunks in order without duplicates, writes exactly
-one terminal event per request with the stage timings, and one usage record per finished request."""
+"""emit: the only writer of reply topics. Forwards each chunk once and in order (held back behind a
+gap until it fills), writes exactly one terminal event per request with the stage timings, and one
+usage record per finished request.
+
+What it already sent survives it: after the broker acknowledges a chunk, the next expected seq and the
+digest chain are recorded in the state store; the terminal event marks the request finished. A
+successor (a crash, a rebalance) reads them the first time it meets a request, so it neither repeats
+a chunk nor a terminal event beyond the ones in flight at the crash (which the SDK drops by seq).
+The usage record is claimed in the store before it is produced, so billing sees it at most once.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 import msgspec
 
 from pipeline.errors import Undeliverable
 from pipeline.settings import Settings
-from pipeline.stage import Out, Stopwatch
-from topics import registry
-from topics.stream import Chunk, Done, Failed, StreamEvent
+from pipeline.stage import Out, Stopwatch, address_of
+from pipeline.sequencing import Sequencer
+from pipeline.state import MemoryStateStore, StateStore
+from pipeline.topology import Topics
+from topics.errors import ErrorCode
+from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, StreamEvent, digest_step
 from topics.usage import UsageRecord
 
-_REMEMBER = 100_000  # requests whose progress emit keeps, oldest forgotten first
+_CACHED = 50_000  # requests whose progress this worker keeps in memory (the store has all of them)
 
 
 class Meter(Protocol):
@@ -28,57 +39,104 @@ class Meter(Protocol):
     async def aclose(self) -> None: ...
 
 
+class _Sent:
+    """What the client has of one request: in-order position, digest chain, whether it has ended."""
+
+    __slots__ = ("order", "digest", "finished")
+
+    def __init__(self, next_seq: int, digest: str, finished: bool) -> None:
+        self.order = Sequencer(next_seq)
+        self.digest = digest
+        self.finished = finished
+
+
 class EmitStage:
-    name = "emit"
-    input_topics = (registry.CHECKED,)  # what postguard released
     input_type = StreamEvent
     ordered = True  # chunks of one request must leave in the order they arrived
-    terminal_topic = None  # the runner's own error events go straight to the reply topic
 
-    def __init__(self, settings: Settings, meter: Meter | None = None) -> None:
+    def __init__(
+        self, settings: Settings, topics: Topics, store: StateStore | None = None, meter: Meter | None = None,
+        name: str = "emit",
+    ) -> None:
+        self.name, self.topics = name, topics
         self._replies = settings.reply_topics
+        self._store = store if store is not None else MemoryStateStore()
         self._meter = meter
-        self._next_seq: OrderedDict[str, int] = OrderedDict()
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._sent: OrderedDict[str, _Sent] = OrderedDict()
 
     async def aclose(self) -> None:
         if self._meter is not None:
             await self._meter.aclose()
+        await self._store.aclose()
+
+    async def reset(self, request_id: str | None) -> None:
+        """Forget cached progress (one request, or all): the store, written after acks, is the truth."""
+        if request_id is None:
+            self._sent.clear()
+        else:
+            self._sent.pop(request_id, None)
 
     async def handle(self, message: StreamEvent) -> AsyncIterator[Out]:
         clock = Stopwatch()
         if message.reply_to not in self._replies:
             raise Undeliverable("reply_to is not a configured reply topic")
         rid = message.id
-        if rid in self._finished:
+        sent = await self._progress(rid)
+        if sent.finished:
             return  # a redelivery after the terminal event: the client already has it
         if isinstance(message, Chunk):
-            expected = self._next_seq.get(rid, 0)
-            if message.seq < expected:
-                return  # a redelivered chunk
-            self._remember(self._next_seq, rid, message.seq + 1)
-            yield Out(message.reply_to, rid, message)
+            for chunk in sent.order.accept(message):
+                sent.digest = digest_step(sent.digest, chunk.text)
+                record = {"emitted": b"%d" % (chunk.seq + 1), "digest": sent.digest.encode()}
+                yield Out(message.reply_to, rid, chunk, acked=self._write(rid, record))
             return
-        counted = self._next_seq.pop(rid, 0)
-        self._remember(self._finished, rid, None)
+        sent.finished = True
+        terminal = self._terminal(message, sent, clock)
+        yield Out(message.reply_to, rid, terminal, acked=self._write(rid, {"terminal": b"1"}))
+        if await self._store.claim(rid, "usage", b"1"):
+            yield Out(self.topics.usage, terminal.tenant or "anonymous", self._usage(terminal))
+        if self._meter is not None:
+            await self._meter.finish(terminal)
+
+    async def _progress(self, rid: str) -> _Sent:
+        sent = self._sent.get(rid)
+        if sent is None:
+            fields = await self._store.read(rid)
+            digest = fields.get("digest", EMPTY_DIGEST.encode()).decode()
+            sent = self._sent[rid] = _Sent(int(fields.get("emitted", b"0")), digest, "terminal" in fields)
+            if len(self._sent) > _CACHED:
+                self._sent.popitem(last=False)
+        self._sent.move_to_end(rid)
+        return sent
+
+    def _terminal(self, message: Done | Failed, sent: _Sent, clock: Stopwatch) -> Done | Failed:
+        """The event the client gets: the chunk count and digest of what it received, or, when chunks
+        are missing (a gap, or fewer than the stream claims), `stream_incomplete`."""
         now = time.time()
         total = round((now - message.created_at) * 1000.0, 3) if message.created_at else 0.0
         timings = {**message.timings, self.name: clock.ms(), "total": total}
-        terminal = msgspec.structs.replace(message, chunks=max(message.chunks, counted), timings=timings)
-        yield Out(message.reply_to, rid, terminal)
-        outcome = "done" if isinstance(message, Done) else message.code.value
-        usage = UsageRecord(
-            id=rid, tenant=message.tenant, model=message.model, outcome=outcome,
-            prompt_tokens=message.usage.prompt_tokens, completion_tokens=message.usage.completion_tokens,
-            total_ms=total, timings=timings, at=now,
-        )
-        yield Out(registry.USAGE, message.tenant, usage)
-        if self._meter is not None:
-            await self._meter.finish(message)
+        received = sent.order.next_seq
+        if sent.order.gap() or message.chunks > received:
+            address = address_of(message)
+            assert address is not None
+            text = f"chunks {received}..{message.chunks - 1} of this answer were lost; retry the request"
+            return address.failed(ErrorCode.stream_incomplete, text, chunks=received, usage=message.usage, timings=timings)
+        if isinstance(message, Done):
+            return msgspec.structs.replace(message, chunks=received, digest=sent.digest, timings=timings)
+        return msgspec.structs.replace(message, chunks=received, timings=timings)
 
-    @staticmethod
-    def _remember(table: OrderedDict[str, object], key: str, value: object) -> None:
-        table[key] = value
-        table.move_to_end(key)
-        if len(table) > _REMEMBER:
-            table.popitem(last=False)
+    def _usage(self, message: Done | Failed) -> UsageRecord:
+        outcome = "done" if isinstance(message, Done) else message.code.value
+        now = time.time()
+        total = round((now - message.created_at) * 1000.0, 3) if message.created_at else 0.0
+        return UsageRecord(
+            id=message.id, tenant=message.tenant, model=message.model, outcome=outcome,
+            prompt_tokens=message.usage.prompt_tokens, completion_tokens=message.usage.completion_tokens,
+            total_ms=total, timings=message.timings, at=now,
+        )
+
+    def _write(self, rid: str, fields: dict[str, bytes]) -> Callable[[], Awaitable[None]]:
+        async def acked() -> None:
+            await self._store.write(rid, fields)
+
+        return acked

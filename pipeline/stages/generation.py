@@ -1,26 +1,31 @@
-"""What prefill and decode share: the request as the backend sees it, and the digest of a stream."""
+"""What prefill and decode share: the request as the backend sees it."""
 
 from __future__ import annotations
 
 import hashlib
 
 from pipeline.backends.base import GenerationRequest, Message, Prefilled
-from topics.envelope import Prefill
+from topics.hops import Prefill
 from topics.requests import Request
 
 
-def generation_request(request: Request, resume_token_ids: tuple[int, ...] = ()) -> GenerationRequest:
+def generation_request(
+    request: Request, request_id: str, resume_token_ids: tuple[int, ...] = (), resume_sent_chars: int | None = None
+) -> GenerationRequest:
+    """What the backend is asked for `request`, known in the pipeline as `request_id` (seeded by it)."""
     return GenerationRequest(
-        request_id=request.id,
+        request_id=request_id,
         messages=tuple(Message(m.role, m.content) for m in request.messages),
         prompt=request.prompt,
         max_tokens=request.sampling.max_tokens,
         temperature=request.sampling.temperature,
         top_p=request.sampling.top_p,
         stop=request.sampling.stop,
-        seed=request.sampling.seed if request.sampling.seed is not None else stable_seed(request.id),
+        seed=request.sampling.seed if request.sampling.seed is not None else stable_seed(request_id),
         resume_token_ids=resume_token_ids,
+        resume_sent_chars=resume_sent_chars,
         tenant=request.tenant,
+        priority=request.priority.value,
     )
 
 
@@ -36,23 +41,5 @@ def to_wire(prefilled: Prefilled, worker: str) -> Prefill:
         first_token_id=prefilled.first_token_id,
         first_text=prefilled.first_text,
         prompt_tokens=prefilled.prompt_tokens,
-        finished=prefilled.finish_reason,
         worker=worker,
     )
-
-
-def from_wire(prefill: Prefill) -> Prefilled:
-    return Prefilled(
-        handle=prefill.handle,
-        first_token_id=prefill.first_token_id,
-        first_text=prefill.first_text,
-        prompt_tokens=prefill.prompt_tokens,
-        finish_reason=prefill.finished,  # type: ignore[arg-type]
-    )
-
-
-def digest(parts: list[str]) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode())
-    return h.hexdigest()

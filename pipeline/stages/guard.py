@@ -16,8 +16,8 @@ from pipeline.guard.loader import InputGuard, TextCheck, TextVerdict
 from pipeline.guard.redact import Placeholders, apply_policy
 from pipeline.settings import Settings
 from pipeline.stage import Out, Stopwatch
-from topics import registry
-from topics.envelope import Envelope
+from pipeline.topology import Topics
+from topics.hops import Admitted
 from topics.errors import ErrorCode
 from topics.requests import Request
 
@@ -32,18 +32,17 @@ def checks_of(request: Request) -> list[TextCheck]:
 
 
 class GuardStage:
-    name = "guard"
-    input_topics = (registry.ADMITTED,)
-    input_type = Envelope
+    input_type = Admitted
     ordered = False
 
-    def __init__(self, settings: Settings, guard: InputGuard) -> None:
+    def __init__(self, settings: Settings, guard: InputGuard, topics: Topics, name: str = "guard") -> None:
+        self.name, self.topics = name, topics
         self._settings = settings.guard
         self._batcher: Batcher[list[TextCheck], list[TextVerdict]] = Batcher(guard.check)
 
     def sanitise(self, request: Request, verdicts: list[TextVerdict]) -> Request:
         """The request with PII redacted; raises StageError when a policy or the classifier refuses it."""
-        threshold = self._settings.injection_threshold_for(request.tenant)
+        threshold = self._settings.injection_threshold_for(request.tenant)  # ingest set it to the authenticated one
         if any(v.injection is not None and v.injection.score >= threshold for v in verdicts):
             raise StageError(ErrorCode.content_filter, f"{Reason.prompt_injection}: the input guard refused this request")
         policy = self._settings.policy(request.tenant)
@@ -59,9 +58,9 @@ class GuardStage:
         prompt = redacted[-1].text if request.prompt is not None else None
         return msgspec.structs.replace(request, messages=messages, prompt=prompt)
 
-    async def handle(self, message: Envelope) -> AsyncIterator[Out]:
+    async def handle(self, message: Admitted) -> AsyncIterator[Out]:
         clock = Stopwatch()
         verdicts = await self._batcher.submit(checks_of(message.request))
         request = self.sanitise(message.request, verdicts)
         timings = {**message.timings, self.name: clock.ms()}
-        yield Out(registry.GUARDED, request.id, msgspec.structs.replace(message, request=request, timings=timings))
+        yield Out(self.topics.forward or "", message.id, msgspec.structs.replace(message, request=request, timings=timings))

@@ -1,10 +1,16 @@
 """ingest: the front door. Validates a request against the operator's limits, asks the gateway who sent
-it and whether it may (authentication, model, network rules, rate limits, budgets), and passes it on
-under the authenticated tenant, without its credential.
+it and whether it may (authentication, model, reply topic, network rules, rate limits, budgets), and
+passes it on under the authenticated tenant, without its credential.
+
+The id every later stage keys on is minted here: `<tenant>/<client id>` (topics.hops.request_key). The
+same client id sent again with other content is refused while the first is remembered (the state
+store's TTL); sent again byte for byte it is a redelivery, and the stages after ingest are idempotent
+per id (a finished request is not generated again).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator
 
@@ -13,27 +19,33 @@ from pipeline.gateway.build import memory_gateway
 from pipeline.gateway.gateway import Gateway
 from pipeline.settings import Settings
 from pipeline.stage import Out, Stopwatch
-from topics import registry
-from topics.envelope import Envelope
+from pipeline.state import MemoryStateStore, StateStore
+from pipeline.topology import Topics
+from topics import codec
 from topics.errors import ErrorCode
+from topics.hops import Admitted, request_key
 from topics.requests import Request
 
 
 class IngestStage:
-    name = "ingest"
-    input_topics = (registry.REQUESTS,)
     input_type = Request
     ordered = False
 
-    def __init__(self, settings: Settings, gateway: Gateway | None = None) -> None:
-        """`gateway` holds the shared state (Redis in production); None: one in memory, for tests."""
+    def __init__(
+        self, settings: Settings, topics: Topics, gateway: Gateway | None = None, store: StateStore | None = None,
+        name: str = "ingest",
+    ) -> None:
+        """`gateway` and `store` hold shared state (Redis in production); None: in memory, for tests."""
+        self.name, self.topics = name, topics
         self._gateway = gateway or memory_gateway(settings)
+        self._store = store if store is not None else MemoryStateStore()
         self._limits = settings.limits
         self._models = frozenset(settings.models)
         self._replies = settings.reply_topics
 
     async def aclose(self) -> None:
         await self._gateway.aclose()
+        await self._store.aclose()
 
     def check(self, request: Request, now: float) -> None:
         """Raises StageError with a reason the client can act on; returns if the request is admissible."""
@@ -59,5 +71,13 @@ class IngestStage:
         now = time.time()
         self.check(message, now)
         request, principal = await self._gateway.admit(message)
-        envelope = Envelope(request=request, principal=principal.name, admitted_at=now, timings={self.name: clock.ms()})
-        yield Out(registry.ADMITTED, message.id, envelope)
+        rid = request_key(principal.tenant, message.id)
+        fingerprint = hashlib.sha256(codec.encode(message)).hexdigest()[:32].encode()
+        if not await self._store.claim(rid, "fingerprint", fingerprint):
+            if (await self._store.read(rid)).get("fingerprint") != fingerprint:
+                raise StageError(ErrorCode.invalid_request, "this request id is already in use; send a new id")
+        admitted = Admitted(
+            id=rid, request=request, tenant=principal.tenant, principal=principal.name, admitted_at=now,
+            timings={self.name: clock.ms()},
+        )
+        yield Out(self.topics.forward or "", rid, admitted)

@@ -13,7 +13,6 @@ retriable `internal` error rather than a stream with a hole.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
@@ -24,11 +23,12 @@ import msgspec
 from pipeline.guard.config import GuardSettings
 from pipeline.guard.errors import Reason
 from pipeline.guard.stream_check import OutputGuard, StreamState
-from pipeline.stage import Out
-from topics import registry
+from pipeline.stage import Out, address_of
+from pipeline.sequencing import Sequencer
+from pipeline.topology import Topics
 from topics.control import Cancel, CancelReason
-from topics.errors import ErrorCode, retriable
-from topics.stream import Chunk, Done, Failed, StreamEvent
+from topics.errors import ErrorCode
+from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, StreamEvent, digest_step
 
 _REMEMBER = 100_000  # finished requests kept to drop late events, oldest forgotten first
 
@@ -36,20 +36,19 @@ _REMEMBER = 100_000  # finished requests kept to drop late events, oldest forgot
 @dataclass
 class _Stream:
     check: StreamState
-    next_in: int = 0  # the input chunk expected next
+    order: Sequencer = field(default_factory=Sequencer)  # input chunks back in order, once each
     next_out: int = 0  # the seq of the next released chunk
-    digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    digest: str = EMPTY_DIGEST  # the hash chain of the released texts
     spent_s: float = 0.0  # time spent in this stage on the request, over all its chunks
     killed: Reason | None = None  # set when the kill switch fired; decode's terminal event is awaited
 
 
 class PostguardStage:
-    name = "postguard"
-    input_topics = (registry.TOKENS,)
     input_type = StreamEvent
     ordered = True  # a request's chunks are checked in order
 
-    def __init__(self, settings: GuardSettings, guard: OutputGuard) -> None:
+    def __init__(self, settings: GuardSettings, guard: OutputGuard, topics: Topics, name: str = "postguard") -> None:
+        self.name, self.topics = name, topics
         self._settings = settings
         self._guard = guard
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
@@ -70,34 +69,35 @@ class PostguardStage:
             if isinstance(message, Chunk) and message.seq > 0:
                 self._finish(rid)
                 text = "the output guard lost this stream's state (a worker restarted); retry the request"
-                yield Out(registry.CHECKED, rid, Failed(id=rid, reply_to=message.reply_to, code=ErrorCode.internal, message=text, retriable=True))
+                address = address_of(message)
+                assert address is not None
+                yield Out(self.topics.forward or "", rid, address.failed(ErrorCode.internal, text))
                 return
-            stream = self._streams[rid] = _Stream(StreamState(self._settings.policy("default")))
+            stream = self._streams[rid] = _Stream(StreamState(self._settings.policy(message.tenant or "default")))
             if len(self._streams) > _REMEMBER:
                 self._streams.popitem(last=False)
         if stream.killed is not None:  # after the kill switch: drop chunks, turn decode's ending into ours
             if not isinstance(message, Chunk):
-                yield Out(registry.CHECKED, rid, self._ended(message, stream, stream.killed, started))
+                yield Out(self.topics.forward or "", rid, self._ended(message, stream, stream.killed, started))
             return
         if isinstance(message, Chunk):
-            if message.seq < stream.next_in:
-                return  # a redelivered chunk
-            stream.next_in = message.seq + 1
-            step = self._guard.push(stream.check, message.text)
+            steps = [self._guard.push(stream.check, c.text) for c in stream.order.accept(message)]
         else:
-            step = self._guard.finish(stream.check)
-        if step.release:
-            stream.digest.update(step.release.encode())
-            yield Out(registry.CHECKED, rid, Chunk(id=rid, reply_to=message.reply_to, seq=stream.next_out, text=step.release))
-            stream.next_out += 1
-        if step.violation is not None and isinstance(message, Chunk):
-            # The kill switch: decode stops within a step and sends its terminal event, which becomes
-            # the content_filter error (with decode's usage and timings) when it arrives here.
-            stream.killed = step.violation
-            stream.spent_s += time.perf_counter() - started
-            yield Out(registry.CONTROL, rid, Cancel(id=rid, reason=CancelReason.output_guard, at=time.time()))
-        elif not isinstance(message, Chunk):
-            yield Out(registry.CHECKED, rid, self._ended(message, stream, step.violation, started))
+            steps = [self._guard.finish(stream.check)]
+        for step in steps:
+            if step.release:
+                stream.digest = digest_step(stream.digest, step.release)
+                yield Out(self.topics.forward or "", rid, Chunk(id=rid, reply_to=message.reply_to, seq=stream.next_out, text=step.release, tenant=message.tenant))
+                stream.next_out += 1
+            if step.violation is not None and isinstance(message, Chunk):
+                # The kill switch: decode stops within a step and sends its terminal event, which becomes
+                # the content_filter error (with decode's usage and timings) when it arrives here.
+                stream.killed = step.violation
+                stream.spent_s += time.perf_counter() - started
+                yield Out(self.topics.control, rid, Cancel(id=rid, reason=CancelReason.output_guard, at=time.time()))
+                return
+        if not isinstance(message, Chunk):
+            yield Out(self.topics.forward or "", rid, self._ended(message, stream, steps[0].violation, started))
         else:
             stream.spent_s += time.perf_counter() - started
 
@@ -107,14 +107,12 @@ class PostguardStage:
         ms = round((stream.spent_s + time.perf_counter() - started) * 1000.0, 3)
         timings = {**message.timings, self.name: ms}
         if violation is not None:
-            code = ErrorCode.content_filter
-            return Failed(
-                id=message.id, reply_to=message.reply_to, code=code, message=f"{violation}: the output guard stopped this answer",
-                retriable=retriable(code), chunks=stream.next_out, usage=message.usage, timings=timings,
-                tenant=message.tenant, model=message.model, created_at=message.created_at,
-            )
+            address = address_of(message)
+            assert address is not None
+            text = f"{violation}: the output guard stopped this answer"
+            return address.failed(ErrorCode.content_filter, text, chunks=stream.next_out, usage=message.usage, timings=timings)
         if isinstance(message, Done):
-            return msgspec.structs.replace(message, chunks=stream.next_out, digest=stream.digest.hexdigest(), timings=timings)
+            return msgspec.structs.replace(message, chunks=stream.next_out, digest=stream.digest, timings=timings)
         return msgspec.structs.replace(message, chunks=stream.next_out, timings=timings)
 
     def _finish(self, rid: str) -> None:

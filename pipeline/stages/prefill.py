@@ -1,57 +1,50 @@
-"""prefill: the context phase. Computes the prompt, sends the first token at once (time to first
-token), and hands decode the KV state by handle."""
+"""prefill: the context phase, for one pool. Computes the prompt, sends the first token at once (time to
+first token) as chunk 0, and hands decode the KV state by handle."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import msgspec
-
 from pipeline.backends.base import Backend
 from pipeline.backends.errors import BackendError
 from pipeline.errors import StageError
-from pipeline.stage import Out, Stopwatch
-from pipeline.stages.generation import digest, generation_request, to_wire
-from topics import registry
-from topics.envelope import Envelope
+from pipeline.stage import Out, Stopwatch, address_of
+from pipeline.stages.generation import generation_request, to_wire
+from pipeline.topology import Topics
 from topics.errors import ErrorCode
-from topics.stream import Chunk, Done, Usage
+from topics.hops import Prefilled, Routed, forward
+from topics.stream import EMPTY_DIGEST, FinishReason, Usage, digest_step
 
 
 class PrefillStage:
-    name = "prefill"
-    input_type = Envelope
+    input_type = Routed
     ordered = False
 
-    def __init__(self, backend: Backend, pool: str, worker: str = "0") -> None:
+    def __init__(self, backend: Backend, topics: Topics, name: str = "prefill", worker: str = "0") -> None:
+        self.name, self.topics = name, topics
         self._backend = backend
         self._worker = worker
-        self.input_topics = (registry.routed_topic(pool),)
 
-    async def handle(self, message: Envelope) -> AsyncIterator[Out]:
+    async def handle(self, message: Routed) -> AsyncIterator[Out]:
         clock = Stopwatch()
-        request = message.request
+        address = address_of(message)
+        assert address is not None
         try:
-            prefilled = await self._backend.prefill(generation_request(request))
+            prefilled = await self._backend.prefill(generation_request(message.request, message.id))
         except BackendError as exc:
-            raise StageError(exc.code, f"prefill failed: {exc}" if exc.code is ErrorCode.invalid_request else f"backend failed during prefill ({type(exc).__name__})") from exc
+            text = f"prefill failed: {exc}" if exc.code is ErrorCode.invalid_request else f"backend failed during prefill ({type(exc).__name__})"
+            raise StageError(exc.code, text) from exc
+        stream = self.topics.stream or ""
         if prefilled.first_text:
-            yield Out(registry.TOKENS, request.id, Chunk(id=request.id, reply_to=request.reply_to, seq=0, text=prefilled.first_text))
+            yield Out(stream, message.id, address.chunk(0, prefilled.first_text, (prefilled.first_token_id,)))
         timings = {**message.timings, self.name: clock.ms()}
         if prefilled.finish_reason is not None:  # the first token already ended it
-            done = Done(
-                id=request.id,
-                reply_to=request.reply_to,
-                chunks=1 if prefilled.first_text else 0,
-                digest=digest([prefilled.first_text]),
-                finish_reason=prefilled.finish_reason,
-                usage=Usage(prompt_tokens=prefilled.prompt_tokens, completion_tokens=1),
-                timings=timings,
-                tenant=request.tenant,
-                model=request.model,
-                created_at=request.created_at,
+            sent = bool(prefilled.first_text)
+            done = address.done(
+                chunks=int(sent), digest=digest_step(EMPTY_DIGEST, prefilled.first_text) if sent else EMPTY_DIGEST,
+                finish=FinishReason(prefilled.finish_reason), usage=Usage(prefilled.prompt_tokens, 1), timings=timings,
             )
-            yield Out(registry.TOKENS, request.id, done)
+            yield Out(stream, message.id, done)
             return
-        forward = msgspec.structs.replace(message, prefill=to_wire(prefilled, self._worker), timings=timings)
-        yield Out(registry.PREFILLED, request.id, forward)
+        handed = forward(message, Prefilled, prefill=to_wire(prefilled, self._worker), timings=timings)
+        yield Out(self.topics.forward or "", message.id, handed)

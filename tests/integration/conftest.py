@@ -16,13 +16,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
-from pipeline import kafka
 from pipeline import settings as settings_module
 from pipeline.backends.base import Backend
 from pipeline.runner import Runner
 from pipeline.settings import Settings
-from workers import topology
 
 ROOT = Path(__file__).resolve().parents[2]
 # Two checkouts (or two engineers) testing at once give each run its own ports: SLUICE_TEST_PORTS=K,R
@@ -68,7 +67,7 @@ async def stack(settings: Settings, backends: dict[str, Backend]) -> AsyncIterat
     """Every stage running against the real broker; yields the settings clients should use."""
     await kafka.create_topics(settings)
     stop = asyncio.Event()
-    runners = [Runner(stage, settings, instance="test") for stage in topology.build(list(topology.STAGES), settings, backends)]
+    runners = [Runner(stage, settings, instance="test") for stage in assemble.build(assemble.nodes_of(settings), settings, backends)]
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     ready = asyncio.gather(*(r.ready.wait() for r in runners))
     done, _ = await asyncio.wait([ready, *tasks], timeout=60, return_when=asyncio.FIRST_COMPLETED)

@@ -19,7 +19,7 @@ from pipeline.settings import Settings
 from tests.integration.conftest import GUARDRAILS_BLOCKED
 from topics import codec, registry
 from topics.control import Cancel, CancelReason
-from topics.envelope import Envelope
+from topics.hops import Admitted
 from topics.errors import ErrorCode
 from topics.stream import Chunk, Failed, StreamEvent
 
@@ -94,7 +94,7 @@ async def test_pii_is_redacted_before_the_model_sees_it(stack: Settings) -> None
         async with Client(stack) as client:
             stream = client.stream(messages=[{"role": "user", "content": "Repeat this address: jane.doe@example.org"}], max_tokens=24)
             text = "".join([c.text async for c in stream])
-        [envelope] = await _collect(guarded, stream.id, lambda m: True, decode_as=Envelope)
+        [envelope] = await _collect(guarded, stream.id, lambda m: True, decode_as=Admitted)
     finally:
         await guarded.stop()
     assert envelope.request.messages[0].content == "Repeat this address: <EMAIL_1>"

@@ -13,13 +13,20 @@ from aiokafka import AIOKafkaProducer
 from pipeline import kafka
 from pipeline.sdk import Client, RequestFailed
 from pipeline.settings import Settings
-from pipeline.stages.generation import digest
 from topics import codec, registry
 from topics.dlq import DeadLetter
 from topics.errors import ErrorCode
-from topics.stream import Chunk, Done, Failed, StreamEvent
+from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, StreamEvent, digest_step
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def digest(texts: list[str]) -> str:
+    value = EMPTY_DIGEST
+    for text in texts:
+        value = digest_step(value, text)
+    return value
+
 HELLO = [{"role": "user", "content": "Say hello in five words."}]
 
 
@@ -32,7 +39,8 @@ async def test_one_request_streams_numbered_chunks_to_one_done(stack: Settings) 
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     assert done.chunks == len(chunks) and done.digest == digest([c.text for c in chunks])
     assert 0 < done.usage.completion_tokens <= 12 and done.usage.prompt_tokens > 5
-    assert {"ingest", "route", "prefill", "decode", "emit", "total"} <= set(done.timings)
+    assert {"ingest", "route", "prefill.local", "decode.local", "emit", "total"} <= set(done.timings)
+    assert done.id == f"default/{stream.id}" and done.tenant == "default"
 
 
 async def test_twenty_concurrent_requests_all_finish_without_gaps(stack: Settings) -> None:
@@ -75,7 +83,7 @@ async def test_a_malformed_message_is_dead_lettered_and_its_request_gets_an_erro
     replies = await kafka.broadcast_consumer(stack, ("llm.responses.sdk",), "test-replies")
     producer = AIOKafkaProducer(bootstrap_servers=stack.kafka.bootstrap)
     await producer.start()
-    body = b'{"kind":"request.v1","id":"%s","reply_to":"llm.responses.sdk","model":7}' % rid.encode()
+    body = b'{"kind":"request.v2","id":"%s","reply_to":"llm.responses.sdk","model":7}' % rid.encode()
     try:
         await producer.send_and_wait(registry.REQUESTS, body, key=rid.encode())
     finally:
@@ -84,7 +92,7 @@ async def test_a_malformed_message_is_dead_lettered_and_its_request_gets_an_erro
     letter = await _read_until(dlq, lambda r: codec.decode(r.value, DeadLetter) if r.key == rid.encode() else None)
     await dlq.stop()
     await replies.stop()
-    assert isinstance(terminal, Failed) and terminal.code is ErrorCode.internal and terminal.id == rid
+    assert isinstance(terminal, Failed) and terminal.code is ErrorCode.invalid_request and terminal.id == rid
     assert letter.stage == "ingest" and letter.topic == registry.REQUESTS and letter.error_type == "SchemaError"
     assert "$.model" in letter.error and letter.payload_bytes == len(body)
 
@@ -98,7 +106,7 @@ async def test_abandoning_a_stream_cancels_decode(stack: Settings) -> None:
                 seen += 1
                 if seen == 3:
                     break
-        rid = stream.id
+        rid = f"default/{stream.id}"
     terminal = await _read_until(
         watch,
         lambda r: e if r.key == rid.encode() and not isinstance(e := codec.decode(r.value, StreamEvent), Chunk) else None,

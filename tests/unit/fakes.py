@@ -30,8 +30,9 @@ class ScriptedBackend:
         return Prefilled("h-" + request.request_id, 0, self.words[0], self.count_prompt_tokens(request), done)
 
     async def decode(self, request: GenerationRequest, prefilled: Prefilled) -> AsyncIterator[Delta]:
+        """Word i is token i; a resumed request goes on after its resume tokens and `prefilled`'s token."""
         limit = min(request.max_tokens, len(self.words))
-        for i in range(1, limit):
+        for i in range(len(request.resume_token_ids) + 1, limit):
             await asyncio.sleep(self.step_s)
             if request.request_id in self.cancelled:
                 raise Cancelled(request.request_id)
@@ -51,5 +52,11 @@ class ScriptedBackend:
 
 
 async def run_handler(stage: Stage, message: Any) -> list[Out]:
-    """The testing sink: every message the handler yields for `message`, in order."""
-    return [out async for out in stage.handle(message)]
+    """The testing sink: every message the handler yields for `message`, in order, each acknowledged
+    (its `acked` run) as the runner would once the broker acknowledged it."""
+    outs = []
+    async for out in stage.handle(message):
+        outs.append(out)
+        if out.acked is not None:
+            await out.acked()
+    return outs

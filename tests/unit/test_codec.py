@@ -3,13 +3,14 @@ import pytest
 from tests.unit.helpers import request
 from topics import codec
 from topics.requests import Request
-from topics.stream import Chunk, Done, Failed, StreamEvent, Usage
+from topics.stream import Chunk, Done, Failed, FinishReason, StreamEvent, Usage
 
 
 def test_round_trips_every_stream_event_through_the_union() -> None:
     events = [
-        Chunk(id="a", reply_to="llm.responses.sdk", seq=0, text="hi"),
-        Done(id="a", reply_to="llm.responses.sdk", chunks=1, digest="x", finish_reason="stop", usage=Usage(1, 1)),
+        Chunk(id="t/a", reply_to="llm.responses.sdk", seq=0, text="hi", tenant="t", token_ids=(5,)),
+        Done(id="t/a", reply_to="llm.responses.sdk", chunks=1, digest="x", finish_reason=FinishReason.stop, usage=Usage(1, 1),
+             tenant="t", model="m", created_at=1.0),
     ]
     for event in events:
         assert codec.decode(codec.encode(event), StreamEvent) == event
@@ -19,6 +20,12 @@ def test_round_trips_every_stream_event_through_the_union() -> None:
 def test_invalid_payloads_raise_a_schema_error(payload: bytes) -> None:
     with pytest.raises(codec.SchemaError):
         codec.decode(payload, Request)
+
+
+def test_an_older_version_is_refused_with_a_reason_that_says_so() -> None:
+    v1 = codec.encode(request()).replace(b'"request.v2"', b'"request.v1"')
+    with pytest.raises(codec.SchemaError, match="version"):
+        codec.decode(v1, Request)
 
 
 def test_schema_errors_name_the_field_not_the_value() -> None:

@@ -1,54 +1,97 @@
+"""emit: each chunk once and in order, one terminal event, one usage record, and progress that
+survives the worker (a successor with the same store repeats nothing)."""
+
 import pytest
 
 from pipeline.errors import Undeliverable
 from pipeline.stages.emit import EmitStage
+from pipeline.state import MemoryStateStore
 from tests.unit.fakes import run_handler
-from tests.unit.helpers import SETTINGS
+from tests.unit.helpers import SETTINGS, node
 from topics import registry
 from topics.errors import ErrorCode
-from topics.stream import Chunk, Done, Failed, Usage
+from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, Usage, digest_step
 from topics.usage import UsageRecord
 
 REPLY = "llm.responses.sdk"
+RID = "acme/r1"
+EMIT = node("emit")
+
+
+def emit(store: MemoryStateStore | None = None) -> EmitStage:
+    return EmitStage(SETTINGS, EMIT.topics, store)
 
 
 def chunk(seq: int) -> Chunk:
-    return Chunk(id="r1", reply_to=REPLY, seq=seq, text=f"t{seq}")
+    return Chunk(id=RID, reply_to=REPLY, seq=seq, text=f"t{seq}", tenant="acme")
 
 
 def done(chunks: int = 2) -> Done:
-    return Done(id="r1", reply_to=REPLY, chunks=chunks, digest="d", finish_reason="stop", usage=Usage(3, 2), timings={"decode": 5.0}, created_at=1.0)
+    return Done(id=RID, reply_to=REPLY, chunks=chunks, digest="d", finish_reason=FinishReason.stop, usage=Usage(3, 2),
+                tenant="acme", model="m", created_at=1.0, timings={"decode": 5.0})
+
+
+def failed(code: ErrorCode = ErrorCode.internal) -> Failed:
+    return Failed(id=RID, reply_to=REPLY, code=code, message="x", retriable=True, tenant="acme", model="m", created_at=1.0)
+
+
+async def replies(stage: EmitStage, *messages: object) -> list[object]:
+    return [o.value for m in messages for o in await run_handler(stage, m) if o.topic == REPLY]
 
 
 @pytest.mark.asyncio
 async def test_forwards_chunks_then_one_terminal_and_a_usage_record() -> None:
-    stage = EmitStage(SETTINGS)
+    stage = emit()
     outs = [o for m in (chunk(0), chunk(1), done()) for o in await run_handler(stage, m)]
     assert [o.topic for o in outs] == [REPLY, REPLY, REPLY, registry.USAGE]
     terminal, usage = outs[2].value, outs[3].value
     assert isinstance(terminal, Done) and {"decode", "emit", "total"} <= set(terminal.timings)
+    assert terminal.digest == digest_step(digest_step(EMPTY_DIGEST, "t0"), "t1")  # of what the client got
     assert isinstance(usage, UsageRecord) and usage.outcome == "done" and usage.completion_tokens == 2
+    assert outs[3].key == "acme"
 
 
 @pytest.mark.asyncio
 async def test_drops_redelivered_chunks_and_terminals() -> None:
-    stage = EmitStage(SETTINGS)
-    sent = []
-    for message in (chunk(0), chunk(1), chunk(0), chunk(1), done(), chunk(1), done()):
-        sent += [o.value for o in await run_handler(stage, message) if o.topic == REPLY]
+    sent = await replies(emit(), chunk(0), chunk(1), chunk(0), chunk(1), done(), chunk(1), done())
     assert [getattr(m, "seq", "end") for m in sent] == [0, 1, "end"]
 
 
 @pytest.mark.asyncio
+async def test_an_early_chunk_waits_for_the_missing_one() -> None:
+    sent = await replies(emit(), chunk(0), chunk(2), chunk(1), done(3))
+    assert [getattr(m, "seq", "end") for m in sent] == [0, 1, 2, "end"]
+    assert isinstance(sent[-1], Done)
+
+
+@pytest.mark.asyncio
+async def test_a_gap_at_the_end_is_an_error_not_a_holey_answer() -> None:
+    sent = await replies(emit(), chunk(0), chunk(2), done(3))
+    assert [getattr(m, "seq", "end") for m in sent] == [0, "end"]
+    assert isinstance(sent[-1], Failed) and sent[-1].code is ErrorCode.stream_incomplete and sent[-1].chunks == 1
+
+
+@pytest.mark.asyncio
+async def test_a_successor_repeats_neither_chunks_nor_the_terminal_nor_usage() -> None:
+    store = MemoryStateStore()
+    first = await replies(emit(store), chunk(0), chunk(1))
+    second = emit(store)  # the first worker died; its successor re-reads the partition from an older offset
+    outs = [o for m in (chunk(0), chunk(1), chunk(2), done(3)) for o in await run_handler(second, m)]
+    assert [getattr(o.value, "seq", "end") for o in outs if o.topic == REPLY] == [2, "end"]
+    assert len(first) == 2 and outs[-1].topic == registry.USAGE
+    third = emit(store)
+    assert [o for m in (chunk(2), done(3)) for o in await run_handler(third, m)] == []
+
+
+@pytest.mark.asyncio
 async def test_an_early_error_counts_the_chunks_emit_saw() -> None:
-    stage = EmitStage(SETTINGS)
+    stage = emit()
     await run_handler(stage, chunk(0))
-    failed = Failed(id="r1", reply_to=REPLY, code=ErrorCode.internal, message="x", retriable=True)
-    outs = await run_handler(stage, failed)
+    outs = await run_handler(stage, failed())
     assert outs[0].value.chunks == 1 and outs[1].value.outcome == "internal"
 
 
 @pytest.mark.asyncio
 async def test_refuses_to_write_to_an_unconfigured_topic() -> None:
     with pytest.raises(Undeliverable):
-        await run_handler(EmitStage(SETTINGS), Chunk(id="r1", reply_to=registry.REQUESTS, seq=0, text="x"))
+        await run_handler(emit(), Chunk(id=RID, reply_to=registry.REQUESTS, seq=0, text="x", tenant="acme"))

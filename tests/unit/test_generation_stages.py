@@ -1,4 +1,5 @@
-"""prefill and decode over a scripted backend: numbering, terminal events, cancellation."""
+"""prefill and decode over a scripted backend: numbering, terminal events, cancellation, and a stream
+that survives its decode worker (resume from the state store, fencing of a replaced worker)."""
 
 import asyncio
 import time
@@ -6,80 +7,139 @@ import time
 import pytest
 
 from pipeline.stages.decode import DecodeStage
-from pipeline.stages.generation import digest
+from pipeline.stages.generation import generation_request
 from pipeline.stages.prefill import PrefillStage
+from pipeline.state import MemoryStateStore
 from tests.unit.fakes import ScriptedBackend, run_handler
-from tests.unit.helpers import request, routed
-from topics import registry
+from tests.unit.helpers import node, request, routed
 from topics.control import Cancel, CancelReason
-from topics.envelope import Envelope
 from topics.errors import ErrorCode
-from topics.requests import Sampling
-from topics.stream import Chunk, Done, Failed
+from topics.hops import Prefilled
+from topics.requests import Priority, Sampling
+from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, digest_step
 
 WORDS = ["Hello", " there", ",", " friend", "."]
+PREFILL, DECODE = node("prefill"), node("decode")
 
 
-async def prefill_then_decode(backend: ScriptedBackend, req_overrides: dict[str, object] | None = None) -> list[object]:
-    outs = await run_handler(PrefillStage(backend, "local"), routed(request(**(req_overrides or {}))))
-    forwarded = [o.value for o in outs if o.topic == registry.PREFILLED]
-    events = [o.value for o in outs if o.topic == registry.TOKENS]
-    for envelope in forwarded:
-        events += [o.value for o in await run_handler(DecodeStage(backend), envelope)]
+def chain(texts: list[str]) -> str:
+    digest = EMPTY_DIGEST
+    for text in texts:
+        digest = digest_step(digest, text)
+    return digest
+
+
+def decode_stage(backend: ScriptedBackend, store: MemoryStateStore | None = None) -> DecodeStage:
+    return DecodeStage(backend, DECODE.topics, store if store is not None else MemoryStateStore(), name=DECODE.name)
+
+
+async def prefilled(backend: ScriptedBackend, **overrides: object) -> Prefilled:
+    outs = await run_handler(PrefillStage(backend, PREFILL.topics, name=PREFILL.name), routed(request(**overrides)))
+    [handed] = [o.value for o in outs if o.topic == PREFILL.topics.forward]
+    assert isinstance(handed, Prefilled)
+    return handed
+
+
+async def prefill_then_decode(backend: ScriptedBackend, **overrides: object) -> list[object]:
+    outs = await run_handler(PrefillStage(backend, PREFILL.topics, name=PREFILL.name), routed(request(**overrides)))
+    events = [o.value for o in outs if o.topic == PREFILL.topics.stream]
+    for handed in [o.value for o in outs if o.topic == PREFILL.topics.forward]:
+        events += [o.value for o in await run_handler(decode_stage(backend), handed)]
     return events
 
 
 @pytest.mark.asyncio
 async def test_prefill_sends_the_first_token_and_a_handle() -> None:
-    outs = await run_handler(PrefillStage(ScriptedBackend(WORDS), "local"), routed(request()))
-    assert [o.topic for o in outs] == [registry.TOKENS, registry.PREFILLED]
-    assert outs[0].value == Chunk(id="r1", reply_to="llm.responses.sdk", seq=0, text="Hello")
-    envelope = outs[1].value
-    assert isinstance(envelope, Envelope) and envelope.prefill is not None
-    assert envelope.prefill.handle == "h-r1" and "prefill" in envelope.timings
+    outs = await run_handler(PrefillStage(ScriptedBackend(WORDS), PREFILL.topics), routed(request()))
+    assert [o.topic for o in outs] == ["llm.tokens", "llm.prefilled.local"]
+    assert outs[0].value == Chunk(id="default/r1", reply_to="llm.responses.sdk", seq=0, text="Hello", tenant="default", token_ids=(0,))
+    handed = outs[1].value
+    assert isinstance(handed, Prefilled) and handed.prefill.handle == "h-default/r1" and "prefill" in handed.timings
 
 
 @pytest.mark.asyncio
 async def test_chunks_are_numbered_without_gaps_and_end_in_one_done() -> None:
     events = await prefill_then_decode(ScriptedBackend(WORDS))
     chunks, terminal = events[:-1], events[-1]
-    assert [c.seq for c in chunks] == list(range(len(WORDS)))
+    assert [c.seq for c in chunks] == list(range(len(WORDS)))  # type: ignore[attr-defined]
+    assert all(c.tenant == "default" and c.token_ids for c in chunks)  # type: ignore[attr-defined]
     assert isinstance(terminal, Done)
-    assert terminal.chunks == len(WORDS) and terminal.finish_reason == "stop"
-    assert terminal.digest == digest(WORDS)
+    assert terminal.chunks == len(WORDS) and terminal.finish_reason is FinishReason.stop
+    assert terminal.digest == chain(WORDS)
     assert terminal.usage.completion_tokens == len(WORDS)
-    assert set(terminal.timings) >= {"ingest", "prefill", "decode"}
+    assert set(terminal.timings) >= {"ingest", "prefill.local", "decode.local"}
 
 
 @pytest.mark.asyncio
 async def test_max_tokens_ends_with_length() -> None:
-    events = await prefill_then_decode(ScriptedBackend(WORDS), {"sampling": Sampling(max_tokens=3)})
+    events = await prefill_then_decode(ScriptedBackend(WORDS), sampling=Sampling(max_tokens=3))
     assert isinstance(events[-1], Done)
-    assert events[-1].finish_reason == "length" and events[-1].usage.completion_tokens == 3
+    assert events[-1].finish_reason is FinishReason.length and events[-1].usage.completion_tokens == 3
 
 
 @pytest.mark.asyncio
 async def test_a_first_token_that_ends_the_request_skips_decode() -> None:
-    outs = await run_handler(PrefillStage(ScriptedBackend(WORDS), "local"), routed(request(sampling=Sampling(max_tokens=1))))
+    outs = await run_handler(PrefillStage(ScriptedBackend(WORDS), PREFILL.topics), routed(request(sampling=Sampling(max_tokens=1))))
     assert [type(o.value) for o in outs] == [Chunk, Done]
+
+
+@pytest.mark.asyncio
+async def test_a_takeover_resumes_after_the_last_acknowledged_chunk() -> None:
+    """Worker A dies after three chunks were acknowledged; B continues from there: no chunk twice."""
+    backend, store = ScriptedBackend(WORDS), MemoryStateStore()
+    handed = await prefilled(backend)
+    first = decode_stage(backend, store)
+    stream = first.handle(handed)
+    for _ in range(2):  # chunks 1 and 2, acknowledged
+        out = await anext(stream)
+        assert out.acked is not None
+        await out.acked()
+    await stream.aclose()  # killed here
+    rest = [o.value for o in await run_handler(decode_stage(backend, store), handed)]
+    assert [c.seq for c in rest[:-1]] == [3, 4]  # type: ignore[attr-defined]
+    assert "".join(c.text for c in rest[:-1]) == " friend."  # type: ignore[attr-defined]
+    assert isinstance(rest[-1], Done) and rest[-1].chunks == 5 and rest[-1].digest == chain(WORDS)
+    assert rest[-1].usage.completion_tokens == len(WORDS)
+
+
+@pytest.mark.asyncio
+async def test_a_replaced_worker_stops_without_a_terminal_event() -> None:
+    backend, store = ScriptedBackend(WORDS * 4, step_s=0.001), MemoryStateStore()
+    handed = await prefilled(backend, sampling=Sampling(max_tokens=20))
+    paused = decode_stage(backend, store)
+    stream = paused.handle(handed)
+    out = await anext(stream)
+    await decode_stage(backend, store)._store.take(handed.id, "decode.local:successor")  # the successor took over
+    assert out.acked is not None
+    await out.acked()  # the paused worker learns it is fenced when it records progress
+    later = [o.value async for o in stream]
+    assert not any(isinstance(e, Done | Failed) for e in later)
+
+
+@pytest.mark.asyncio
+async def test_a_finished_request_is_not_generated_again() -> None:
+    backend, store = ScriptedBackend(WORDS), MemoryStateStore()
+    handed = await prefilled(backend)
+    await run_handler(decode_stage(backend, store), handed)
+    assert await run_handler(decode_stage(backend, store), handed) == []  # a redelivery
 
 
 @pytest.mark.asyncio
 async def test_a_cancellation_stops_decode_within_a_step() -> None:
     backend = ScriptedBackend(WORDS * 20, step_s=0.01)
-    stage = DecodeStage(backend)
-    [_, forward] = await run_handler(PrefillStage(backend, "local"), routed(request(sampling=Sampling(max_tokens=100))))
+    stage = decode_stage(backend)
+    handed = await prefilled(backend, sampling=Sampling(max_tokens=100))
     events: list[object] = []
 
     async def consume() -> None:
-        async for out in stage.handle(forward.value):
+        async for out in stage.handle(handed):
             events.append(out.value)
 
     task = asyncio.create_task(consume())
     await asyncio.sleep(0.05)
-    await stage.on_control(Cancel(id="r1", reason=CancelReason.client_gone, at=time.time()))
+    await stage.on_control(Cancel(id="r1", reason=CancelReason.client_gone, at=time.time()))  # by the client's id
     await task
-    steps_at_cancel = backend.steps["r1"]
+    steps_at_cancel = backend.steps["default/r1"]
     assert isinstance(events[-1], Failed) and events[-1].code is ErrorCode.cancelled
     assert events[-1].chunks == len(events) - 1 + 1  # the prefill chunk plus decode's
     assert steps_at_cancel < 100 - 1
@@ -89,17 +149,20 @@ async def test_a_cancellation_stops_decode_within_a_step() -> None:
 @pytest.mark.asyncio
 async def test_a_cancellation_that_arrives_before_decode_is_honoured() -> None:
     backend = ScriptedBackend(WORDS)
-    stage = DecodeStage(backend)
-    [_, forward] = await run_handler(PrefillStage(backend, "local"), routed(request()))
-    await stage.on_control(Cancel(id="r1", reason=CancelReason.output_guard, at=time.time()))
-    [out] = await run_handler(stage, forward.value)
+    stage = decode_stage(backend)
+    handed = await prefilled(backend)
+    await stage.on_control(Cancel(id="default/r1", reason=CancelReason.output_guard, at=time.time()))
+    [out] = await run_handler(stage, handed)
     assert isinstance(out.value, Failed) and out.value.code is ErrorCode.content_filter
-    assert "r1" not in backend.steps
+    assert "default/r1" not in backend.steps
 
 
 def test_an_unseeded_request_samples_reproducibly_by_its_id() -> None:
-    from pipeline.stages.generation import generation_request
-
-    first, again, other = generation_request(request("a")), generation_request(request("a")), generation_request(request("b"))
+    first, again, other = (generation_request(request("a"), "t/a"), generation_request(request("a"), "t/a"),
+                           generation_request(request("b"), "t/b"))
     assert first.seed is not None and first.seed == again.seed != other.seed
-    assert generation_request(request("a", sampling=Sampling(seed=7))).seed == 7
+    assert generation_request(request("a", sampling=Sampling(seed=7)), "t/a").seed == 7
+
+
+def test_priority_reaches_the_backend() -> None:
+    assert generation_request(request("a", priority=Priority.batch), "t/a").priority == "batch"

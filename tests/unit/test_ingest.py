@@ -4,21 +4,41 @@ import pytest
 from pipeline.errors import StageError, Undeliverable
 from pipeline.stages.ingest import IngestStage
 from tests.unit.fakes import run_handler
-from tests.unit.helpers import SETTINGS, request
+from tests.unit.helpers import SETTINGS, node, request
 from topics import registry
-from topics.envelope import Envelope
 from topics.errors import ErrorCode
+from topics.hops import Admitted
 from topics.requests import ChatMessage, Sampling
 
-STAGE = IngestStage(SETTINGS)
+INGEST = node("ingest")
+STAGE = IngestStage(SETTINGS, INGEST.topics)
 
 
 @pytest.mark.asyncio
 async def test_admits_a_valid_request_with_its_timing() -> None:
-    [out] = await run_handler(STAGE, request())
-    assert out.topic == registry.ADMITTED and out.key == "r1"
-    assert isinstance(out.value, Envelope)
+    [out] = await run_handler(STAGE, request("admit-me"))
+    assert out.topic == registry.ADMITTED and out.key == "default/admit-me"
+    assert isinstance(out.value, Admitted) and out.value.id == "default/admit-me"
+    assert out.value.tenant == "default" and out.value.request.api_key is None
     assert out.value.principal == "default" and "ingest" in out.value.timings
+
+
+@pytest.mark.asyncio
+async def test_the_id_is_namespaced_by_the_authenticated_tenant_not_the_claim() -> None:
+    [out] = await run_handler(IngestStage(SETTINGS, INGEST.topics), request("x1", tenant="victim"))
+    assert out.value.id == "default/x1" and out.value.tenant == "default"
+
+
+@pytest.mark.asyncio
+async def test_a_reused_id_with_other_content_is_refused_and_a_redelivery_is_not() -> None:
+    stage = IngestStage(SETTINGS, INGEST.topics)
+    first = request("same")
+    await run_handler(stage, first)
+    [again] = await run_handler(stage, first)  # the same record delivered twice
+    assert again.value.id == "default/same"
+    with pytest.raises(StageError) as refused:
+        await run_handler(stage, request("same", messages=(ChatMessage(role="user", content="other"),)))
+    assert refused.value.code is ErrorCode.invalid_request
 
 
 @pytest.mark.parametrize(

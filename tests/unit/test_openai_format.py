@@ -227,7 +227,7 @@ def test_models_are_an_openai_list() -> None:
     ],
 )
 def test_a_failed_event_becomes_an_openai_error_with_its_status(code: ErrorCode, status: int, type_: str) -> None:
-    failed = Failed(id="r1", reply_to="llm.responses.bridge", code=code, message="nope", retriable=False)
+    failed = Failed(id="t/r1", reply_to="llm.responses.bridge", code=code, message="nope", retriable=False, tenant="t", model="m", created_at=1.0)
     assert failed_error(failed) == (status, {"error": {"message": "nope", "type": type_, "param": None, "code": code.value}})
 
 

@@ -15,7 +15,7 @@ from pipeline.metrics import GATEWAY_DEGRADED
 from tests.unit.gateway.helpers import rig
 from tests.unit.helpers import MODEL, request
 from topics.errors import ErrorCode
-from topics.stream import Done, Usage
+from topics.stream import FinishReason, Done, Usage
 
 pytestmark = pytest.mark.asyncio
 
@@ -128,8 +128,8 @@ async def test_tokens_per_minute_count_prompts_at_admission_and_completions_at_t
     r = rig(chars_per_token=1)
     raw, _ = await r.keys.create("acme", tpm=100)
     forwarded, _ = await r.gateway.admit(request("a", api_key=raw))  # "hello there": 11 tokens estimated
-    await r.gateway.finish(Done(id="a", reply_to="x", chunks=1, digest="", finish_reason="stop",
-                                usage=Usage(prompt_tokens=11, completion_tokens=85), tenant="acme", model=MODEL))
+    await r.gateway.finish(Done(id="acme/a", reply_to="x", chunks=1, digest="", finish_reason=FinishReason.stop,
+                                usage=Usage(prompt_tokens=11, completion_tokens=85), tenant="acme", model=MODEL, created_at=1.0))
     error = await refusal(r.gateway.admit(request("b", api_key=raw)))
     assert error.code is ErrorCode.rate_limited and error.rate_limit is not None and error.rate_limit.resource == "tokens"
     big = await refusal(r.gateway.admit(request("c", api_key=raw, prompt="x" * 101, messages=())))
@@ -140,8 +140,8 @@ async def test_budgets_refuse_once_spend_reaches_them() -> None:
     r = rig(prices={MODEL: ModelPrice(prompt_per_1k=1.0, completion_per_1k=2.0)})
     raw, record = await r.keys.create("acme", budget=0.5)
     await r.gateway.admit(request("a", api_key=raw))
-    done = Done(id="a", reply_to="x", chunks=1, digest="", finish_reason="stop",
-                usage=Usage(prompt_tokens=100, completion_tokens=200), model=MODEL)
+    done = Done(id="acme/a", reply_to="x", chunks=1, digest="", finish_reason=FinishReason.stop,
+                usage=Usage(prompt_tokens=100, completion_tokens=200), tenant="acme", model=MODEL, created_at=1.0)
     await r.gateway.finish(done)
     await r.gateway.finish(done)  # charged once
     assert await r.limiter.spent(Scope("key", record.key_id)) == pytest.approx(0.5)
@@ -175,4 +175,5 @@ async def test_redis_down_follows_the_failure_mode_and_is_counted(mode: str) -> 
         error = await refusal(r.gateway.admit(request(api_key=raw)))
         assert error.code is ErrorCode.unavailable and error.retriable
     assert GATEWAY_DEGRADED.labels("limit", mode)._value.get() == before + 1
-    await r.gateway.finish(Done(id="r1", reply_to="x", chunks=0, digest="", finish_reason="stop", usage=Usage()))
+    await r.gateway.finish(Done(id="acme/r1", reply_to="x", chunks=0, digest="", finish_reason=FinishReason.stop, usage=Usage(),
+                                tenant="acme", model=MODEL, created_at=1.0))

@@ -14,28 +14,29 @@ from pipeline.guard.loader import InputGuard
 from pipeline.settings import Settings
 from pipeline.stages.guard import GuardStage
 from tests.unit.fakes import run_handler
-from tests.unit.helpers import request
+from tests.unit.helpers import node, request
 from topics import registry
-from topics.envelope import Envelope
+from topics.hops import Admitted, request_key
 from topics.errors import ErrorCode, http_status
 from topics.requests import ChatMessage
 
 pytestmark = pytest.mark.asyncio
 
 
-def admitted(*contents: str, tenant: str = "default", system: str | None = None) -> Envelope:
+def admitted(*contents: str, tenant: str = "default", system: str | None = None) -> Admitted:
     messages = ((ChatMessage("system", system),) if system else ()) + tuple(ChatMessage("user", c) for c in contents)
-    return Envelope(request=request(messages=messages, tenant=tenant), principal=tenant, admitted_at=time.time(), timings={"ingest": 0.1})
+    req = request(messages=messages, tenant=tenant)
+    return Admitted(id=request_key(tenant, req.id), request=req, tenant=tenant, principal=tenant, admitted_at=time.time(), timings={"ingest": 0.1})
 
 
 def stage(guard: InputGuard, **settings: object) -> GuardStage:
-    return GuardStage(Settings(guard=GuardSettings(**settings)), guard)  # type: ignore[arg-type]
+    return GuardStage(Settings(guard=GuardSettings(**settings)), guard, node("guard").topics)  # type: ignore[arg-type]
 
 
 async def test_an_ordinary_request_passes_unchanged_to_llm_guarded(input_guard: InputGuard) -> None:
     envelope = admitted("What is the capital of France?")
     [out] = await run_handler(stage(input_guard), envelope)
-    assert out.topic == registry.GUARDED and out.key == envelope.request.id
+    assert out.topic == registry.GUARDED and out.key == envelope.id
     assert out.value.request == envelope.request
     assert set(out.value.timings) == {"ingest", "guard"}
 

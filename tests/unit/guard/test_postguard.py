@@ -2,32 +2,33 @@
 
 from __future__ import annotations
 
-import hashlib
+
 
 import pytest
 
 from pipeline.guard.config import GuardSettings
 from pipeline.stages.postguard import PostguardStage
 from tests.unit.fakes import run_handler
+from tests.unit.helpers import node
 from topics import registry
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
-from topics.stream import Chunk, Done, Failed, Usage
+from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, Usage, digest_step
 
 pytestmark = pytest.mark.asyncio
 REPLY = "llm.responses.sdk"
 
 
 def stage(make_output_guard, **settings: object) -> PostguardStage:  # type: ignore[no-untyped-def]
-    return PostguardStage(GuardSettings(**settings), make_output_guard(**settings))  # type: ignore[arg-type]
+    return PostguardStage(GuardSettings(**settings), make_output_guard(**settings), node("postguard").topics)  # type: ignore[arg-type]
 
 
 def chunk(seq: int, text: str, rid: str = "r1") -> Chunk:
-    return Chunk(id=rid, reply_to=REPLY, seq=seq, text=text)
+    return Chunk(id=rid, reply_to=REPLY, seq=seq, text=text, tenant="t1")
 
 
 def done(chunks: int, rid: str = "r1") -> Done:
-    return Done(id=rid, reply_to=REPLY, chunks=chunks, digest="x", finish_reason="stop", usage=Usage(5, chunks), timings={"decode": 1.0}, tenant="t1")
+    return Done(id=rid, reply_to=REPLY, chunks=chunks, digest="x", finish_reason=FinishReason.stop, usage=Usage(5, chunks), timings={"decode": 1.0}, tenant="t1", model="m", created_at=1.0)
 
 
 async def feed(guard: PostguardStage, words: list[str], end: Done | Failed | None = None) -> list:  # type: ignore[type-arg]
@@ -56,7 +57,10 @@ async def test_holds_back_the_newest_chunks_then_releases_all_with_the_terminal_
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     terminal = outs[-1].value
     assert isinstance(terminal, Done) and terminal.chunks == len(chunks)
-    assert terminal.digest == hashlib.sha256("".join(words).encode()).hexdigest()
+    digest = EMPTY_DIGEST
+    for word in words:
+        digest = digest_step(digest, word)
+    assert terminal.digest == digest
     assert "postguard" in terminal.timings and terminal.tenant == "t1"
     assert all(o.topic == registry.CHECKED for o in outs)
 
@@ -83,7 +87,7 @@ async def test_a_blocklisted_phrase_fires_the_kill_switch(make_output_guard) -> 
     cancels = [o for o in outs if o.topic == registry.CONTROL]
     assert len(cancels) == 1 and cancels[0].value == Cancel(id="r1", reason=CancelReason.output_guard, at=cancels[0].value.at)
     # decode stops and ends with its own content_filter event; postguard sends the one terminal event
-    decode_end = Failed(id="r1", reply_to=REPLY, code=ErrorCode.content_filter, message="generation stopped", retriable=False, chunks=9, usage=Usage(5, 9), tenant="t1")
+    decode_end = Failed(id="r1", reply_to=REPLY, code=ErrorCode.content_filter, message="generation stopped", retriable=False, chunks=9, usage=Usage(5, 9), tenant="t1", model="m", created_at=1.0)
     [end] = await run_handler(guard, decode_end)
     assert end.topic == registry.CHECKED and isinstance(end.value, Failed)
     assert end.value.code is ErrorCode.content_filter and end.value.message.startswith("blocklist:")
@@ -133,7 +137,7 @@ async def test_a_stream_met_midway_ends_with_a_retriable_error(make_output_guard
 
 async def test_an_upstream_error_flushes_the_checked_text_first(make_output_guard) -> None:  # type: ignore[no-untyped-def]
     guard = stage(make_output_guard, holdback_tokens=8)
-    upstream = Failed(id="r1", reply_to=REPLY, code=ErrorCode.cancelled, message="client gone", retriable=False, chunks=2)
+    upstream = Failed(id="r1", reply_to=REPLY, code=ErrorCode.cancelled, message="client gone", retriable=False, chunks=2, tenant="t1", model="m", created_at=1.0)
     outs = await feed(guard, ["one ", "two "], upstream)
     assert texts(outs) == "one two "
     assert isinstance(outs[-1].value, Failed) and outs[-1].value.code is ErrorCode.cancelled and outs[-1].value.chunks == 1

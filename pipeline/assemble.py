@@ -1,0 +1,68 @@
+"""Builds the stage objects of the nodes a process runs (`pipeline.topology` says which and with which
+topics). The guards import Presidio, spaCy and onnxruntime (seconds, hundreds of MB): only a process
+that runs a guard stage imports them, and loads their models here, once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pipeline.backends.base import Backend
+from pipeline.gateway.build import redis_client, redis_gateway
+from pipeline.settings import Settings
+from pipeline.stage import Stage
+from pipeline.state import MemoryStateStore, RedisStateStore, StateStore
+from pipeline.topology import Node, graph, select
+
+
+def nodes_of(settings: Settings, names: list[str] | None = None) -> list[Node]:
+    """The deployment's nodes (its profile and pools), or those of them named (by kind or name)."""
+    nodes = graph(settings.stages, settings.pools)
+    return nodes if names is None else select(nodes, names)
+
+
+def state_store(settings: Settings) -> StateStore:
+    if settings.state.store == "memory":
+        return MemoryStateStore(settings.state.ttl_s)
+    return RedisStateStore(redis_client(settings), ttl_s=settings.state.ttl_s)
+
+
+def pool_backend(node: Node, settings: Settings, backends: Mapping[str, Backend]) -> Backend:
+    for b in settings.backends:
+        if b.pool == node.pool and b.name in backends:
+            return backends[b.name]
+    raise LookupError(f"no backend of pool {node.pool!r} is loaded in this process")
+
+
+def build(nodes: list[Node], settings: Settings, backends: Mapping[str, Backend], *, worker: str = "0") -> list[Stage]:
+    return [_build(node, settings, backends, worker) for node in nodes]
+
+
+def _build(node: Node, settings: Settings, backends: Mapping[str, Backend], worker: str) -> Stage:
+    from pipeline.stages.decode import DecodeStage
+    from pipeline.stages.emit import EmitStage
+    from pipeline.stages.ingest import IngestStage
+    from pipeline.stages.prefill import PrefillStage
+    from pipeline.stages.route import RouteStage
+
+    t, name = node.topics, node.name
+    if node.kind == "ingest":
+        return IngestStage(settings, t, redis_gateway(settings), state_store(settings), name=name)
+    if node.kind == "route":
+        return RouteStage(settings, t, name=name)
+    if node.kind == "prefill":
+        return PrefillStage(pool_backend(node, settings, backends), t, name=name, worker=worker)
+    if node.kind == "decode":
+        return DecodeStage(pool_backend(node, settings, backends), t, state_store(settings), name=name)
+    if node.kind == "emit":
+        return EmitStage(settings, t, state_store(settings), meter=redis_gateway(settings), name=name)
+    if node.kind == "guard":
+        from pipeline.guard.loader import InputGuard
+        from pipeline.stages.guard import GuardStage
+
+        return GuardStage(settings, InputGuard(settings.guard, settings.model_cache), t, name=name)
+    if node.kind == "postguard":
+        from pipeline.guard.loader import output_guard
+        from pipeline.stages.postguard import PostguardStage
+
+        return PostguardStage(settings.guard, output_guard(settings.guard), t, name=name)
+    raise LookupError(f"no stage of kind {node.kind!r}")

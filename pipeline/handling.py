@@ -1,0 +1,225 @@
+"""What happens to one record: decode, trace, handle, produce, and every way that can go wrong.
+
+    the payload cannot be read        -> llm.dlq (bounded), and an error terminal event if it names a
+                                         request (invalid_request on llm.requests, internal elsewhere)
+    the handler refuses (StageError)  -> the request's terminal event with the error's code
+    RetriableError                    -> tried MAX_ATTEMPTS times, then dead-lettered
+    Undeliverable                     -> llm.dlq, no terminal event (there is nowhere safe to send it)
+    the broker or Redis is away       -> the whole message again with backoff until its deadline, then
+                                         deadline_exceeded; never dead-lettered as if it were a bug
+    anything else (a bug)             -> llm.dlq and an `internal` terminal event
+
+A record's fate is decided here and nothing escapes but cancellation, so no record stops a stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord
+from opentelemetry import trace
+
+from pipeline import kafka, metrics, tracing
+from pipeline.errors import InfraUnavailable, RetriableError, StageError, Undeliverable
+from pipeline.settings import Settings
+from pipeline.stage import Address, Out, Resettable, Stage, address_of
+from topics import codec, dlq, registry
+from topics.control import Cancel
+from topics.errors import ErrorCode
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+INFRA = (KafkaError, InfraUnavailable, ConnectionError, TimeoutError)
+MAX_BACKOFF_S = 5.0
+
+
+class Handling:
+    def __init__(self, stage: Stage, settings: Settings, producer: AIOKafkaProducer) -> None:
+        self.stage = stage
+        self.settings = settings
+        self._producer = producer
+        self._reads_requests = registry.REQUESTS in stage.topics.inputs
+
+    async def process(self, record: ConsumerRecord[bytes, bytes], handed_over: asyncio.Future[None] | None) -> str:
+        """Handles one record to its end; returns the outcome (a metric label)."""
+        ctx = tracing.extract(record.headers)
+        with tracing.tracer.start_as_current_span(self.stage.name, context=ctx, kind=trace.SpanKind.CONSUMER) as span:
+            span.set_attribute("messaging.destination", record.topic)
+            span.set_attribute("messaging.kafka.offset", record.offset)
+            span.set_attribute("payload.bytes", len(record.value or b""))
+            outcome = await self._handle_record(record, span, handed_over)
+            span.set_attribute("outcome", outcome)
+        return outcome
+
+    async def _handle_record(self, record: ConsumerRecord[bytes, bytes], span: trace.Span, handed_over: asyncio.Future[None] | None) -> str:
+        payload = record.value or b""
+        try:
+            message = codec.decode(payload, self.stage.input_type)
+        except Exception as exc:  # SchemaError, or anything a hostile payload provokes
+            rid, reply = codec.salvage_reply(payload)
+            address = Address(rid, reply) if rid and reply else None
+            code = ErrorCode.invalid_request if self._reads_requests else ErrorCode.internal
+            detail = str(exc) if isinstance(exc, codec.SchemaError) else type(exc).__name__
+            await self._dead_letter(record, "SchemaError", detail, address, rid, code)
+            return "invalid"
+        address = address_of(message)
+        if address is not None:
+            span.set_attribute("request.id", address.request_id)
+        attempt, backoff = 0, 0.1
+        while True:
+            attempt += 1
+            try:
+                await self._send_all(message, handed_over)
+                return "ok"
+            except RetriableError as exc:
+                if attempt >= MAX_ATTEMPTS:
+                    await self._dead_letter(record, type(exc).__name__, exc.message, address, None, ErrorCode.internal)
+                    return "dead_letter"
+            except Undeliverable as exc:
+                await self._dead_letter(record, "Undeliverable", str(exc), None, address and address.request_id, None)
+                return "undeliverable"
+            except StageError as exc:
+                if address is not None:
+                    await self.terminal(address, exc.code, exc.message, retry_after_s=exc.retry_after_s, rate_limit=exc.rate_limit)
+                return exc.code.value
+            except INFRA as exc:
+                if address is not None and time.time() > address.deadline:
+                    await self.terminal(address, ErrorCode.deadline_exceeded, "the request's deadline passed while the pipeline waited for its broker or store")
+                    return "expired"
+                log.warning("stage=%s request=%s waits for the infrastructure (%s); retrying in %.1f s",
+                            self.stage.name, address and address.request_id, type(exc).__name__, backoff)
+                if isinstance(self.stage, Resettable) and address is not None:
+                    await self.stage.reset(address.request_id)  # what it cached may not have been sent
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug or an unreadable message: dead-letter it, tell the client
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                detail = f"{type(exc).__name__} at {where.filename.rsplit('/', 1)[-1]}:{where.lineno}"
+                log.error("stage=%s request=%s failed: %s", self.stage.name, address and address.request_id, detail)
+                await self._dead_letter(record, type(exc).__name__, detail, address, None, ErrorCode.internal)
+                return "dead_letter"
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    async def _send_all(self, message: Any, handed_over: asyncio.Future[None] | None) -> None:
+        """Produces each output as soon as it is yielded (a stream reaches the client token by token),
+        runs each output's `acked` in order once the broker acknowledged it, then waits for all of it.
+        The next message of an ordered partition may start once this one's outputs are queued in the
+        producer, before they are acknowledged."""
+        acks: list[asyncio.Future[Any]] = []
+        last: asyncio.Task[None] | None = None
+        try:
+            async for out in self.stage.handle(message):
+                ack = await self._send(out)
+                acks.append(ack)
+                if out.acked is not None:
+                    last = asyncio.create_task(_after(ack, out.acked, last))
+            if handed_over is not None and not handed_over.done():
+                handed_over.set_result(None)
+            await asyncio.gather(*acks)
+            if last is not None:
+                await last
+        finally:
+            for ack in acks:  # on an early exit nobody awaits them: retrieve their errors quietly
+                ack.add_done_callback(_quiet)
+            if last is not None:
+                last.add_done_callback(_quiet)
+
+    async def _send(self, out: Out) -> asyncio.Future[Any]:
+        metrics.PRODUCED.labels(self.stage.name, out.topic).inc()
+        return await self._producer.send(out.topic, codec.encode(out.value), key=out.key.encode(), headers=tracing.inject())
+
+    async def _send_surely(self, out: Out) -> None:
+        """Produces `out` and waits for its acknowledgement, through a broker outage (with backoff)."""
+        backoff = 0.1
+        while True:
+            try:
+                await (await self._send(out))
+                return
+            except INFRA as exc:
+                log.warning("stage=%s cannot produce to %s (%s); retrying in %.1f s", self.stage.name, out.topic, type(exc).__name__, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    async def terminal(self, address: Address, code: ErrorCode, message: str, **extra: Any) -> None:
+        """The request's error terminal event, into the stream (emit delivers it) or, from emit, its reply topic."""
+        topic = self.stage.topics.stream or address.reply_to
+        if topic == address.reply_to and topic not in self.settings.reply_topics:
+            log.warning("stage=%s request=%s names an unconfigured reply topic", self.stage.name, address.request_id)
+            return
+        await self._send_surely(Out(topic, address.request_id, address.failed(code, message, **extra)))
+
+    async def _dead_letter(
+        self, record: ConsumerRecord[bytes, bytes], error_type: str, error: str, address: Address | None,
+        rid: str | None, code: ErrorCode | None,
+    ) -> None:
+        payload = record.value or b""
+        letter = dlq.bounded(
+            stage=self.stage.name, topic=record.topic, partition=record.partition, offset=record.offset,
+            error_type=error_type, error=error, payload_bytes=len(payload),
+            payload_sha256=hashlib.sha256(payload).hexdigest(), request_id=address.request_id if address else rid,
+            at=time.time(),
+        )
+        key = letter.request_id or f"{letter.topic}:{record.partition}:{record.offset}"
+        await self._send_surely(Out(registry.DLQ, key, letter))
+        log.warning("stage=%s dead-lettered %s:%d:%d (%s)", self.stage.name, letter.topic, record.partition, record.offset, letter.error_type)
+        if address is not None and code is not None:
+            text = f"the {self.stage.name} stage could not process this request ({letter.error_type}); it is in the dead-letter topic"
+            await self.terminal(address, code, text)
+
+    async def control_loop(self, stop: asyncio.Event, client_id: str) -> None:
+        """Every message on the stage's control topic, from now on, to its `on_control`; survives anything."""
+        on_control: Callable[[Any], Awaitable[None]] = getattr(self.stage, "on_control")
+        backoff = 0.5
+        while not stop.is_set():
+            try:
+                consumer = await kafka.broadcast_consumer(self.settings, (self.stage.topics.control,), client_id + "-control")
+            except (LookupError, *INFRA) as exc:
+                log.warning("stage=%s control topic unavailable (%s); retrying", self.stage.name, type(exc).__name__)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                continue
+            try:
+                while not stop.is_set():
+                    batch = await consumer.getmany(timeout_ms=100)
+                    for records in batch.values():
+                        for record in records:
+                            await self._control(record, on_control)
+            except INFRA as exc:
+                log.warning("stage=%s control consumer failed (%s); reconnecting", self.stage.name, type(exc).__name__)
+            finally:
+                await consumer.stop()
+
+    async def _control(self, record: ConsumerRecord[bytes, bytes], on_control: Callable[[Any], Awaitable[None]]) -> None:
+        try:
+            message = codec.decode(record.value or b"", Cancel)
+        except Exception as exc:
+            await self._dead_letter(record, "SchemaError", str(exc) if isinstance(exc, codec.SchemaError) else type(exc).__name__, None, None, None)
+            return
+        try:
+            await on_control(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("stage=%s control message failed: %s", self.stage.name, type(exc).__name__)
+
+
+async def _after(ack: asyncio.Future[Any], acked: Callable[[], Awaitable[None]], previous: asyncio.Task[None] | None) -> None:
+    if previous is not None:
+        await previous
+    await ack
+    await acked()
+
+
+def _quiet(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

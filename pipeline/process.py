@@ -1,0 +1,27 @@
+"""One sluice process: loads the backends its stages need, builds the stages, runs them until a signal.
+The body of every `workers/<stage>.py`, of `sluice worker` and of `sluice run`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from pipeline import assemble, serve, settings as settings_module, tracing
+from pipeline import backends as backend_registry
+from pipeline.settings import Settings
+
+
+async def run_stages(names: list[str] | None, settings: Settings, stop: asyncio.Event) -> None:
+    """Runs the profile's stages named (by kind, `decode`, or by name, `decode.local`); None: all of them."""
+    nodes = assemble.nodes_of(settings, names)
+    pools = frozenset(n.pool for n in nodes if n.pool is not None)
+    backends = await asyncio.to_thread(backend_registry.load, settings, pools) if pools else {}
+    stages = assemble.build(nodes, settings, backends, worker=str(os.getpid()))
+    await serve.run_stages(stages, settings, stop, instance=str(os.getpid()))
+
+
+def run_worker(*names: str) -> None:
+    serve.configure_logging()
+    tracing.install()
+    settings = settings_module.load()
+    serve.run_until_signal(lambda stop: run_stages(list(names), settings, stop))

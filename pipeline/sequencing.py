@@ -1,0 +1,41 @@
+"""Putting a request's chunks back in order: what emit, postguard and the SDK share.
+
+Chunks of one request can arrive twice (a redelivery, a takeover that regenerates what was already
+sent) or early (a fenced worker's chunk overtaking its successor's). `Sequencer.accept` returns the
+chunks that are now next in line, each seq once; a chunk above the expected one is held until the
+gap fills. `gap()` says whether anything is held: a terminal event that arrives with a gap open
+means chunks were lost, and the request ends with `stream_incomplete` instead of a stream with a hole.
+"""
+
+from __future__ import annotations
+
+from topics.stream import Chunk
+
+MAX_HELD = 4096  # chunks held for one request; past that the stream is declared broken
+
+
+class Sequencer:
+    __slots__ = ("next_seq", "_held")
+
+    def __init__(self, next_seq: int = 0) -> None:
+        self.next_seq = next_seq  # the seq the client expects next
+        self._held: dict[int, Chunk] = {}
+
+    def accept(self, chunk: Chunk) -> list[Chunk]:
+        """The chunks to release now, in order (empty for a duplicate or an early chunk)."""
+        if chunk.seq < self.next_seq or chunk.seq in self._held:
+            return []
+        if chunk.seq > self.next_seq:
+            if len(self._held) >= MAX_HELD:
+                raise OverflowError("too many chunks held behind a gap")
+            self._held[chunk.seq] = chunk
+            return []
+        ready = [chunk]
+        self.next_seq += 1
+        while (following := self._held.pop(self.next_seq, None)) is not None:
+            ready.append(following)
+            self.next_seq += 1
+        return ready
+
+    def gap(self) -> bool:
+        return bool(self._held)

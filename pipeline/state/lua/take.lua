@@ -1,0 +1,7 @@
+-- Makes ARGV[2] the key's owner (field "owner", store.OWNER) whoever held it, refreshes the TTL, and
+-- returns the fields as they were just before, as HGETALL does (field, value, ...; {} when absent).
+-- KEYS[1] the state hash. ARGV: TTL ms, owner.
+local before = redis.call('HGETALL', KEYS[1])
+redis.call('HSET', KEYS[1], 'owner', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return before

@@ -1,0 +1,101 @@
+"""The graph as data: which stages a deployment runs, and which topics each one reads and writes.
+
+    ingest -> llm.admitted -> guard -> llm.guarded -> route -> llm.routed.<pool> -> prefill.<pool>
+    -> llm.prefilled.<pool> -> decode.<pool> -> llm.tokens -> postguard -> llm.checked -> emit
+    -> llm.responses.<name>
+
+`STAGES` is the table: each kind of stage and the topic it reads. A profile (`[profiles]` in
+sluice.toml) is a list of kinds; `graph()` wires it: a stage forwards to the input topic of the next
+stage of its part of the chain, so leaving guard out makes ingest write `llm.guarded`, and leaving
+postguard out makes decode write `llm.checked`. Generation stages are per pool (`prefill.local`,
+`decode.local`): each pool has its own topics and consumer groups. Stages receive their `Topics`;
+none names a topic of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from topics import registry
+
+REQUEST_PART = ("ingest", "guard", "route")  # the request before a backend is chosen, in order
+POOL_PART = ("prefill", "decode")  # one of each per pool
+STREAM_PART = ("postguard", "emit")  # the token stream on its way to the client
+KINDS = REQUEST_PART + POOL_PART + STREAM_PART
+REQUIRED = frozenset({"ingest", "route", "prefill", "decode", "emit"})
+
+# The topic each kind reads (per pool for the generation stages).
+_INPUT: dict[str, str] = {
+    "ingest": registry.REQUESTS,
+    "guard": registry.ADMITTED,
+    "route": registry.GUARDED,
+    "postguard": registry.TOKENS,
+    "emit": registry.CHECKED,
+}
+
+
+@dataclass(frozen=True)
+class Topics:
+    """A stage's topics by role."""
+
+    inputs: tuple[str, ...]
+    forward: str | None  # where the request goes on; None: per message (route: `pools`; emit: reply_to)
+    stream: str | None  # where its chunks and terminal events go; None: the request's own reply topic
+    control: str = registry.CONTROL  # cancellations: decode reads them, postguard writes them
+    usage: str = registry.USAGE  # emit: one record per finished request
+    pools: Mapping[str, str] = field(default_factory=dict)  # route only: pool -> llm.routed.<pool>
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str  # the stage's consumer group, span name, metric label and log field
+    kind: str  # its row in the table
+    topics: Topics
+    pool: str | None = None  # the backend pool of a generation stage
+
+
+def input_of(kind: str, pool: str | None = None) -> str:
+    if kind == "prefill":
+        return registry.routed_topic(pool or "")
+    if kind == "decode":
+        return registry.prefilled_topic(pool or "")
+    return _INPUT[kind]
+
+
+def check_profile(kinds: tuple[str, ...]) -> list[str]:
+    """What is wrong with a profile (empty when it can run)."""
+    problems = [f"unknown stage {k!r}" for k in kinds if k not in KINDS]
+    if missing := sorted(REQUIRED - set(kinds)):
+        problems.append(f"missing stages {missing}")
+    if len(set(kinds)) != len(kinds):
+        problems.append("a stage is listed twice")
+    return problems
+
+
+def graph(kinds: tuple[str, ...], pools: tuple[str, ...]) -> list[Node]:
+    """The nodes of a deployment running `kinds` (in any order) with these backend pools."""
+    request = [k for k in REQUEST_PART if k in kinds]
+    stream = [k for k in STREAM_PART if k in kinds]
+    first_stream = input_of(stream[0])
+    nodes: list[Node] = []
+    for i, kind in enumerate(request[:-1]):
+        nodes.append(Node(kind, kind, Topics((input_of(kind),), input_of(request[i + 1]), first_stream)))
+    routes = {p: registry.routed_topic(p) for p in pools}
+    nodes.append(Node("route", "route", Topics((registry.GUARDED,), None, first_stream, pools=routes)))
+    for pool in pools:
+        nodes.append(Node(f"prefill.{pool}", "prefill", Topics((routes[pool],), registry.prefilled_topic(pool), first_stream), pool))
+        nodes.append(Node(f"decode.{pool}", "decode", Topics((registry.prefilled_topic(pool),), first_stream, first_stream), pool))
+    for i, kind in enumerate(stream):
+        after = input_of(stream[i + 1]) if i + 1 < len(stream) else None
+        nodes.append(Node(kind, kind, Topics((input_of(kind),), after, after)))
+    return nodes
+
+
+def select(nodes: list[Node], names: list[str]) -> list[Node]:
+    """The nodes a process runs: by kind (`decode`: every pool's) or by name (`decode.local`)."""
+    chosen = [n for n in nodes if n.kind in names or n.name in names]
+    unknown = [name for name in names if not any(name in (n.kind, n.name) for n in nodes)]
+    if unknown:
+        raise LookupError(f"not in this deployment's profile: {', '.join(unknown)}")
+    return chosen

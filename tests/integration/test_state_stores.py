@@ -1,0 +1,162 @@
+"""One suite for every implementation of per-request state: the in-memory store (what unit tests use) and
+the Redis one (what runs), so both keep the same semantics. Then what only Redis can show: a TTL on every
+key, scripts reloaded after Redis lost them, and InfraUnavailable when Redis is away."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from redis.asyncio import Redis
+
+from pipeline.errors import InfraUnavailable
+from pipeline.settings import Settings
+from pipeline.state import MemoryStateStore, RedisStateStore, StateStore
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+TTL_S = 0.5
+PREFIX = "sluice:test-state:"
+
+
+def client(url: str) -> Redis:
+    return Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+
+
+@pytest_asyncio.fixture(params=["memory", "redis"], loop_scope="session")
+async def store(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[StateStore]:
+    backing: StateStore = (
+        MemoryStateStore(TTL_S) if request.param == "memory"
+        else RedisStateStore(client(settings.redis.url), ttl_s=TTL_S, prefix=PREFIX)
+    )
+    yield backing
+    await backing.aclose()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def redis(settings: Settings) -> AsyncIterator[Redis]:
+    """A second client, to look at what the Redis store wrote."""
+    redis = client(settings.redis.url)
+    yield redis
+    await redis.aclose()
+
+
+def key() -> str:
+    return "req-" + uuid.uuid4().hex
+
+
+async def test_a_missing_key_reads_empty(store: StateStore) -> None:
+    assert await store.read(key()) == {}
+
+
+async def test_write_then_read_round_trip(store: StateStore) -> None:
+    k = key()
+    assert await store.write(k, {"stage": b"decode", "tokens": b"12"}) is True
+    assert await store.write(k, {"tokens": b"13", "raw": bytes(range(256))}) is True  # merges, overwrites
+    assert await store.read(k) == {"stage": b"decode", "tokens": b"13", "raw": bytes(range(256))}
+
+
+async def test_a_write_refreshes_the_ttl_and_keys_expire(store: StateStore) -> None:
+    k = key()
+    await store.write(k, {"a": b"1"})
+    await asyncio.sleep(TTL_S * 0.6)
+    await store.write(k, {"b": b"2"})
+    await asyncio.sleep(TTL_S * 0.6)  # past the first write's TTL, within the second's
+    assert await store.read(k) == {"a": b"1", "b": b"2"}
+    await asyncio.sleep(TTL_S * 0.6)
+    assert await store.read(k) == {}
+    assert await store.write(k, {"c": b"3"}, owner="w1") is False  # an expired key has no owner
+
+
+async def test_claim_succeeds_once(store: StateStore) -> None:
+    k = key()
+    assert await store.claim(k, "emitted", b"w1") is True
+    assert await store.claim(k, "emitted", b"w2") is False
+    assert await store.claim(k, "charged", b"w2") is True
+    assert await store.read(k) == {"emitted": b"w1", "charged": b"w2"}
+
+
+async def test_take_returns_the_fields_before_and_sets_the_owner(store: StateStore) -> None:
+    k = key()
+    assert await store.take(k, "w1") == {}
+    await store.write(k, {"offset": b"7"})
+    assert await store.take(k, "w2") == {"owner": b"w1", "offset": b"7"}
+    assert await store.read(k) == {"owner": b"w2", "offset": b"7"}
+
+
+async def test_writes_are_fenced_by_owner(store: StateStore) -> None:
+    k = key()
+    await store.take(k, "w1")
+    assert await store.write(k, {"offset": b"1"}, owner="w1") is True
+    await store.take(k, "w2")
+    assert await store.write(k, {"offset": b"2"}, owner="w1") is False  # w1 lost the request to w2
+    assert await store.read(k) == {"owner": b"w2", "offset": b"1"}
+    assert await store.write(k, {"offset": b"3"}, owner="w2") is True
+    assert await store.read(k) == {"owner": b"w2", "offset": b"3"}
+    missing = key()
+    assert await store.write(missing, {"offset": b"1"}, owner="w1") is False
+    assert await store.read(missing) == {}
+
+
+async def test_forget_deletes_the_key(store: StateStore) -> None:
+    k = key()
+    await store.take(k, "w1")
+    await store.forget(k)
+    assert await store.read(k) == {}
+    assert await store.write(k, {"a": b"1"}, owner="w1") is False
+    await store.forget(k)  # forgetting a missing key is not an error
+
+
+async def test_concurrent_takes_see_each_other_exactly_once(store: StateStore) -> None:
+    for _ in range(20):
+        k = key()
+        first, second = await asyncio.gather(store.take(k, "a"), store.take(k, "b"))
+        saw_other = [first.get("owner") == b"b", second.get("owner") == b"a"]
+        assert sorted(saw_other) == [False, True]
+        winner = b"b" if saw_other[1] else b"a"  # whoever took second owns the key
+        assert (await store.read(k))["owner"] == winner
+
+
+async def test_every_key_the_redis_store_writes_has_a_ttl(settings: Settings, redis: Redis) -> None:
+    store = RedisStateStore(client(settings.redis.url), ttl_s=30.0, prefix=PREFIX)
+    written, claimed, taken, fenced = key(), key(), key(), key()
+    await store.write(written, {"a": b"1"})
+    await store.claim(claimed, "emitted", b"1")
+    await store.take(taken, "w1")
+    await store.take(fenced, "w1")
+    await redis.persist(PREFIX + "{" + fenced + "}")
+    assert await store.write(fenced, {"a": b"1"}, owner="w1") is True
+    for k in (written, claimed, taken, fenced):
+        assert 0 < await redis.pttl(PREFIX + "{" + k + "}") <= 30_000, k
+    await store.aclose()
+
+
+async def test_scripts_are_loaded_again_after_redis_lost_them(settings: Settings, redis: Redis) -> None:
+    store = RedisStateStore(client(settings.redis.url), ttl_s=30.0, prefix=PREFIX)
+    k = key()
+    await redis.script_flush()
+    assert await store.take(k, "w1") == {}
+    await redis.script_flush()
+    assert await store.claim(k, "emitted", b"1") is True
+    await redis.script_flush()
+    assert await store.write(k, {"a": b"1"}, owner="w1") is True
+    await store.aclose()
+
+
+async def test_unreachable_redis_raises_infra_unavailable_quickly() -> None:
+    store = RedisStateStore(client("redis://:hunter2@127.0.0.1:1/0"))
+    k = key()
+    calls = [
+        store.read(k), store.write(k, {"a": b"1"}), store.write(k, {"a": b"1"}, owner="w1"),
+        store.claim(k, "f", b"1"), store.take(k, "w1"), store.forget(k),
+    ]
+    for call in calls:
+        started = time.monotonic()
+        with pytest.raises(InfraUnavailable) as caught:
+            await call
+        assert time.monotonic() - started < 3.0
+        assert "hunter2" not in str(caught.value) and "127.0.0.1" not in str(caught.value)
+    await store.aclose()
