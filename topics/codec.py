@@ -23,6 +23,8 @@ _decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
 SALVAGE_MAX_BYTES = 1 << 20  # larger payloads are not parsed a second time to find who to tell
 ID_MAX_CHARS = 64  # Request.id's limit
 _ID = re.compile(ID_PATTERN)
+# msgspec's message for a tag no member of the expected type carries (an older `request.v1`, a typo).
+_BAD_TAG = re.compile(r"Invalid value .* - at `(\$[^`]*\.kind)`", re.DOTALL)
 
 
 class SchemaError(ValueError):
@@ -48,11 +50,18 @@ def decode(data: bytes, type_: type[T] | Any) -> T:
     try:
         return decoder.decode(data)
     except msgspec.MsgspecError as exc:  # DecodeError, and its subclass ValidationError
-        raise SchemaError(str(exc)) from None
+        raise SchemaError(_reason(exc)) from None
     except RecursionError:  # msgspec recurses once per nesting level, for a typed field as for a skipped one
         raise SchemaError("payload is nested too deeply") from None
     except UnicodeDecodeError:  # msgspec raises it, not a DecodeError, for invalid UTF-8 in a string
         raise SchemaError("payload is not valid UTF-8") from None
+
+
+def _reason(exc: msgspec.MsgspecError) -> str:
+    message = str(exc)
+    if (bad_tag := _BAD_TAG.match(message)) is not None:  # msgspec quotes the producer's tag: leave it out
+        return f"unknown message kind or schema version - at `{bad_tag.group(1)}`"
+    return message
 
 
 def salvage_reply(data: bytes) -> tuple[str | None, str | None]:

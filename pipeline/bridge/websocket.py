@@ -98,7 +98,7 @@ class StreamSession:
         async with self._client.stream(request) as stream:  # leaving it early cancels the request
             try:
                 async for chunk in stream:
-                    await self._send({"type": "chunk", "id": chunk.id, "seq": chunk.seq, "text": chunk.text})
+                    await self._send({"type": "chunk", "id": request.id, "seq": chunk.seq, "text": chunk.text})
             except RequestFailed as exc:
                 await self._send(_error(request.id, exc.code, exc.failed.message))
                 return exc.code.value

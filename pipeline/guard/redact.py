@@ -3,6 +3,7 @@ as `<EMAIL_1>`; the same value keeps the same placeholder within a request), or 
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,18 +20,23 @@ class Redacted:
 
 
 class Placeholders:
-    """Numbers placeholders per entity for one request: `<EMAIL_1>`, `<EMAIL_2>`, ..."""
+    """Numbers placeholders per entity for one request: `<EMAIL_1>`, `<EMAIL_2>`, ... Values are kept
+    only as SHA-256 digests, so the table can be stored (postguard's state) without the PII itself."""
 
-    def __init__(self) -> None:
-        self._by_value: dict[tuple[str, str], str] = {}
-        self._count: Counter[str] = Counter()
+    def __init__(self, known: dict[str, str] | None = None) -> None:
+        self._by_value: dict[str, str] = dict(known or {})  # sha256(entity, value) -> placeholder
+        self._count: Counter[str] = Counter(p[1:].rsplit("_", 1)[0] for p in self._by_value.values())
 
     def __call__(self, entity: str, value: str) -> str:
-        key = (entity, value)
+        key = hashlib.sha256(f"{entity}\0{value}".encode()).hexdigest()
         if key not in self._by_value:
             self._count[entity] += 1
             self._by_value[key] = f"<{entity}_{self._count[entity]}>"
         return self._by_value[key]
+
+    def known(self) -> dict[str, str]:
+        """The table as it can be stored: digests to placeholders."""
+        return dict(self._by_value)
 
 
 def without_overlaps(findings: list[Finding]) -> list[Finding]:

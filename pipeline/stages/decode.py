@@ -72,9 +72,13 @@ class DecodeStage:
         await self._store.aclose()
 
     async def on_control(self, message: Cancel) -> None:
+        """Every decode worker hears every cancellation: it stops the request if it runs it, and records
+        it (in the store when the id is the pipeline's, so a worker that starts later knows too)."""
         self._cancelled[message.id] = message.reason
         if len(self._cancelled) > _REMEMBER_CANCELLED:
             self._cancelled.popitem(last=False)
+        if "/" in message.id:
+            await self._store.write(message.id, {"cancel": message.reason.value.encode()})
         for rid in [r for r in self._active if message.id in (r, client_id_of(r))]:
             await self._backend.cancel(rid)
 

@@ -6,31 +6,38 @@ switch: postguard releases the text before the flagged span, publishes `Cancel(o
 terminal event into a `content_filter` error carrying decode's usage and timings.
 
 Chunks are renumbered (redaction and cuts change them), and the terminal event carries the count and
-digest of what was released. State is per request, in memory: a successor that meets a stream midway
-(its predecessor died holding chunks back) cannot know what was lost, so it ends that request with a
-retriable `internal` error rather than a stream with a hole.
+digest of what was released. The per-request window survives the worker: it is written to the state
+store before each chunk's outputs are produced, with the released chunks not yet acknowledged
+(postguard_state.py), so a successor restores it, sends those again (emit drops what the client has)
+and goes on. Only when the store has no window for a stream met midway (expired) does the request end
+with a retriable `internal` error rather than a stream with a hole.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
 
 from pipeline.guard.config import GuardSettings
 from pipeline.guard.errors import Reason
+from pipeline.guard.entities import Action
 from pipeline.guard.stream_check import OutputGuard, StreamState
-from pipeline.stage import Out, address_of
 from pipeline.sequencing import Sequencer
+from pipeline.stage import Out, address_of
+from pipeline.stages import postguard_state
+from pipeline.state import MemoryStateStore, StateStore
 from pipeline.topology import Topics
+from topics import codec
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
 from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, StreamEvent, digest_step
 
 _REMEMBER = 100_000  # finished requests kept to drop late events, oldest forgotten first
+GuardPolicy = Mapping[str, Action]
 
 
 @dataclass
@@ -41,26 +48,79 @@ class _Stream:
     digest: str = EMPTY_DIGEST  # the hash chain of the released texts
     spent_s: float = 0.0  # time spent in this stage on the request, over all its chunks
     killed: Reason | None = None  # set when the kill switch fired; decode's terminal event is awaited
+    unacked: dict[int, str] = field(default_factory=dict)  # released, not yet acknowledged: seq -> text
+
+    def window(self) -> bytes:
+        return postguard_state.encode(postguard_state.window_of(
+            self.check, next_in=self.order.next_seq, next_out=self.next_out, digest=self.digest,
+            unacked=self.unacked, killed=self.killed))
+
+    @classmethod
+    def restored(cls, raw: bytes, policy: GuardPolicy) -> _Stream:
+        w = postguard_state.decode(raw)
+        return cls(postguard_state.restore_check(w, policy), Sequencer(w.next_in), w.next_out, w.digest,
+                   killed=w.killed, unacked=dict(w.unacked))
 
 
 class PostguardStage:
     input_type = StreamEvent
     ordered = True  # a request's chunks are checked in order
 
-    def __init__(self, settings: GuardSettings, guard: OutputGuard, topics: Topics, name: str = "postguard") -> None:
+    def __init__(
+        self, settings: GuardSettings, guard: OutputGuard, topics: Topics, store: StateStore | None = None,
+        name: str = "postguard",
+    ) -> None:
         self.name, self.topics = name, topics
         self._settings = settings
         self._guard = guard
+        self._store = store if store is not None else MemoryStateStore()
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
         self._finished: OrderedDict[str, None] = OrderedDict()
 
+    async def aclose(self) -> None:
+        await self._store.aclose()
+
+    async def reset(self, request_id: str | None) -> None:
+        """Forget cached windows (one request, or all): the store has them."""
+        if request_id is None:
+            self._streams.clear()
+            self._finished.clear()
+        else:
+            self._streams.pop(request_id, None)
+
     async def handle(self, message: StreamEvent) -> AsyncIterator[Out]:
         started = time.perf_counter()
-        if message.id in self._finished:
+        rid = message.id
+        if rid in self._finished:
             return  # decode's own ending after the kill switch, or a redelivery
+        resend: list[Out] = []
+        if rid not in self._streams:
+            stored = await self._store.read(rid)
+            if (ended := stored.get(postguard_state.ENDED)) is not None:  # a redelivery after the end
+                yield Out(self.topics.forward or "", rid, codec.decode(ended, StreamEvent))
+                return
+            if (raw := stored.get(postguard_state.FIELD)) is not None:
+                stream = self._streams[rid] = _Stream.restored(raw, self._settings.policy(message.tenant or "default"))
+                resend = [self._released(message, seq, text, stream) for seq, text in sorted(stream.unacked.items())]
+                if stream.killed is not None:
+                    resend.append(Out(self.topics.control, rid, Cancel(id=rid, reason=CancelReason.output_guard, at=time.time())))
         outs = list(self._handle(message, started))
-        for out in outs:
+        stream = self._streams.get(rid)
+        terminal = next((o.value for o in outs if isinstance(o.value, Done | Failed)), None)
+        if terminal is not None:
+            await self._store.write(rid, {postguard_state.ENDED: codec.encode(terminal)})
+        elif stream is not None:
+            await self._store.write(rid, {postguard_state.FIELD: stream.window()})  # before anything is sent
+        for out in resend + outs:
             yield out
+
+    def _released(self, message: StreamEvent, seq: int, text: str, stream: _Stream) -> Out:
+        """A released chunk, forgotten from the window once the broker acknowledged it."""
+        async def acked() -> None:
+            stream.unacked.pop(seq, None)
+
+        chunk = Chunk(id=message.id, reply_to=message.reply_to, seq=seq, text=text, tenant=message.tenant)
+        return Out(self.topics.forward or "", message.id, chunk, acked=acked)
 
     def _handle(self, message: StreamEvent, started: float) -> Iterator[Out]:
         rid = message.id
@@ -87,7 +147,8 @@ class PostguardStage:
         for step in steps:
             if step.release:
                 stream.digest = digest_step(stream.digest, step.release)
-                yield Out(self.topics.forward or "", rid, Chunk(id=rid, reply_to=message.reply_to, seq=stream.next_out, text=step.release, tenant=message.tenant))
+                stream.unacked[stream.next_out] = step.release
+                yield self._released(message, stream.next_out, step.release, stream)
                 stream.next_out += 1
             if step.violation is not None and isinstance(message, Chunk):
                 # The kill switch: decode stops within a step and sends its terminal event, which becomes

@@ -33,6 +33,7 @@ from pipeline.runner import Runner
 from pipeline.sdk import Client
 from pipeline.settings import Settings
 from pipeline.stages.ingest import IngestStage
+from tests.unit.helpers import node
 from topics import codec
 from tests.integration.conftest import KAFKA_PORT
 from topics.requests import Request
@@ -106,9 +107,8 @@ async def secure_bridge(stack: Settings) -> AsyncIterator[SecureBridge]:
     settings = with_gateway(stack, auth_required=True, key_cache_s=0.0, client_info_secret=CLIENT_SECRET)
     settings = replace(settings, bridge=replace(settings.bridge, port=free_port()))
     await create_topic(settings, SECURE_REQUESTS)
-    ingest = IngestStage(settings, redis_gateway(settings))
-    ingest.name = "ingest-gw"
-    ingest.input_topics = (SECURE_REQUESTS,)
+    base = node("ingest").topics  # the default graph's ingest, reading the secure bridge's own request topic
+    ingest = IngestStage(settings, replace(base, inputs=(SECURE_REQUESTS,)), redis_gateway(settings), name="ingest-gw")
     stop = asyncio.Event()
     runner = Runner(ingest, settings, instance="gw")
     running = asyncio.create_task(runner.run(stop))

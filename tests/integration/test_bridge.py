@@ -26,6 +26,7 @@ from pipeline.sdk import Client
 from pipeline.settings import Settings
 from topics import codec, registry
 from topics.errors import ErrorCode
+from topics.hops import client_id_of
 from topics.stream import Chunk, Failed, StreamEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -230,7 +231,7 @@ async def _terminal_of(consumer: AIOKafkaConsumer, request_id: str, timeout: flo
         batch = await consumer.getmany(timeout_ms=200)
         for records in batch.values():
             for record in records:
-                if record.key == request_id.encode():
+                if client_id_of((record.key or b"").decode()) == request_id:
                     event = codec.decode(record.value or b"", StreamEvent)
                     if not isinstance(event, Chunk):
                         return event

@@ -28,6 +28,7 @@ from pipeline.gateway.redis_keys import RedisKeyStore
 from pipeline.metrics import GATEWAY_DEGRADED
 from pipeline.settings import Settings
 from pipeline.stages.ingest import IngestStage
+from tests.unit.helpers import node
 from tests.integration.conftest import REDIS_PORT, ROOT
 from tests.integration.gateway_fixtures import (
     SECURE_REQUESTS,
@@ -62,7 +63,7 @@ async def accuracy_run(settings: Settings, *, restart: bool) -> dict[str, int]:
     admin = redis_client(settings)
     key, _ = await KeyManager(RedisKeyStore(admin), rotate_overlap_s=60).create("acc-" + uuid.uuid4().hex[:6], rpm=100)
     await admin.aclose()
-    workers = [IngestStage(settings, redis_gateway(settings)) for _ in range(4)]
+    workers = [IngestStage(settings, node("ingest").topics, redis_gateway(settings)) for _ in range(4)]
     outcomes: dict[str, int] = {}
 
     async def worker(w: int) -> None:

@@ -19,7 +19,7 @@ from pipeline.settings import Settings
 from tests.integration.conftest import GUARDRAILS_BLOCKED
 from topics import codec, registry
 from topics.control import Cancel, CancelReason
-from topics.hops import Admitted
+from topics.hops import Admitted, client_id_of
 from topics.errors import ErrorCode
 from topics.stream import Chunk, Failed, StreamEvent
 
@@ -36,7 +36,7 @@ async def _collect(consumer, rid: str, until, timeout: float = 60.0, decode_as: 
     while time.monotonic() < deadline:
         for records in (await consumer.getmany(timeout_ms=200)).values():
             for record in records:
-                if record.key == rid.encode():
+                if client_id_of((record.key or b"").decode()) == client_id_of(rid):
                     found.append(message := codec.decode(record.value, decode_as))
                     if until(message):
                         return found

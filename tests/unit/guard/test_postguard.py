@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
-
 import pytest
 
 from pipeline.guard.config import GuardSettings
 from pipeline.stages.postguard import PostguardStage
+from pipeline.state import MemoryStateStore
 from tests.unit.fakes import run_handler
 from tests.unit.helpers import node
 from topics import registry
@@ -19,8 +18,8 @@ pytestmark = pytest.mark.asyncio
 REPLY = "llm.responses.sdk"
 
 
-def stage(make_output_guard, **settings: object) -> PostguardStage:  # type: ignore[no-untyped-def]
-    return PostguardStage(GuardSettings(**settings), make_output_guard(**settings), node("postguard").topics)  # type: ignore[arg-type]
+def stage(make_output_guard, store: MemoryStateStore | None = None, **settings: object) -> PostguardStage:  # type: ignore[no-untyped-def]
+    return PostguardStage(GuardSettings(**settings), make_output_guard(**settings), node("postguard").topics, store)  # type: ignore[arg-type]
 
 
 def chunk(seq: int, text: str, rid: str = "r1") -> Chunk:
@@ -58,8 +57,8 @@ async def test_holds_back_the_newest_chunks_then_releases_all_with_the_terminal_
     terminal = outs[-1].value
     assert isinstance(terminal, Done) and terminal.chunks == len(chunks)
     digest = EMPTY_DIGEST
-    for word in words:
-        digest = digest_step(digest, word)
+    for chunk in chunks:  # the chain over what was released, as released
+        digest = digest_step(digest, chunk.text)
     assert terminal.digest == digest
     assert "postguard" in terminal.timings and terminal.tenant == "t1"
     assert all(o.topic == registry.CHECKED for o in outs)
@@ -141,3 +140,45 @@ async def test_an_upstream_error_flushes_the_checked_text_first(make_output_guar
     outs = await feed(guard, ["one ", "two "], upstream)
     assert texts(outs) == "one two "
     assert isinstance(outs[-1].value, Failed) and outs[-1].value.code is ErrorCode.cancelled and outs[-1].value.chunks == 1
+
+
+async def test_a_successor_continues_the_window_its_predecessor_held(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    store = MemoryStateStore()
+    words = ["Paris ", "is ", "the ", "capital ", "of ", "France."]
+    first = stage(make_output_guard, store, holdback_tokens=3)
+    outs = await feed(first, words[:4])  # "Paris " released, three chunks held back; then it dies
+    successor = stage(make_output_guard, store, holdback_tokens=3)
+    outs += await run_handler(successor, chunk(3, "capital "))  # redelivered from the last committed offset
+    outs += [o for i in (4, 5) for o in await run_handler(successor, chunk(i, words[i]))]
+    outs += await run_handler(successor, done(len(words)))
+    by_seq = {o.value.seq: o.value.text for o in outs if isinstance(o.value, Chunk)}  # emit drops repeats by seq
+    assert "".join(by_seq[i] for i in sorted(by_seq)) == "".join(words) and sorted(by_seq) == list(range(len(by_seq)))
+    assert isinstance(outs[-1].value, Done) and outs[-1].value.chunks == len(by_seq)
+
+
+async def test_chunks_released_but_not_acknowledged_are_sent_again_by_a_successor(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    store = MemoryStateStore()
+    first = stage(make_output_guard, store, holdback_tokens=1)
+    await feed(first, ["a ", "b "])
+    stream = first.handle(chunk(2, "c "))
+    out = await anext(stream)  # "b " released; killed before the broker acknowledged it
+    await stream.aclose()
+    assert out.value.seq == 1
+    outs = await run_handler(stage(make_output_guard, store, holdback_tokens=1), chunk(3, "d "))
+    assert [(o.value.seq, o.value.text) for o in outs if isinstance(o.value, Chunk)][:1] == [(1, "b ")]
+
+
+async def test_the_stored_window_keeps_no_released_pii_value(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    store = MemoryStateStore()
+    guard = stage(make_output_guard, store, holdback_tokens=1)
+    outs = await feed(guard, ["Write ", "to ", "jane.doe@example.org ", "today ", "please "])
+    assert "<EMAIL_1>" in texts(outs)
+    stored = (await store.read("r1"))["postguard"]
+    assert b"jane.doe" not in stored and b"<EMAIL_1>" in stored  # the placeholder table, by digest
+
+
+async def test_a_terminal_redelivered_after_the_end_is_sent_again_for_emit_to_drop(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    store = MemoryStateStore()
+    outs = await feed(stage(make_output_guard, store), ["a ", "b "], done(2))
+    again = await run_handler(stage(make_output_guard, store), done(2))
+    assert [o.value for o in again] == [outs[-1].value]

@@ -1,0 +1,87 @@
+"""`tracing.extract` on headers a hostile producer can send: it never raises and ignores what it cannot use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+
+from pipeline import tracing
+
+TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
+TRACEPARENT = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def _trace_id(headers: Any) -> int:
+    return trace.get_current_span(tracing.extract(headers)).get_span_context().trace_id
+
+
+def test_reads_a_valid_traceparent() -> None:
+    assert _trace_id([("traceparent", TRACEPARENT)]) == TRACE_ID
+    assert _trace_id([("traceparent", TRACEPARENT), ("tracestate", b"vendor=value")]) == TRACE_ID
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        ("traceparent", None),
+        ("traceparent", b"x" * 100_000),
+        ("traceparent", TRACEPARENT + b" " * (tracing.MAX_HEADER_BYTES - len(TRACEPARENT) + 1)),
+        ("traceparent", b"\xff\xfe"),
+        ("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),  # a str, not bytes
+        ("traceparent", "é".encode()),
+        ("traceparent", 7),
+        ("traceparent", b"garbage"),
+        (None, TRACEPARENT),
+        (b"traceparent", TRACEPARENT),
+        (7, TRACEPARENT),
+    ],
+    ids=["none", "huge", "over-limit", "binary", "str", "non-ascii", "int", "garbage", "key-none", "key-bytes",
+         "key-int"],
+)
+def test_ignores_a_header_it_cannot_use(header: tuple[Any, Any]) -> None:
+    assert _trace_id([header]) == 0  # no remote parent: the span starts a new trace
+
+
+@pytest.mark.parametrize(
+    "tracestate",
+    [None, b"\xff\xfe", b"x" * 100_000, b"=" * 600, b"a=" + bytes(range(32))],
+    ids=["none", "binary", "huge", "equals", "controls"],
+)
+def test_a_bad_tracestate_leaves_the_traceparent_usable(tracestate: Any) -> None:
+    assert _trace_id([("traceparent", TRACEPARENT), ("tracestate", tracestate)]) == TRACE_ID
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [None, [], [None], [("traceparent",)], [("traceparent", TRACEPARENT, b"x")], [[]], 7, "traceparent", [1, 2, 3]],
+    ids=["none", "empty", "none-item", "one-tuple", "three-tuple", "empty-list", "int", "str", "ints"],
+)
+def test_malformed_header_lists_give_no_parent(headers: Any) -> None:
+    assert _trace_id(headers) == 0
+
+
+def test_a_header_list_that_fails_to_iterate_gives_no_parent() -> None:
+    class Broken:
+        def __iter__(self) -> Any:
+            raise RuntimeError("boom")
+
+    assert _trace_id(Broken()) == 0
+
+
+def _tracestate_of(size: int) -> bytes:
+    """A valid tracestate of exactly `size` bytes (up to ~520): two members, values under W3C's 256."""
+    first = "a=" + "v" * 254
+    state = f"{first},b={'w' * (size - len(first) - 3)}".encode()
+    assert len(state) == size
+    return state
+
+
+def test_accepts_a_value_at_the_size_limit_and_not_past_it() -> None:
+    def state(size: int) -> Any:
+        headers = [("traceparent", TRACEPARENT), ("tracestate", _tracestate_of(size))]
+        return trace.get_current_span(tracing.extract(headers)).get_span_context().trace_state
+
+    assert len(state(tracing.MAX_HEADER_BYTES)) > 0
+    assert len(state(tracing.MAX_HEADER_BYTES + 1)) == 0
