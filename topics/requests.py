@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 
 
-ID_PATTERN = r"^[A-Za-z0-9._:-]+$"  # no "/": ingest namespaces ids as "<tenant>/<id>" (topics.hops)
+ID_PATTERN = r"^[A-Za-z0-9._:-]+\Z"  # no "/": ingest namespaces ids as "<tenant>/<id>" (topics.hops)
 
 
 class Priority(enum.StrEnum):

@@ -4,14 +4,17 @@ usage record per finished request.
 
 What it already sent survives it: after the broker acknowledges a chunk, the next expected seq and the
 digest chain are recorded in the state store; the terminal event marks the request finished. A
-successor (a crash, a rebalance) reads them the first time it meets a request, so it neither repeats
-a chunk nor a terminal event beyond the ones in flight at the crash (which the SDK drops by seq).
-The usage record is claimed in the store before it is produced, so billing sees it at most once.
+successor (a crash, a rebalance) takes ownership of the request's emit record the first time it meets
+it and reads them, so it neither repeats a chunk nor a terminal event beyond the ones in flight at the
+crash (which the SDK drops by seq). A worker that finds its record taken (it was paused past its
+session and replaced) stops forwarding that request. The usage record is claimed in the store before
+it is produced, so billing sees it at most once.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -42,12 +45,13 @@ class Meter(Protocol):
 class _Sent:
     """What the client has of one request: in-order position, digest chain, whether it has ended."""
 
-    __slots__ = ("order", "digest", "finished")
+    __slots__ = ("order", "digest", "finished", "fenced")
 
     def __init__(self, next_seq: int, digest: str, finished: bool) -> None:
         self.order = Sequencer(next_seq)
         self.digest = digest
         self.finished = finished
+        self.fenced = False  # another emit worker took this request over
 
 
 class EmitStage:
@@ -63,6 +67,7 @@ class EmitStage:
         self._store = store if store is not None else MemoryStateStore()
         self._meter = meter
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
+        self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
 
     async def aclose(self) -> None:
         if self._meter is not None:
@@ -82,17 +87,17 @@ class EmitStage:
             raise Undeliverable("reply_to is not a configured reply topic")
         rid = message.id
         sent = await self._progress(rid)
-        if sent.finished:
-            return  # a redelivery after the terminal event: the client already has it
+        if sent.finished or sent.fenced:
+            return  # a redelivery after the terminal event (the client has it), or another worker's request
         if isinstance(message, Chunk):
             for chunk in sent.order.accept(message):
                 sent.digest = digest_step(sent.digest, chunk.text)
                 record = {"emitted": b"%d" % (chunk.seq + 1), "digest": sent.digest.encode()}
-                yield Out(message.reply_to, rid, chunk, acked=self._write(rid, record))
+                yield Out(message.reply_to, rid, chunk, acked=self._write(rid, sent, record))
             return
         sent.finished = True
         terminal = self._terminal(message, sent, clock)
-        yield Out(message.reply_to, rid, terminal, acked=self._write(rid, {"terminal": b"1"}))
+        yield Out(message.reply_to, rid, terminal, acked=self._write(rid, sent, {"terminal": b"1"}))
         if await self._store.claim(rid, "usage", b"1"):
             yield Out(self.topics.usage, terminal.tenant or "anonymous", self._usage(terminal))
         if self._meter is not None:
@@ -101,7 +106,7 @@ class EmitStage:
     async def _progress(self, rid: str) -> _Sent:
         sent = self._sent.get(rid)
         if sent is None:
-            fields = await self._store.read(rid)
+            fields = await self._store.take(_key(rid), self._owner)
             digest = fields.get("digest", EMPTY_DIGEST.encode()).decode()
             sent = self._sent[rid] = _Sent(int(fields.get("emitted", b"0")), digest, "terminal" in fields)
             if len(self._sent) > _CACHED:
@@ -135,8 +140,14 @@ class EmitStage:
             total_ms=total, timings=message.timings, at=now,
         )
 
-    def _write(self, rid: str, fields: dict[str, bytes]) -> Callable[[], Awaitable[None]]:
+    def _write(self, rid: str, sent: _Sent, fields: dict[str, bytes]) -> Callable[[], Awaitable[None]]:
         async def acked() -> None:
-            await self._store.write(rid, fields)
+            if not await self._store.write(_key(rid), fields, owner=self._owner):
+                sent.fenced = True
 
         return acked
+
+
+def _key(rid: str) -> str:
+    """emit's record of a request: its own key, so its ownership is independent of decode's."""
+    return rid + "#emit"

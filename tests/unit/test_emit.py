@@ -95,3 +95,14 @@ async def test_an_early_error_counts_the_chunks_emit_saw() -> None:
 async def test_refuses_to_write_to_an_unconfigured_topic() -> None:
     with pytest.raises(Undeliverable):
         await run_handler(emit(), Chunk(id=RID, reply_to=registry.REQUESTS, seq=0, text="x", tenant="acme"))
+
+
+@pytest.mark.asyncio
+async def test_a_replaced_worker_stops_forwarding_once_it_learns_it() -> None:
+    store = MemoryStateStore()
+    paused, successor = emit(store), emit(store)
+    await replies(paused, chunk(0))
+    assert [c.seq for c in await replies(successor, chunk(0), chunk(1))] == [1]  # it took the request over
+    late = await replies(paused, chunk(1))  # resumed: one chunk may still go out, and its record is refused
+    assert await replies(paused, chunk(2), done(3)) == [] and len(late) <= 1
+    assert [getattr(m, "seq", "end") for m in await replies(successor, chunk(2), done(3))] == [2, "end"]
