@@ -78,7 +78,9 @@ class KafkaSecurity:
 class GatewaySettings:
     auth_required: bool = False  # false: a request without credentials runs as `anonymous_tenant`
     anonymous_tenant: str = "default"
-    on_redis_down: Literal["open", "closed"] = "closed"
+    # "wait": hold the request (retried with backoff until its deadline) until Redis answers again;
+    # "closed": refuse at once with 503 `unavailable`; "open": admit without limits.
+    on_redis_down: Literal["wait", "open", "closed"] = "wait"
     redis_timeout_s: float = 0.25
     key_cache_s: float = 5.0  # how long ingest reuses a key lookup; also how late a revocation may bite
     rotate_overlap_s: float = 86400.0  # after `keys rotate`, the old key works this long

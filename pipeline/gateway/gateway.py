@@ -5,7 +5,8 @@
                     the authenticated tenant and key id and without the credential; raises StageError.
     finish(event)   charges completion tokens (and the prompt-token estimate's shortfall) and spend.
 
-Redis being away is a `StoreUnavailable`: limits follow `on_redis_down` (open: admit; closed: refuse
+Redis being away is a `StoreUnavailable`: limits follow `on_redis_down` (wait: the runner retries the
+request until Redis answers or its deadline passes; open: admit; closed: refuse
 with `unavailable`), authentication uses a cached lookup or refuses; every such decision is counted
 in `sluice_gateway_degraded_total{operation,decision}`.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pipeline.errors import StageError, Undeliverable
+from pipeline.errors import InfraUnavailable, StageError, Undeliverable
 from pipeline.gateway.config import GatewaySettings, TenantPolicy
 from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier, looks_like_jwt
@@ -169,7 +170,10 @@ class Gateway:
             if cached is not None and now - cached[1] < STALE_LIMIT_S:
                 GATEWAY_DEGRADED.labels("auth", "cached").inc()
                 return cached[0]
-            GATEWAY_DEGRADED.labels("auth", "closed").inc()
+            waiting = self._settings.on_redis_down == "wait"
+            GATEWAY_DEGRADED.labels("auth", "wait" if waiting else "closed").inc()
+            if waiting:
+                raise InfraUnavailable("credentials cannot be checked until Redis answers") from None
             raise StageError(ErrorCode.unavailable, "credentials cannot be checked right now", retry_after_s=1.0) from None
         self._cache.pop(key_hash, None)
         if entry is not None and self._settings.key_cache_s > 0:
@@ -201,6 +205,8 @@ class Gateway:
             GATEWAY_DEGRADED.labels("limit", decision).inc()
             if decision == "open":
                 return
+            if decision == "wait":
+                raise InfraUnavailable("limits cannot be checked until Redis answers") from None
             raise StageError(ErrorCode.unavailable, "limits cannot be checked right now", retry_after_s=1.0) from None
         if refusal is not None:
             raise refused(refusal)

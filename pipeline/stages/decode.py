@@ -24,6 +24,7 @@ import msgspec
 
 from pipeline.backends.base import Backend, Delta, Prefilled as BackendPrefilled
 from pipeline.backends.errors import BackendError, Cancelled
+from pipeline.errors import InfraUnavailable
 from pipeline.stage import Address, Out, Stopwatch, address_of
 from pipeline.stages.generation import generation_request
 from pipeline.state import StateStore
@@ -67,6 +68,7 @@ class DecodeStage:
         self._cancelled: OrderedDict[str, CancelReason] = OrderedDict()
         self._active: set[str] = set()
         self._fenced: set[str] = set()
+        self._unrecorded: set[str] = set()  # progress could not be written (Redis away): stop, retry later
 
     async def aclose(self) -> None:
         await self._store.aclose()
@@ -118,6 +120,8 @@ class DecodeStage:
                 async for delta in stream:
                     if rid in self._fenced:
                         return  # another worker owns this request now; it finishes the stream
+                    if rid in self._unrecorded:  # the runner tries again (resuming) once the store answers
+                        raise InfraUnavailable("decode progress cannot be recorded")
                     pending += delta.token_ids
                     if delta.text:
                         progress = self._advance(progress, pending, delta)
@@ -139,6 +143,7 @@ class DecodeStage:
         finally:
             self._active.discard(rid)
             self._fenced.discard(rid)
+            self._unrecorded.discard(rid)
         if error is not None:
             yield self._terminal(rid, address.failed(*error, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
             return
@@ -155,7 +160,12 @@ class DecodeStage:
         encoded = msgspec.msgpack.encode(progress)
 
         async def acked() -> None:
-            if not await self._store.write(rid, {"progress": encoded}, owner=self._owner):
+            try:
+                recorded = await self._store.write(rid, {"progress": encoded}, owner=self._owner)
+            except InfraUnavailable:
+                self._unrecorded.add(rid)
+                raise
+            if not recorded:
                 log.info("stage=%s request=%s taken over by another worker; stopping", self.name, rid)
                 self._fenced.add(rid)
 

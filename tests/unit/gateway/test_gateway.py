@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.errors import InfraUnavailable
+
 from pipeline.errors import StageError
 from pipeline.gateway.config import ModelPrice, NetworkSettings, TenantPolicy
 from pipeline.gateway.errors import StoreUnavailable
@@ -163,7 +165,7 @@ class DownLimiter:
         raise StoreUnavailable("redis: ConnectionError")
 
 
-@pytest.mark.parametrize("mode", ["open", "closed"])
+@pytest.mark.parametrize("mode", ["open", "closed", "wait"])
 async def test_redis_down_follows_the_failure_mode_and_is_counted(mode: str) -> None:
     r = rig(on_redis_down=mode)
     raw, _ = await r.keys.create("acme", rpm=1)
@@ -171,6 +173,9 @@ async def test_redis_down_follows_the_failure_mode_and_is_counted(mode: str) -> 
     before = GATEWAY_DEGRADED.labels("limit", mode)._value.get()
     if mode == "open":
         await r.gateway.admit(request(api_key=raw))
+    elif mode == "wait":  # the runner holds the request and tries again until Redis answers or its deadline
+        with pytest.raises(InfraUnavailable):
+            await r.gateway.admit(request(api_key=raw))
     else:
         error = await refusal(r.gateway.admit(request(api_key=raw)))
         assert error.code is ErrorCode.unavailable and error.retriable
