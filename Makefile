@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: setup run test test-all bench bench-models clean
+.PHONY: setup run test test-all chaos bench bench-models clean
 
 setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted
 
@@ -37,6 +37,11 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -m ""
+
+# The full chaos profile (15-20 minutes; the short one runs in `make test`). A report without pytest:
+# `.venv/bin/python -m tests.chaos.run --profile full --report chaos.json`.
+chaos: setup
+	$(PY) -m pytest -m chaos tests/chaos
 
 bench: setup
 	$(PY) -m bench.pipeline_overhead

@@ -22,13 +22,13 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
 
 from pipeline import kafka, metrics, tracing
 from pipeline.errors import InfraUnavailable, RetriableError, StageError, Undeliverable
+from pipeline.producing import Producer
 from pipeline.settings import Settings
 from pipeline.stage import Address, Out, Resettable, Stage, address_of
 from topics import codec, dlq, registry
@@ -43,7 +43,7 @@ MAX_BACKOFF_S = 5.0
 
 
 class Handling:
-    def __init__(self, stage: Stage, settings: Settings, producer: AIOKafkaProducer) -> None:
+    def __init__(self, stage: Stage, settings: Settings, producer: Producer) -> None:
         self.stage = stage
         self.settings = settings
         self._producer = producer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -135,3 +136,23 @@ async def create_topics(settings: Settings) -> list[str]:
         return [s.name for s in wanted]
     finally:
         await admin.close()
+
+
+async def started(make: Callable[[], Any], stop: asyncio.Event, name: str, subscribe: tuple[Any, Any] | None = None) -> Any:
+    """A started Kafka client (`make()`, subscribed if asked); while the broker cannot be reached, tries
+    again with backoff until `stop` is set."""
+    backoff = 0.5
+    while True:
+        client = make()
+        if subscribe is not None:
+            client.subscribe(list(subscribe[0]), listener=subscribe[1])
+        try:
+            await client.start()
+            return client
+        except KafkaError as exc:
+            await client.stop()
+            if stop.is_set():
+                raise
+            log.warning("%s cannot reach the broker, retrying in %.1f s: %s", name, backoff, type(exc).__name__)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)

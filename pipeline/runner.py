@@ -17,13 +17,14 @@ import asyncio
 import logging
 import time
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from pipeline import kafka, metrics
 from pipeline.handling import Handling
 from pipeline.offsets import OffsetTracker
+from pipeline.producing import Producer
 from pipeline.settings import Settings
 from pipeline.stage import Closable, Controlled, Resettable, Stage
 
@@ -58,15 +59,16 @@ class Runner:
         # are handed to the producer (not acknowledged: the producer keeps a partition's order).
         self._handed_over: dict[TopicPartition, asyncio.Future[None]] = {}
         self._consumer: AIOKafkaConsumer | None = None
-        self._producer: AIOKafkaProducer | None = None
+        self._producer: Producer | None = None
         self._last_commit = 0.0
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once the consumer has its partitions
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._producer = await _started(lambda: kafka.producer(self.settings, self.client_id), stop, self.stage.name)
+        self._producer = Producer(self.settings, self.client_id)
+        await self._producer.start(stop)
         consumer = lambda: kafka.group_consumer(self.settings, self.stage.name, (), self.client_id)  # noqa: E731
-        self._consumer = await _started(consumer, stop, self.stage.name, subscribe=(self.stage.topics.inputs, _Rebalance(self)))
+        self._consumer = await kafka.started(consumer, stop, self.stage.name, subscribe=(self.stage.topics.inputs, _Rebalance(self)))
         handling = Handling(self.stage, self.settings, self._producer)
         control = asyncio.create_task(handling.control_loop(stop, self.client_id)) if isinstance(self.stage, Controlled) else None
         try:
@@ -192,23 +194,3 @@ class Runner:
             await self.commit()
         except Exception as exc:  # the group may already be gone; uncommitted work is redelivered
             log.warning("stage=%s final commit failed: %s", self.stage.name, type(exc).__name__)
-
-
-async def _started(make, stop: asyncio.Event, name: str, subscribe: tuple | None = None):  # type: ignore[no-untyped-def]
-    """A started Kafka client; while the broker cannot be reached, tries again with backoff until `stop`."""
-    backoff = 0.5
-    while True:
-        client = make()
-        if subscribe is not None:
-            client.subscribe(list(subscribe[0]), listener=subscribe[1])
-        try:
-            await client.start()
-            return client
-        except KafkaError as exc:
-            await client.stop()
-            if stop.is_set():
-                raise
-            log.warning("stage=%s cannot reach the broker, retrying in %.1f s: %s", name, backoff, type(exc).__name__)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
-

@@ -26,9 +26,11 @@ from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
 
 from pipeline import kafka
+from pipeline.producing import Producer
 from pipeline.sequencing import Sequencer
 from pipeline.settings import Settings
 from topics import codec, registry
@@ -138,13 +140,16 @@ class Client:
         self.model = model or settings.models[0]
         self._client_id = client_id or f"sluice-sdk-{uuid.uuid4().hex[:8]}"
         self._streams: dict[str, Stream] = {}
-        self._producer: AIOKafkaProducer | None = None
+        self._producer: Producer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._reader: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._producer = kafka.producer(self.settings, self._client_id)
-        await self._producer.start()
+        producer = Producer(self.settings, self._client_id)  # renewed if a long broker outage kills it
+        fail_fast = asyncio.Event()
+        fail_fast.set()  # no broker at start: say so at once
+        await producer.start(fail_fast)
+        self._producer = producer
         try:
             self._consumer = await kafka.broadcast_consumer(self.settings, (self.reply_topic,), self._client_id + "-replies")
         except BaseException:
@@ -210,11 +215,11 @@ class Client:
     async def cancel(self, request_id: str, reason: CancelReason = CancelReason.client_gone) -> None:
         assert self._producer is not None, "start() the client first"
         cancel = Cancel(id=request_id, reason=reason, at=time.time())
-        await self._producer.send_and_wait(registry.CONTROL, codec.encode(cancel), key=request_id.encode())
+        await (await self._producer.send(registry.CONTROL, codec.encode(cancel), key=request_id.encode(), headers=[]))
 
     async def _produce(self, request: Request) -> None:
         assert self._producer is not None, "start() the client first"
-        await self._producer.send_and_wait(registry.REQUESTS, codec.encode(request), key=request.id.encode())
+        await (await self._producer.send(registry.REQUESTS, codec.encode(request), key=request.id.encode(), headers=[]))
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -222,7 +227,12 @@ class Client:
     async def _read(self) -> None:
         assert self._consumer is not None
         while True:
-            batch = await self._consumer.getmany(timeout_ms=100)
+            try:
+                batch = await self._consumer.getmany(timeout_ms=100)
+            except KafkaError as exc:  # the broker is away: keep reading once it is back
+                log.warning("reading %s failed, retrying: %s", self.reply_topic, type(exc).__name__)
+                await asyncio.sleep(1.0)
+                continue
             for records in batch.values():
                 for record in records:
                     try:

@@ -23,4 +23,8 @@ def _build(settings: Settings, config: BackendSettings) -> Backend:
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: run `make setup` to convert the default model")
         return LocalBackend.from_path(path, name=config.name, max_batch=config.max_batch)
+    if config.kind == "instant":
+        from pipeline.backends.instant import InstantBackend
+
+        return InstantBackend(name=config.name, token_delay_ms=config.token_delay_ms)
     raise ValueError(f"unknown backend kind {config.kind!r}")

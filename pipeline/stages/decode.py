@@ -7,8 +7,11 @@ ownership. A worker that takes a request over (a crash, a rebalance, a redeliver
 first, then continues from the recorded progress: the backend re-prefills prompt + tokens and samples
 what the first worker would have sampled (seeded per request and position), so the client sees one
 seamless stream and only the chunks in flight at the crash are decoded twice (emit drops them). A
-worker that finds it no longer owns the request (it was paused past its session and replaced) stops
-without a word: its successor finishes the stream.
+worker that finds it no longer owns the request (it was paused past its session and replaced, or the
+request was redelivered to another) stops and lets the runner try the message again later: whoever
+then owns the partition takes the request back and finishes it, so a message is never committed by a
+worker that gave it up. The ending is recorded before it is sent; a worker that meets the request
+afterwards sends that same ending again (emit drops the repeat) instead of generating.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from pipeline.topology import Topics
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
 from topics.hops import Prefilled, client_id_of
-from topics.stream import EMPTY_DIGEST, FinishReason, Usage, digest_step
+from topics import codec
+from topics.stream import EMPTY_DIGEST, Done, Failed, FinishReason, StreamEvent, Usage, digest_step
 
 log = logging.getLogger(__name__)
 _REMEMBER_CANCELLED = 10_000
@@ -95,8 +99,9 @@ class DecodeStage:
         address = address_of(message)
         assert address is not None
         stored = await self._store.take(rid, self._owner)
-        if "finished" in stored:
-            return  # a redelivery of a request whose terminal event was already sent
+        if (ended := stored.get("finished")) is not None:  # decided already: send that ending again (emit drops it)
+            yield Out(self.topics.stream or "", rid, codec.decode(ended, StreamEvent))
+            return
         sent_first = bool(prefill.first_text)  # prefill sent it as chunk 0
         first = Progress((prefill.first_token_id,), len(prefill.first_text), int(sent_first),
                          digest_step(EMPTY_DIGEST, prefill.first_text) if sent_first else EMPTY_DIGEST)
@@ -105,7 +110,7 @@ class DecodeStage:
         usage = lambda p: Usage(prefill.prompt_tokens, len(p.tokens))  # noqa: E731
         if (reason := self._cancel_reason(rid, stored)) is not None:
             failed = address.failed(_CODE[reason], "cancelled before decode started", chunks=progress.next_seq, usage=usage(progress), timings=timings())
-            yield self._terminal(rid, failed)
+            yield await self._terminal(rid, failed)
             return
         resumed = "progress" in stored
         generation = generation_request(request, rid, progress.tokens[:-1], progress.sent_chars if resumed else None)
@@ -118,8 +123,8 @@ class DecodeStage:
             stream = self._backend.decode(generation, handoff)
             async with aclosing(stream):
                 async for delta in stream:
-                    if rid in self._fenced:
-                        return  # another worker owns this request now; it finishes the stream
+                    if rid in self._fenced:  # another worker took the request: retried, so whoever owns the partition finishes it
+                        raise InfraUnavailable("taken over by another decode worker")
                     if rid in self._unrecorded:  # the runner tries again (resuming) once the store answers
                         raise InfraUnavailable("decode progress cannot be recorded")
                     pending += delta.token_ids
@@ -145,10 +150,10 @@ class DecodeStage:
             self._fenced.discard(rid)
             self._unrecorded.discard(rid)
         if error is not None:
-            yield self._terminal(rid, address.failed(*error, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
+            yield await self._terminal(rid, address.failed(*error, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
             return
         done = address.done(chunks=progress.next_seq, digest=progress.digest, finish=finish, usage=usage(progress), timings=timings())
-        yield self._terminal(rid, done)
+        yield await self._terminal(rid, done)
 
     @staticmethod
     def _advance(progress: Progress, tokens: tuple[int, ...], delta: Delta) -> Progress:
@@ -171,8 +176,9 @@ class DecodeStage:
 
         return acked
 
-    def _terminal(self, rid: str, event: msgspec.Struct) -> Out:
-        async def acked() -> None:
-            await self._store.write(rid, {"finished": b"1"}, owner=self._owner)
-
-        return Out(self.topics.stream or "", rid, event, acked=acked)
+    async def _terminal(self, rid: str, event: Done | Failed) -> Out:
+        """The request's ending, recorded before it is sent (a worker that meets the request later sends
+        the same ending again instead of generating), and only while this worker owns the request."""
+        if not await self._store.write(rid, {"finished": codec.encode(event)}, owner=self._owner):
+            raise InfraUnavailable("taken over by another decode worker")
+        return Out(self.topics.stream or "", rid, event)

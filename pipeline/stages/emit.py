@@ -7,7 +7,8 @@ digest chain are recorded in the state store; the terminal event marks the reque
 successor (a crash, a rebalance) takes ownership of the request's emit record the first time it meets
 it and reads them, so it neither repeats a chunk nor a terminal event beyond the ones in flight at the
 crash (which the SDK drops by seq). A worker that finds its record taken (it was paused past its
-session and replaced) stops forwarding that request. The usage record is claimed in the store before
+session and replaced) stops forwarding that request and lets the runner try the message again: the
+worker that owns the partition then takes the record back and goes on from what it says. The usage record is claimed in the store before
 it is produced, so billing sees it at most once.
 """
 
@@ -21,7 +22,7 @@ from typing import Protocol
 
 import msgspec
 
-from pipeline.errors import Undeliverable
+from pipeline.errors import InfraUnavailable, Undeliverable
 from pipeline.settings import Settings
 from pipeline.stage import Out, Stopwatch, address_of
 from pipeline.sequencing import Sequencer
@@ -143,7 +144,8 @@ class EmitStage:
     def _write(self, rid: str, sent: _Sent, fields: dict[str, bytes]) -> Callable[[], Awaitable[None]]:
         async def acked() -> None:
             if not await self._store.write(_key(rid), fields, owner=self._owner):
-                sent.fenced = True
+                sent.fenced = True  # the runner tries the message again, after `reset`: re-read the store
+                raise InfraUnavailable("taken over by another emit worker")
 
         return acked
 

@@ -1,0 +1,107 @@
+"""The fault plans: what each profile sends and what it breaks, and when.
+
+A profile is a list of scenarios run one after the other on the same services and workers. The first
+is fault-free: its texts are the reference every later scenario is compared with. A request is made
+from a `RequestSpec` (its length and deadline); request j of a scenario uses spec j of its family
+(cycling), with a prompt of its own, so the texts to compare are those of the same spec.
+
+    short   ~60 requests per scenario, 40 ms per token; SIGKILL of every stage once (decode twice),
+            SIGSTOP of a decode worker past the session timeout, a Redis restart (<= ~3 minutes)
+    full    >= 50 SIGKILLs over every stage, SIGSTOP of decode and of emit, a broker restart, a 60 s
+            broker outage under long streams, a Redis restart, a decode worker added then removed
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FaultKind = Literal["kill", "pause", "broker_restart", "broker_outage", "redis_restart", "add", "remove"]
+PAUSE_S = 8.0  # SIGSTOP this long: past the consumer session timeout (3 s)
+OUTAGE_S = 60.0
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    key: str  # "n07": the 8th normal spec; "L2": the 3rd long one
+    max_tokens: int
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_s: float  # after the scenario's first request
+    kind: FaultKind
+    stage: str | None = None  # kill, pause, add, remove
+    seconds: float = 0.0  # pause: how long stopped; broker_outage: how long down
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    requests: int
+    faults: tuple[Fault, ...] = ()
+    family: Literal["normal", "long", "all"] = "normal"
+    rate: float = 4.0  # new requests per second
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    token_delay_ms: float
+    normal: tuple[RequestSpec, ...]
+    long: tuple[RequestSpec, ...]
+    scenarios: tuple[Scenario, ...]  # the first is the fault-free reference
+    workers_per_stage: int = 2
+
+    def family(self, name: str) -> tuple[RequestSpec, ...]:
+        return {"normal": self.normal, "long": self.long, "all": self.normal + self.long}[name]
+
+
+def _normal(count: int, low: int, high: int, deadline_s: float) -> tuple[RequestSpec, ...]:
+    span = high - low + 1
+    return tuple(RequestSpec(f"n{i:02d}", low + (i * 7) % span, deadline_s) for i in range(count))
+
+
+def _long(count: int, tokens: int, deadline_s: float) -> tuple[RequestSpec, ...]:
+    return tuple(RequestSpec(f"L{i}", tokens + i, deadline_s) for i in range(count))
+
+
+def _short() -> Profile:
+    kills = ("ingest", "decode", "route", "prefill", "emit", "decode")
+    return Profile(
+        name="short",
+        token_delay_ms=40,
+        normal=_normal(60, 30, 45, deadline_s=60),
+        long=(),
+        scenarios=(
+            Scenario("reference", 60),
+            Scenario("kill-each-stage", 60, tuple(Fault(1.5 + 2.2 * i, "kill", stage) for i, stage in enumerate(kills))),
+            Scenario("pause-decode+redis", 60, (Fault(2.0, "pause", "decode", PAUSE_S), Fault(7.0, "redis_restart"))),
+        ),
+    )
+
+
+def _full() -> Profile:
+    # 56 kills, one every 2.5 s, decode twice as often as the others.
+    order = ("decode", "emit", "prefill", "decode", "route", "ingest", "decode")
+    kills = tuple(Fault(2.0 + 2.5 * i, "kill", order[i % len(order)]) for i in range(56))
+    return Profile(
+        name="full",
+        token_delay_ms=40,
+        normal=_normal(100, 40, 80, deadline_s=120),
+        long=_long(16, 300, deadline_s=240),  # 12 s streams, so they are mid-flight when the broker goes
+        scenarios=(
+            Scenario("reference", 116, family="all"),
+            Scenario("kills", 600, kills),
+            Scenario("pause-decode-and-emit", 80, (Fault(3.0, "pause", "decode", PAUSE_S), Fault(11.0, "pause", "emit", PAUSE_S))),
+            Scenario("scale-decode", 80, (Fault(3.0, "add", "decode"), Fault(12.0, "remove", "decode"))),
+            Scenario("redis-restart", 60, (Fault(5.0, "redis_restart"),)),
+            Scenario("broker-restart", 60, (Fault(5.0, "broker_restart"),)),
+            # Last: if the pipeline does not recover from it, every scenario before it still has its report.
+            Scenario("broker-outage", 16, (Fault(5.0, "broker_outage", seconds=OUTAGE_S),), family="long"),
+        ),
+    )
+
+
+PROFILES: dict[str, Profile] = {"short": _short(), "full": _full()}

@@ -1,0 +1,26 @@
+"""The chaos profiles as tests: `short` runs in `make test` (about 3 minutes), `full` under `make chaos`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.chaos.run import run_profile
+from tests.chaos.scenarios import PROFILES
+
+
+def _run(name: str) -> None:
+    report = asyncio.run(run_profile(PROFILES[name]))
+    print(report.markdown())
+    assert report.error is None, report.markdown()
+    assert report.ok, report.markdown()
+
+
+def test_short_profile() -> None:
+    _run("short")
+
+
+@pytest.mark.chaos
+def test_full_profile() -> None:
+    _run("full")
