@@ -1,10 +1,11 @@
 """The runner's producer, renewed when it can no longer deliver.
 
-aiokafka's idempotent producer stops its sender for good on `OutOfOrderSequenceNumber`, which is what
-a broker outage longer than `request_timeout_ms` leads to (batches expired, sequence numbers moved on):
-every later send would wait forever. `Producer.send` checks the sender before each send and, when it
-has stopped, replaces the client with a fresh one (a new producer id), so a stage recovers from an
-outage of any length instead of looping on the error. The messages that were in flight are retried by
+aiokafka's idempotent producer cannot recover from a broker outage longer than `request_timeout_ms`:
+its batches expired, its sequence numbers moved on, and from then on the broker refuses every batch
+with `OutOfOrderSequenceNumber` (or the sender stops for good and sends wait forever). Seen in the chaos
+suite: every stage looping on that error minutes after the broker was back. `Producer` watches every
+send's outcome and, once one fails that way or the sender has stopped, replaces the client with a fresh
+one (a new producer id) before the next send, so a stage recovers from an outage of any length. The messages that were in flight are retried by
 the runner (their offsets were never committed).
 """
 
@@ -15,11 +16,13 @@ import logging
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import InvalidProducerEpoch, OutOfOrderSequenceNumber, UnknownProducerId
 
 from pipeline import kafka
 from pipeline.settings import Settings
 
 log = logging.getLogger(__name__)
+POISONED = (OutOfOrderSequenceNumber, UnknownProducerId, InvalidProducerEpoch)  # this producer id is done
 
 
 class Producer:
@@ -28,6 +31,7 @@ class Producer:
         self._client_id = client_id
         self._client: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
+        self._poisoned = False
         self.renewals = 0
 
     async def start(self, stop: asyncio.Event) -> None:
@@ -39,20 +43,27 @@ class Producer:
 
     async def send(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
         """Queues one message; the returned future resolves when the broker acknowledged it."""
-        if self._stopped_for_good():
+        if self._unusable():
             await self._renew()
         assert self._client is not None
-        return await self._client.send(topic, value, key=key, headers=headers)
+        ack = await self._client.send(topic, value, key=key, headers=headers)
+        ack.add_done_callback(self._watch)
+        return ack
 
-    def _stopped_for_good(self) -> bool:
+    def _watch(self, ack: asyncio.Future[Any]) -> None:
+        if not ack.cancelled() and isinstance(ack.exception(), POISONED):
+            self._poisoned = True
+
+    def _unusable(self) -> bool:
         sender = getattr(self._client, "_sender", None)
         task = getattr(sender, "sender_task", None)
-        return task is not None and task.done()
+        return self._poisoned or (task is not None and task.done())
 
     async def _renew(self) -> None:
         async with self._lock:
-            if not self._stopped_for_good():
+            if not self._unusable():
                 return  # another task renewed it meanwhile
+            self._poisoned = False
             old = self._client
             self.renewals += 1
             log.warning("producer %s stopped delivering; starting a new one (renewal %d)", self._client_id, self.renewals)
