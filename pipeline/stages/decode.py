@@ -10,8 +10,10 @@ seamless stream and only the chunks in flight at the crash are decoded twice (em
 worker that finds it no longer owns the request (it was paused past its session and replaced, or the
 request was redelivered to another) stops and lets the runner try the message again later: whoever
 then owns the partition takes the request back and finishes it, so a message is never committed by a
-worker that gave it up. The ending is recorded before it is sent; a worker that meets the request
-afterwards sends that same ending again (emit drops the repeat) instead of generating.
+worker that gave it up. A worker that meets a finished request sends its recorded ending again (emit
+drops the repeat) instead of generating. The ending is recorded only after the broker acknowledged it,
+that is after every chunk before it: recording it earlier would let a retry skip chunks whose delivery
+had failed (the chaos suite's broker outage found exactly that).
 """
 
 from __future__ import annotations
@@ -25,17 +27,18 @@ from contextlib import aclosing
 
 import msgspec
 
-from pipeline.backends.base import Backend, Delta, Prefilled as BackendPrefilled
+from pipeline.backends.base import Backend, Delta
+from pipeline.backends.base import Prefilled as BackendPrefilled
 from pipeline.backends.errors import BackendError, Cancelled
 from pipeline.errors import InfraUnavailable
-from pipeline.stage import Address, Out, Stopwatch, address_of
+from pipeline.stage import Out, Stopwatch, address_of
 from pipeline.stages.generation import generation_request
 from pipeline.state import StateStore
 from pipeline.topology import Topics
+from topics import codec
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
 from topics.hops import Prefilled, client_id_of
-from topics import codec
 from topics.stream import EMPTY_DIGEST, Done, Failed, FinishReason, StreamEvent, Usage, digest_step
 
 log = logging.getLogger(__name__)
@@ -110,7 +113,7 @@ class DecodeStage:
         usage = lambda p: Usage(prefill.prompt_tokens, len(p.tokens))  # noqa: E731
         if (reason := self._cancel_reason(rid, stored)) is not None:
             failed = address.failed(_CODE[reason], "cancelled before decode started", chunks=progress.next_seq, usage=usage(progress), timings=timings())
-            yield await self._terminal(rid, failed)
+            yield self._terminal(rid, failed)
             return
         resumed = "progress" in stored
         generation = generation_request(request, rid, progress.tokens[:-1], progress.sent_chars if resumed else None)
@@ -150,10 +153,10 @@ class DecodeStage:
             self._fenced.discard(rid)
             self._unrecorded.discard(rid)
         if error is not None:
-            yield await self._terminal(rid, address.failed(*error, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
+            yield self._terminal(rid, address.failed(*error, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
             return
         done = address.done(chunks=progress.next_seq, digest=progress.digest, finish=finish, usage=usage(progress), timings=timings())
-        yield await self._terminal(rid, done)
+        yield self._terminal(rid, done)
 
     @staticmethod
     def _advance(progress: Progress, tokens: tuple[int, ...], delta: Delta) -> Progress:
@@ -176,9 +179,14 @@ class DecodeStage:
 
         return acked
 
-    async def _terminal(self, rid: str, event: Done | Failed) -> Out:
-        """The request's ending, recorded before it is sent (a worker that meets the request later sends
-        the same ending again instead of generating), and only while this worker owns the request."""
-        if not await self._store.write(rid, {"finished": codec.encode(event)}, owner=self._owner):
-            raise InfraUnavailable("taken over by another decode worker")
-        return Out(self.topics.stream or "", rid, event)
+    def _terminal(self, rid: str, event: Done | Failed) -> Out:
+        """The request's ending. Once the broker acknowledged it (and so every chunk before it), it is
+        recorded, so a worker that meets the request later sends this ending again (emit drops the
+        repeat) instead of generating; only while this worker owns the request."""
+        encoded = codec.encode(event)
+
+        async def acked() -> None:
+            if not await self._store.write(rid, {"finished": encoded}, owner=self._owner):
+                raise InfraUnavailable("taken over by another decode worker")
+
+        return Out(self.topics.stream or "", rid, event, acked=acked)

@@ -23,9 +23,9 @@ from typing import Protocol
 import msgspec
 
 from pipeline.errors import InfraUnavailable, Undeliverable
+from pipeline.sequencing import Sequencer
 from pipeline.settings import Settings
 from pipeline.stage import Out, Stopwatch, address_of
-from pipeline.sequencing import Sequencer
 from pipeline.state import MemoryStateStore, StateStore
 from pipeline.topology import Topics
 from topics.errors import ErrorCode
@@ -96,6 +96,9 @@ class EmitStage:
                 record = {"emitted": b"%d" % (chunk.seq + 1), "digest": sent.digest.encode()}
                 yield Out(message.reply_to, rid, chunk, acked=self._write(rid, sent, record))
             return
+        if not await self._store.write(_key(rid), {}, owner=self._owner):  # still ours? (a paused worker's is not)
+            sent.fenced = True
+            raise InfraUnavailable("taken over by another emit worker")
         sent.finished = True
         terminal = self._terminal(message, sent, clock)
         yield Out(message.reply_to, rid, terminal, acked=self._write(rid, sent, {"terminal": b"1"}))

@@ -17,8 +17,8 @@ from pipeline.guard.redact import Placeholders, apply_policy
 from pipeline.settings import Settings
 from pipeline.stage import Out, Stopwatch
 from pipeline.topology import Topics
-from topics.hops import Admitted
 from topics.errors import ErrorCode
+from topics.hops import Admitted
 from topics.requests import Request
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pipeline.guard.config import GuardSettings
-from pipeline.guard.errors import Reason
 from pipeline.guard.entities import Action
+from pipeline.guard.errors import Reason
 from pipeline.guard.stream_check import OutputGuard, StreamState
 from pipeline.sequencing import Sequencer
 from pipeline.stage import Out, address_of
@@ -95,24 +95,39 @@ class PostguardStage:
             return  # decode's own ending after the kill switch, or a redelivery
         resend: list[Out] = []
         if rid not in self._streams:
-            stored = await self._store.read(rid)
-            if (ended := stored.get(postguard_state.ENDED)) is not None:  # a redelivery after the end
-                yield Out(self.topics.forward or "", rid, codec.decode(ended, StreamEvent))
+            resend, ended = await self._restore(message)
+            if ended:
+                for out in resend:
+                    yield out
                 return
-            if (raw := stored.get(postguard_state.FIELD)) is not None:
-                stream = self._streams[rid] = _Stream.restored(raw, self._settings.policy(message.tenant or "default"))
-                resend = [self._released(message, seq, text, stream) for seq, text in sorted(stream.unacked.items())]
-                if stream.killed is not None:
-                    resend.append(Out(self.topics.control, rid, Cancel(id=rid, reason=CancelReason.output_guard, at=time.time())))
+        before = self._streams.get(rid)
         outs = list(self._handle(message, started))
-        stream = self._streams.get(rid)
-        terminal = next((o.value for o in outs if isinstance(o.value, Done | Failed)), None)
-        if terminal is not None:
-            await self._store.write(rid, {postguard_state.ENDED: codec.encode(terminal)})
-        elif stream is not None:
-            await self._store.write(rid, {postguard_state.FIELD: stream.window()})  # before anything is sent
+        stream = self._streams.get(rid) or before  # `_handle` forgets a stream it ended
+        record: dict[str, bytes] = {}
+        if stream is not None:  # before anything is sent: with the chunks released but not yet acknowledged
+            record[postguard_state.FIELD] = stream.window()
+        if (terminal := next((o.value for o in outs if isinstance(o.value, Done | Failed)), None)) is not None:
+            record[postguard_state.ENDED] = codec.encode(terminal)
+        if record:
+            await self._store.write(rid, record)
         for out in resend + outs:
             yield out
+
+    async def _restore(self, message: StreamEvent) -> tuple[list[Out], bool]:
+        """A predecessor's window for this stream, if the store has one: what it must send again (released
+        chunks not acknowledged, the kill switch, the ending) and whether the stream had already ended."""
+        rid = message.id
+        stored = await self._store.read(rid)
+        resend: list[Out] = []
+        if (raw := stored.get(postguard_state.FIELD)) is not None:
+            stream = self._streams[rid] = _Stream.restored(raw, self._settings.policy(message.tenant or "default"))
+            resend = [self._released(message, seq, text, stream) for seq, text in sorted(stream.unacked.items())]
+            if stream.killed is not None:
+                resend.append(Out(self.topics.control, rid, Cancel(id=rid, reason=CancelReason.output_guard, at=time.time())))
+        if (ended := stored.get(postguard_state.ENDED)) is not None:  # a redelivery after the end
+            self._finish(rid)
+            return [*resend, Out(self.topics.forward or "", rid, codec.decode(ended, StreamEvent))], True
+        return resend, False
 
     def _released(self, message: StreamEvent, seq: int, text: str, stream: _Stream) -> Out:
         """A released chunk, forgotten from the window once the broker acknowledged it."""

@@ -25,7 +25,7 @@ from pipeline.guard.redact import Placeholders
 from pipeline.guard.stream_check import StreamState
 
 FIELD = "postguard"
-ENDED = "postguard_end"  # the terminal event postguard sent, encoded: sent again on a redelivery
+ENDED = "postguard_end"  # the terminal event, encoded: sent again (after the window's unacknowledged chunks) on a redelivery
 
 
 class Window(msgspec.Struct, frozen=True):

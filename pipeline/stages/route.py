@@ -12,8 +12,8 @@ from pipeline.errors import StageError
 from pipeline.settings import BackendSettings, Settings
 from pipeline.stage import Out, Stopwatch
 from pipeline.topology import Topics
-from topics.hops import Admitted, Route, Routed, forward
 from topics.errors import ErrorCode
+from topics.hops import Admitted, Route, Routed, forward
 
 
 class RouteStage:

@@ -33,9 +33,9 @@ from pipeline.runner import Runner
 from pipeline.sdk import Client
 from pipeline.settings import Settings
 from pipeline.stages.ingest import IngestStage
+from tests.integration.conftest import KAFKA_PORT
 from tests.unit.helpers import node
 from topics import codec
-from tests.integration.conftest import KAFKA_PORT
 from topics.requests import Request
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import httpx
 import msgspec
@@ -28,7 +27,6 @@ from pipeline.gateway.redis_keys import RedisKeyStore
 from pipeline.metrics import GATEWAY_DEGRADED
 from pipeline.settings import Settings
 from pipeline.stages.ingest import IngestStage
-from tests.unit.helpers import node
 from tests.integration.conftest import REDIS_PORT, ROOT
 from tests.integration.gateway_fixtures import (
     SECURE_REQUESTS,
@@ -41,8 +39,8 @@ from tests.integration.gateway_fixtures import (
     with_gateway,
 )
 from tests.unit.fakes import run_handler
+from tests.unit.helpers import node
 from topics import registry
-from topics.errors import ErrorCode
 from topics.requests import ChatMessage, Request, Sampling
 
 __all__ = ["redis", "secure_bridge"]  # fixtures

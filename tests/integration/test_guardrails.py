@@ -19,8 +19,8 @@ from pipeline.settings import Settings
 from tests.integration.conftest import GUARDRAILS_BLOCKED
 from topics import codec, registry
 from topics.control import Cancel, CancelReason
-from topics.hops import Admitted, client_id_of
 from topics.errors import ErrorCode
+from topics.hops import Admitted, client_id_of
 from topics.stream import Chunk, Failed, StreamEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import InfraUnavailable
-
-from pipeline.errors import StageError
+from pipeline.errors import InfraUnavailable, StageError
 from pipeline.gateway.config import ModelPrice, NetworkSettings, TenantPolicy
 from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.keys import PREFIX
@@ -17,7 +15,7 @@ from pipeline.metrics import GATEWAY_DEGRADED
 from tests.unit.gateway.helpers import rig
 from tests.unit.helpers import MODEL, request
 from topics.errors import ErrorCode
-from topics.stream import FinishReason, Done, Usage
+from topics.stream import Done, FinishReason, Usage
 
 pytestmark = pytest.mark.asyncio
 

@@ -10,8 +10,8 @@ import pytest
 
 from pipeline.guard.config import GuardSettings
 from pipeline.guard.loader import InputGuard, output_guard
-from pipeline.settings import Settings
 from pipeline.guard.stream_check import OutputGuard
+from pipeline.settings import Settings
 
 
 class NetworkUsed(AssertionError):

@@ -16,8 +16,8 @@ from pipeline.stages.guard import GuardStage
 from tests.unit.fakes import run_handler
 from tests.unit.helpers import node, request
 from topics import registry
-from topics.hops import Admitted, request_key
 from topics.errors import ErrorCode, http_status
+from topics.hops import Admitted, request_key
 from topics.requests import ChatMessage
 
 pytestmark = pytest.mark.asyncio
