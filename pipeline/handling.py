@@ -34,6 +34,7 @@ from pipeline.stage import Address, Out, Resettable, Stage, address_of
 from topics import codec, dlq, registry
 from topics.control import Cancel
 from topics.errors import ErrorCode
+from topics.stream import Done, Failed
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +113,19 @@ class Handling:
 
     async def _send_all(self, message: Any, handed_over: asyncio.Future[None] | None) -> None:
         """Produces each output as soon as it is yielded (a stream reaches the client token by token),
-        runs each output's `acked` in order once the broker acknowledged it, then waits for all of it.
+        a terminal event only after the outputs before it are acknowledged, runs each output's `acked`
+        in order once the broker acknowledged it, then waits for all of it.
         The next message of an ordered partition may start once this one's outputs are queued in the
         producer, before they are acknowledged."""
         acks: list[asyncio.Future[Any]] = []
         last: asyncio.Task[None] | None = None
         try:
             async for out in self.stage.handle(message):
+                if isinstance(out.value, Done | Failed) and acks:
+                    # A terminal event goes out only once every chunk before it is acknowledged: after a
+                    # broker outage, batches that expired are refused while later ones are accepted, and a
+                    # terminal event sent then would overtake the chunks the retry sends again.
+                    await asyncio.gather(*acks)
                 ack = await self._send(out)
                 acks.append(ack)
                 if out.acked is not None:

@@ -97,14 +97,28 @@ class DecodeStage:
         return self._cancelled.get(rid) or self._cancelled.get(client_id_of(rid))
 
     async def handle(self, message: Prefilled) -> AsyncIterator[Out]:
+        rid = message.id
+        if rid in self._active:  # a second message for a stream this worker is generating (prefill ran twice)
+            return  # the running one finishes it; its own message stays uncommitted until it has
+        self._active.add(rid)
+        try:
+            stored = await self._store.take(rid, self._owner)
+            if (ended := stored.get("finished")) is not None:  # decided already: send that ending again (emit drops it)
+                yield Out(self.topics.stream or "", rid, codec.decode(ended, StreamEvent))
+                return
+            async for out in self._generate(message, stored):
+                yield out
+        finally:
+            self._active.discard(rid)
+            self._fenced.discard(rid)
+            self._unrecorded.discard(rid)
+
+    async def _generate(self, message: Prefilled, stored: dict[str, bytes]) -> AsyncIterator[Out]:
+        """The stream from where the store says it got to (prefill's first token when it says nothing)."""
         clock = Stopwatch()
-        rid, request, prefill = message.id, message.request, message.prefill
+        rid, prefill = message.id, message.prefill
         address = address_of(message)
         assert address is not None
-        stored = await self._store.take(rid, self._owner)
-        if (ended := stored.get("finished")) is not None:  # decided already: send that ending again (emit drops it)
-            yield Out(self.topics.stream or "", rid, codec.decode(ended, StreamEvent))
-            return
         sent_first = bool(prefill.first_text)  # prefill sent it as chunk 0
         first = Progress((prefill.first_token_id,), len(prefill.first_text), int(sent_first),
                          digest_step(EMPTY_DIGEST, prefill.first_text) if sent_first else EMPTY_DIGEST)
@@ -112,28 +126,24 @@ class DecodeStage:
         timings = lambda: {**message.timings, self.name: clock.ms()}  # noqa: E731
         usage = lambda p: Usage(prefill.prompt_tokens, len(p.tokens))  # noqa: E731
         if (reason := self._cancel_reason(rid, stored)) is not None:
-            failed = address.failed(_CODE[reason], "cancelled before decode started", chunks=progress.next_seq, usage=usage(progress), timings=timings())
-            yield self._terminal(rid, failed)
+            text = "cancelled before decode started"
+            yield self._terminal(rid, address.failed(_CODE[reason], text, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
             return
-        resumed = "progress" in stored
-        generation = generation_request(request, rid, progress.tokens[:-1], progress.sent_chars if resumed else None)
+        resume_chars = progress.sent_chars if "progress" in stored else None
+        generation = generation_request(message.request, rid, progress.tokens[:-1], resume_chars)
         handoff = BackendPrefilled(prefill.handle, progress.tokens[-1], prefill.first_text, prefill.prompt_tokens, None)
         error: tuple[ErrorCode, str] | None = None
         finish = FinishReason.length
         pending: tuple[int, ...] = ()  # tokens consumed since the last chunk (their text held back)
-        self._active.add(rid)
         try:
-            stream = self._backend.decode(generation, handoff)
-            async with aclosing(stream):
+            async with aclosing(self._backend.decode(generation, handoff)) as stream:
                 async for delta in stream:
-                    if rid in self._fenced:  # another worker took the request: retried, so whoever owns the partition finishes it
-                        raise InfraUnavailable("taken over by another decode worker")
-                    if rid in self._unrecorded:  # the runner tries again (resuming) once the store answers
-                        raise InfraUnavailable("decode progress cannot be recorded")
+                    self._check_still_recording(rid)
                     pending += delta.token_ids
                     if delta.text:
                         progress = self._advance(progress, pending, delta)
-                        yield Out(self.topics.stream or "", rid, address.chunk(progress.next_seq - 1, delta.text, pending), acked=self._record(rid, progress))
+                        chunk = address.chunk(progress.next_seq - 1, delta.text, pending)
+                        yield Out(self.topics.stream or "", rid, chunk, acked=self._record(rid, progress))
                         pending = ()
                     elif pending:
                         progress = msgspec.structs.replace(progress, tokens=progress.tokens + pending)
@@ -148,15 +158,19 @@ class DecodeStage:
             error = (_CODE[reason], f"generation stopped: {reason.value}")
         except BackendError as exc:
             error = (exc.code, f"backend failed during decode ({type(exc).__name__})")
-        finally:
-            self._active.discard(rid)
-            self._fenced.discard(rid)
-            self._unrecorded.discard(rid)
         if error is not None:
             yield self._terminal(rid, address.failed(*error, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
             return
-        done = address.done(chunks=progress.next_seq, digest=progress.digest, finish=finish, usage=usage(progress), timings=timings())
-        yield self._terminal(rid, done)
+        yield self._terminal(rid, address.done(chunks=progress.next_seq, digest=progress.digest, finish=finish,
+                                               usage=usage(progress), timings=timings()))
+
+    def _check_still_recording(self, rid: str) -> None:
+        """Stops a stream whose progress another worker has taken over, or that cannot be recorded: the
+        runner tries the message again later (resuming), so whoever owns the partition finishes it."""
+        if rid in self._fenced:
+            raise InfraUnavailable("taken over by another decode worker")
+        if rid in self._unrecorded:
+            raise InfraUnavailable("decode progress cannot be recorded")
 
     @staticmethod
     def _advance(progress: Progress, tokens: tuple[int, ...], delta: Delta) -> Progress:

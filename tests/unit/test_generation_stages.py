@@ -169,3 +169,15 @@ def test_an_unseeded_request_samples_reproducibly_by_its_id() -> None:
 
 def test_priority_reaches_the_backend() -> None:
     assert generation_request(request("a", priority=Priority.batch), "t/a").priority == "batch"
+
+
+@pytest.mark.asyncio
+async def test_a_second_message_for_a_stream_this_worker_runs_is_left_to_the_running_one() -> None:
+    backend, store = ScriptedBackend(WORDS, step_s=0.01), MemoryStateStore()
+    handed = await prefilled(backend)  # prefill ran twice (its worker died before committing)
+    stage = decode_stage(backend, store)
+    running = asyncio.create_task(run_handler(stage, handed))
+    await asyncio.sleep(0.015)
+    assert await run_handler(stage, handed) == []
+    outs = await running
+    assert [getattr(o.value, "seq", "end") for o in outs] == [1, 2, 3, 4, "end"]
