@@ -50,18 +50,25 @@ class Handling:
         self._producer = producer
         self._reads_requests = registry.REQUESTS in stage.topics.inputs
 
-    async def process(self, record: ConsumerRecord[bytes, bytes], handed_over: asyncio.Future[None] | None) -> str:
-        """Handles one record to its end; returns the outcome (a metric label)."""
+    async def process(
+        self, record: ConsumerRecord[bytes, bytes], handed_over: asyncio.Future[None] | None,
+        before: asyncio.Task[None] | None = None,
+    ) -> str:
+        """Handles one record to its end; returns the outcome (a metric label). `before`, for ordered
+        stages: the previous message's task, which a retry of this one waits for."""
         ctx = tracing.extract(record.headers)
         with tracing.tracer.start_as_current_span(self.stage.name, context=ctx, kind=trace.SpanKind.CONSUMER) as span:
             span.set_attribute("messaging.destination", record.topic)
             span.set_attribute("messaging.kafka.offset", record.offset)
             span.set_attribute("payload.bytes", len(record.value or b""))
-            outcome = await self._handle_record(record, span, handed_over)
+            outcome = await self._handle_record(record, span, handed_over, before)
             span.set_attribute("outcome", outcome)
         return outcome
 
-    async def _handle_record(self, record: ConsumerRecord[bytes, bytes], span: trace.Span, handed_over: asyncio.Future[None] | None) -> str:
+    async def _handle_record(
+        self, record: ConsumerRecord[bytes, bytes], span: trace.Span, handed_over: asyncio.Future[None] | None,
+        before: asyncio.Task[None] | None,
+    ) -> str:
         payload = record.value or b""
         try:
             message = codec.decode(payload, self.stage.input_type)
@@ -98,6 +105,8 @@ class Handling:
                     return "expired"
                 log.warning("stage=%s request=%s waits for the infrastructure (%s); retrying in %.1f s",
                             self.stage.name, address and address.request_id, type(exc).__name__, backoff)
+                if before is not None:  # the messages before this one are tried again first, in order
+                    await asyncio.wait([before])
                 if isinstance(self.stage, Resettable) and address is not None:
                     await self.stage.reset(address.request_id)  # what it cached may not have been sent
             except asyncio.CancelledError:

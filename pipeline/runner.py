@@ -58,6 +58,9 @@ class Runner:
         # Ordered stages: per partition, the future that resolves once the previous message's outputs
         # are handed to the producer (not acknowledged: the producer keeps a partition's order).
         self._handed_over: dict[TopicPartition, asyncio.Future[None]] = {}
+        # ...and the task of the previous message, which a retry waits for: after an infrastructure
+        # error, a partition's messages are tried again in their order, never overtaking each other.
+        self._last_task: dict[TopicPartition, asyncio.Task[None]] = {}
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: Producer | None = None
         self._last_commit = 0.0
@@ -117,24 +120,28 @@ class Runner:
                 self._committing = asyncio.create_task(self._commit_quietly())
 
     def _spawn(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], handling: Handling) -> None:
-        previous = handed_over = None
+        previous = handed_over = before = None
         if self.stage.ordered:
             previous = self._handed_over.get(tp)
             handed_over = self._handed_over[tp] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._process(tp, record, handling, previous, handed_over))
+            before = self._last_task.get(tp)
+        task = asyncio.create_task(self._process(tp, record, handling, previous, handed_over, before))
+        if self.stage.ordered:
+            self._last_task[tp] = task
         self._tasks[task] = tp
         task.add_done_callback(self._tasks.pop)
 
     async def _process(
         self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], handling: Handling,
         previous: asyncio.Future[None] | None, handed_over: asyncio.Future[None] | None,
+        before: asyncio.Task[None] | None = None,
     ) -> None:
         try:
             if previous is not None:
                 await asyncio.shield(previous)
             started = time.perf_counter()
             try:
-                outcome = await handling.process(record, handed_over)
+                outcome = await handling.process(record, handed_over, before)
             except Exception:  # a bug in sluice itself, not in the record: say so loudly and move on
                 log.exception("stage=%s record %s:%d:%d could not be processed", self.stage.name, tp.topic, tp.partition, record.offset)
                 outcome = "bug"
@@ -159,6 +166,7 @@ class Runner:
         for tp in revoked:
             self.trackers.pop(tp, None)
             self._handed_over.pop(tp, None)
+            self._last_task.pop(tp, None)
         if isinstance(self.stage, Resettable):
             await self.stage.reset(None)
 

@@ -39,3 +39,7 @@ class Sequencer:
 
     def gap(self) -> bool:
         return bool(self._held)
+
+    def held(self) -> list[Chunk]:
+        """The chunks waiting behind the gap, in order (to carry over when the position is re-read)."""
+        return [self._held[seq] for seq in sorted(self._held)]

@@ -68,6 +68,7 @@ class EmitStage:
         self._store = store if store is not None else MemoryStateStore()
         self._meter = meter
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
+        self._carried: dict[str, list[Chunk]] = {}  # chunks held behind a gap when a request was reset
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
 
     async def aclose(self) -> None:
@@ -79,8 +80,9 @@ class EmitStage:
         """Forget cached progress (one request, or all): the store, written after acks, is the truth."""
         if request_id is None:
             self._sent.clear()
-        else:
-            self._sent.pop(request_id, None)
+            self._carried.clear()
+        elif (sent := self._sent.pop(request_id, None)) is not None and (held := sent.order.held()):
+            self._carried[request_id] = held  # their messages may be done: keep them, they are the client's
 
     async def handle(self, message: StreamEvent) -> AsyncIterator[Out]:
         clock = Stopwatch()
@@ -90,11 +92,14 @@ class EmitStage:
         sent = await self._progress(rid)
         if sent.finished or sent.fenced:
             return  # a redelivery after the terminal event (the client has it), or another worker's request
+        ready = [c for held in self._carried.pop(rid, []) for c in sent.order.accept(held)]
         if isinstance(message, Chunk):
-            for chunk in sent.order.accept(message):
-                sent.digest = digest_step(sent.digest, chunk.text)
-                record = {"emitted": b"%d" % (chunk.seq + 1), "digest": sent.digest.encode()}
-                yield Out(message.reply_to, rid, chunk, acked=self._write(rid, sent, record))
+            ready += sent.order.accept(message)
+        for chunk in ready:
+            sent.digest = digest_step(sent.digest, chunk.text)
+            record = {"emitted": b"%d" % (chunk.seq + 1), "digest": sent.digest.encode()}
+            yield Out(message.reply_to, rid, chunk, acked=self._write(rid, sent, record))
+        if isinstance(message, Chunk):
             return
         if not await self._store.write(_key(rid), {}, owner=self._owner):  # still ours? (a paused worker's is not)
             sent.fenced = True

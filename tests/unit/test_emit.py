@@ -107,3 +107,12 @@ async def test_a_replaced_worker_learns_it_and_leaves_the_message_to_be_retried(
         await replies(paused, chunk(1))
     assert await replies(paused, chunk(2)) == []  # until the runner resets it, it forwards nothing more
     assert [getattr(m, "seq", "end") for m in await replies(successor, chunk(2), done(3))] == [2, "end"]
+
+
+@pytest.mark.asyncio
+async def test_chunks_held_behind_a_gap_survive_a_reset_of_their_request() -> None:
+    stage = emit()
+    assert [c.seq for c in await replies(stage, chunk(0), chunk(2))] == [0]  # 2 waits for 1
+    await stage.reset(RID)  # a retry of this request's message re-reads the store; chunk 2's message is done
+    sent = await replies(stage, chunk(1), done(3))
+    assert [getattr(m, "seq", "end") for m in sent] == [1, 2, "end"] and isinstance(sent[-1], Done)
