@@ -18,6 +18,7 @@ had failed (the chaos suite's broker outage found exactly that).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -43,6 +44,9 @@ from topics.stream import EMPTY_DIGEST, Done, Failed, FinishReason, StreamEvent,
 
 log = logging.getLogger(__name__)
 _REMEMBER_CANCELLED = 10_000
+AHEAD = 16  # chunks a stream may run ahead of its last acknowledged one: a broker that stops acknowledging
+# stops generation there, instead of the rest of the answer being generated into a void and again later
+AHEAD_WAIT_S = 40.0  # longer than the producer's request timeout (30 s), after which an ack has failed
 _CODE = {
     CancelReason.client_gone: ErrorCode.cancelled,
     CancelReason.output_guard: ErrorCode.content_filter,
@@ -76,6 +80,7 @@ class DecodeStage:
         self._active: set[str] = set()
         self._fenced: set[str] = set()
         self._unrecorded: set[str] = set()  # progress could not be written (Redis away): stop, retry later
+        self._acked: dict[str, tuple[int, asyncio.Event]] = {}  # rid -> (next seq recorded, set on each record)
 
     async def aclose(self) -> None:
         await self._store.aclose()
@@ -112,6 +117,7 @@ class DecodeStage:
             self._active.discard(rid)
             self._fenced.discard(rid)
             self._unrecorded.discard(rid)
+            self._acked.pop(rid, None)
 
     async def _generate(self, message: Prefilled, stored: dict[str, bytes]) -> AsyncIterator[Out]:
         """The stream from where the store says it got to (prefill's first token when it says nothing)."""
@@ -123,6 +129,7 @@ class DecodeStage:
         first = Progress((prefill.first_token_id,), len(prefill.first_text), int(sent_first),
                          digest_step(EMPTY_DIGEST, prefill.first_text) if sent_first else EMPTY_DIGEST)
         progress = _progress.decode(stored["progress"]) if "progress" in stored else first
+        self._acked[rid] = (progress.next_seq, asyncio.Event())
         timings = lambda: {**message.timings, self.name: clock.ms()}  # noqa: E731
         usage = lambda p: Usage(prefill.prompt_tokens, len(p.tokens))  # noqa: E731
         if (reason := self._cancel_reason(rid, stored)) is not None:
@@ -141,6 +148,7 @@ class DecodeStage:
                     self._check_still_recording(rid)
                     pending += delta.token_ids
                     if delta.text:
+                        await self._wait_for_acks(rid, progress.next_seq)
                         progress = self._advance(progress, pending, delta)
                         chunk = address.chunk(progress.next_seq - 1, delta.text, pending)
                         yield Out(self.topics.stream or "", rid, chunk, acked=self._record(rid, progress))
@@ -163,6 +171,18 @@ class DecodeStage:
             return
         yield self._terminal(rid, address.done(chunks=progress.next_seq, digest=progress.digest, finish=finish,
                                                usage=usage(progress), timings=timings()))
+
+    async def _wait_for_acks(self, rid: str, seq: int) -> None:
+        """Holds chunk `seq` back while AHEAD chunks before it wait for the broker."""
+        recorded, event = self._acked.get(rid, (seq, asyncio.Event()))
+        while seq - recorded >= AHEAD:
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), AHEAD_WAIT_S)
+            except TimeoutError:
+                raise InfraUnavailable("the broker has not acknowledged this stream's chunks") from None
+            self._check_still_recording(rid)
+            recorded, event = self._acked.get(rid, (seq, event))
 
     def _check_still_recording(self, rid: str) -> None:
         """Stops a stream whose progress another worker has taken over, or that cannot be recorded: the
@@ -187,6 +207,10 @@ class DecodeStage:
             except InfraUnavailable:
                 self._unrecorded.add(rid)
                 raise
+            finally:
+                if (waiting := self._acked.get(rid)) is not None:  # wake a stream held back on its acks
+                    self._acked[rid] = (max(waiting[0], progress.next_seq), waiting[1])
+                    waiting[1].set()
             if not recorded:
                 log.info("stage=%s request=%s taken over by another worker; stopping", self.name, rid)
                 self._fenced.add(rid)

@@ -181,3 +181,21 @@ async def test_a_second_message_for_a_stream_this_worker_runs_is_left_to_the_run
     assert await run_handler(stage, handed) == []
     outs = await running
     assert [getattr(o.value, "seq", "end") for o in outs] == [1, 2, 3, 4, "end"]
+
+
+@pytest.mark.asyncio
+async def test_a_stream_waits_for_the_broker_instead_of_running_far_ahead_of_it() -> None:
+    from pipeline.stages.decode import AHEAD
+
+    backend = ScriptedBackend([f"w{i} " for i in range(AHEAD * 3)])
+    handed = await prefilled(backend, sampling=Sampling(max_tokens=AHEAD * 3))
+    stream = decode_stage(backend).handle(handed)
+    unacked = [await anext(stream) for _ in range(AHEAD)]  # the broker acknowledges nothing
+    blocked = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()  # held back: AHEAD chunks wait for the broker
+    for out in unacked:
+        assert out.acked is not None
+        await out.acked()
+    assert (await asyncio.wait_for(blocked, 1.0)).value.seq == AHEAD + 1
+    await stream.aclose()
