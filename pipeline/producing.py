@@ -50,6 +50,10 @@ class Producer:
         ack.add_done_callback(self._watch)
         return ack
 
+    async def send_and_wait(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]] | None = None) -> None:
+        """Sends one message and waits for the broker's acknowledgement."""
+        await (await self.send(topic, value, key=key, headers=headers or []))
+
     def _watch(self, ack: asyncio.Future[Any]) -> None:
         if not ack.cancelled() and isinstance(ack.exception(), POISONED):
             self._poisoned = True

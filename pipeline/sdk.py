@@ -215,11 +215,11 @@ class Client:
     async def cancel(self, request_id: str, reason: CancelReason = CancelReason.client_gone) -> None:
         assert self._producer is not None, "start() the client first"
         cancel = Cancel(id=request_id, reason=reason, at=time.time())
-        await (await self._producer.send(registry.CONTROL, codec.encode(cancel), key=request_id.encode(), headers=[]))
+        await self._producer.send_and_wait(registry.CONTROL, codec.encode(cancel), key=request_id.encode())
 
     async def _produce(self, request: Request) -> None:
         assert self._producer is not None, "start() the client first"
-        await (await self._producer.send(registry.REQUESTS, codec.encode(request), key=request.id.encode(), headers=[]))
+        await self._producer.send_and_wait(registry.REQUESTS, codec.encode(request), key=request.id.encode())
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

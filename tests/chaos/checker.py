@@ -24,12 +24,13 @@ from typing import Any
 import msgspec
 from aiokafka import AIOKafkaConsumer
 
+from pipeline.stages.decode import AHEAD
 from tests.chaos.clients import ClientResult, stop_quietly
 from tests.chaos.supervisor import WorkerRun
 
-# Chunks of one request that decode may produce twice per fault it was in flight for: the tokens between
-# the last recorded delivery and the fault. More than this means the request was generated again.
-REDECODE_SLACK = 10
+# Chunks a request may be decoded again per fault in flight: what decode may have sent and not yet had
+# acknowledged when the fault hit (pipeline.stages.decode.AHEAD), which a successor sends again.
+REDECODE_SLACK = AHEAD
 
 
 @dataclass(frozen=True)
