@@ -32,10 +32,11 @@ from aiokafka.errors import KafkaError
 from pipeline import kafka
 from pipeline.producing import Producer
 from pipeline.sequencing import Sequencer
+from pipeline.stage import address_of
 from pipeline.settings import Settings
 from topics import codec, registry
 from topics.control import Cancel, CancelReason
-from topics.errors import ErrorCode, retriable
+from topics.errors import ErrorCode
 from topics.hops import client_id_of
 from topics.requests import ChatMessage, Request
 from topics.stream import Chunk, Done, Failed, StreamEvent, Terminal
@@ -125,12 +126,10 @@ class Stream:
 
 
 def _incomplete(event: Done | Failed, received: int) -> Failed:
-    code = ErrorCode.stream_incomplete
-    return Failed(
-        id=event.id, reply_to=event.reply_to, code=code, message=f"only chunks 0..{received - 1} of this answer arrived",
-        retriable=retriable(code), tenant=event.tenant, model=event.model, created_at=event.created_at,
-        chunks=received, usage=event.usage, timings=event.timings,
-    )
+    address = address_of(event)
+    assert address is not None
+    text = f"only chunks 0..{received - 1} of this answer arrived"
+    return address.failed(ErrorCode.stream_incomplete, text, chunks=received, usage=event.usage, timings=event.timings)
 
 
 class Client:
