@@ -10,6 +10,7 @@ on CPU, batching bought little anyway."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -31,9 +32,10 @@ def package_dir(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+@functools.cache
 def load_embedder(model_cache: Path, threads: int = 1) -> MiniLmEmbedder:
     """The embedder from the model cache, converting it first if this machine has not yet (seconds,
-    offline; `make setup` does it ahead)."""
+    offline; `make setup` does it ahead). Loaded once per process: the guard and the cache share it."""
     from pipeline.guard.minilm_onnx import convert_minilm  # here: minilm_onnx imports this module
 
     return MiniLmEmbedder(convert_minilm(model_cache), threads)
