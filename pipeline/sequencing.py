@@ -5,6 +5,10 @@ sent) or early (a fenced worker's chunk overtaking its successor's). `Sequencer.
 chunks that are now next in line, each seq once; a chunk above the expected one is held until the
 gap fills. `gap()` says whether anything is held: a terminal event that arrives with a gap open
 means chunks were lost, and the request ends with `stream_incomplete` instead of a stream with a hole.
+
+A held chunk's message is finished as far as the broker knows (its offset is committed), so a stage
+whose successor must go on from where it stopped stores the chunks it holds (emit, postguard) and
+hands them to its successor's `accept` before anything else.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ class Sequencer:
             ready.append(following)
             self.next_seq += 1
         return ready
+
+    def holds(self, seq: int) -> bool:
+        return seq in self._held
 
     def gap(self) -> bool:
         return bool(self._held)

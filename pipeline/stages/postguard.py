@@ -53,12 +53,15 @@ class _Stream:
     def window(self) -> bytes:
         return postguard_state.encode(postguard_state.window_of(
             self.check, next_in=self.order.next_seq, next_out=self.next_out, digest=self.digest,
-            unacked=self.unacked, killed=self.killed))
+            unacked=self.unacked, killed=self.killed, held={c.seq: c.text for c in self.order.held()}))
 
     @classmethod
-    def restored(cls, raw: bytes, policy: GuardPolicy) -> _Stream:
+    def restored(cls, raw: bytes, policy: GuardPolicy, message: StreamEvent) -> _Stream:
         w = postguard_state.decode(raw)
-        return cls(postguard_state.restore_check(w, policy), Sequencer(w.next_in), w.next_out, w.digest,
+        order = Sequencer(w.next_in)
+        for seq, text in w.held.items():  # all above next_in: held again behind the same gap
+            order.accept(Chunk(id=message.id, reply_to=message.reply_to, seq=seq, text=text, tenant=message.tenant))
+        return cls(postguard_state.restore_check(w, policy), order, w.next_out, w.digest,
                    killed=w.killed, unacked=dict(w.unacked))
 
 
@@ -120,7 +123,7 @@ class PostguardStage:
         stored = await self._store.read(rid)
         resend: list[Out] = []
         if (raw := stored.get(postguard_state.FIELD)) is not None:
-            stream = self._streams[rid] = _Stream.restored(raw, self._settings.policy(message.tenant or "default"))
+            stream = self._streams[rid] = _Stream.restored(raw, self._settings.policy(message.tenant or "default"), message)
             resend = [self._released(message, seq, text, stream) for seq, text in sorted(stream.unacked.items())]
             if stream.killed is not None:
                 resend.append(Out(self.topics.control, rid, Cancel(id=rid, reason=CancelReason.output_guard, at=time.time())))
@@ -182,11 +185,14 @@ class PostguardStage:
         self._finish(message.id)
         ms = round((stream.spent_s + time.perf_counter() - started) * 1000.0, 3)
         timings = {**message.timings, self.name: ms}
+        address = address_of(message)
+        assert address is not None
         if violation is not None:
-            address = address_of(message)
-            assert address is not None
             text = f"{violation}: the output guard stopped this answer"
             return address.failed(ErrorCode.content_filter, text, chunks=stream.next_out, usage=message.usage, timings=timings)
+        if stream.order.gap() or message.chunks > stream.order.next_seq:  # chunks of the answer never arrived
+            text = f"chunks {stream.order.next_seq}..{message.chunks - 1} of this answer were lost; retry the request"
+            return address.failed(ErrorCode.stream_incomplete, text, chunks=stream.next_out, usage=message.usage, timings=timings)
         if isinstance(message, Done):
             return msgspec.structs.replace(message, chunks=stream.next_out, digest=stream.digest, timings=timings)
         return msgspec.structs.replace(message, chunks=stream.next_out, timings=timings)

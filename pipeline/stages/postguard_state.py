@@ -6,7 +6,9 @@ every released chunk whose acknowledgement has not been seen yet: a successor th
 those again (emit drops what the client already has) and goes on from the next input chunk.
 
 What is stored of the text: the held-back chunks (at most `guard.holdback_tokens` of the model's
-output, not yet checked, so not yet redacted) and the released chunks not yet acknowledged (redacted).
+output, not yet checked, so not yet redacted), the released chunks not yet acknowledged (redacted), and
+the input chunks that arrived ahead of a gap (not yet checked: their messages are finished, so only the
+window keeps them).
 Released text is not kept (the open sentence's context restarts empty after a takeover: the checks of
 that one sentence see only its unreleased part), and the placeholder table holds digests of values,
 never the values (`Placeholders.known`). The key expires with the request's state (`state.ttl_s`).
@@ -37,6 +39,7 @@ class Window(msgspec.Struct, frozen=True):
     placeholders: dict[str, str]  # value digest -> placeholder
     unacked: dict[int, str]  # released chunks not yet acknowledged: seq -> text
     killed: Reason | None = None
+    held: dict[int, str] = {}  # input chunks that arrived early, held until the gap before them fills: seq -> text
 
 
 _decoder = msgspec.msgpack.Decoder(Window)
@@ -50,9 +53,12 @@ def decode(raw: bytes) -> Window:
     return _decoder.decode(raw)
 
 
-def window_of(check: StreamState, *, next_in: int, next_out: int, digest: str, unacked: dict[int, str], killed: Reason | None) -> Window:
+def window_of(
+    check: StreamState, *, next_in: int, next_out: int, digest: str, unacked: dict[int, str], killed: Reason | None,
+    held: dict[int, str],
+) -> Window:
     return Window(next_in, next_out, digest, check.pending, list(check.lengths), check.placeholders.known(),
-                  dict(unacked), killed)
+                  dict(unacked), killed, held)
 
 
 def restore_check(window: Window, policy: Mapping[str, Action]) -> StreamState:

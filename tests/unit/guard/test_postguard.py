@@ -183,3 +183,24 @@ async def test_a_terminal_redelivered_after_the_end_is_sent_again_for_emit_to_dr
     again = await run_handler(stage(make_output_guard, store), done(2))
     assert again[-1].value == outs[-1].value  # the same ending, after the chunks it was written with
     assert {(o.value.seq, o.value.text) for o in again[:-1]} <= {(o.value.seq, o.value.text) for o in outs[:-1]}
+
+
+async def test_a_chunk_held_behind_a_gap_survives_the_worker(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    store = MemoryStateStore()
+    first = stage(make_output_guard, store, holdback_tokens=1)
+    outs = await feed(first, ["a "])
+    outs += await run_handler(first, chunk(2, "c "))  # early: held until 1 arrives; its message is finished
+    successor = stage(make_output_guard, store, holdback_tokens=1)  # the first died; "c " was never redelivered
+    outs += await run_handler(successor, chunk(1, "b "))
+    outs += await run_handler(successor, done(3))
+    by_seq = {o.value.seq: o.value.text for o in outs if isinstance(o.value, Chunk)}
+    assert "".join(by_seq[i] for i in sorted(by_seq)) == "a b c " and isinstance(outs[-1].value, Done)
+
+
+async def test_a_terminal_with_chunks_missing_is_stream_incomplete(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = stage(make_output_guard, holdback_tokens=1)
+    outs = await feed(guard, ["a "])
+    outs += await run_handler(guard, chunk(2, "c "))
+    outs += await run_handler(guard, done(3))
+    assert texts(outs) == "a "  # never text after a hole
+    assert isinstance(outs[-1].value, Failed) and outs[-1].value.code is ErrorCode.stream_incomplete
