@@ -55,7 +55,7 @@ STOPWORDS = frozenset(
     """a an the and or but if then so of at by for with on in about as than via is am are was were be been being
     do does did doing done have has had having get gets got getting i me my mine myself you your yours yourself
     we us our ours ourselves it its itself they them their theirs this that these those there here what whats
-    which how hows can could would should will shall might must also just really actually very too still any
+    which how hows can could would should will shall may might must also just really actually very too still any
     some all each every both such own other another else much many lot lots kind sort like want wanna need
     tell know let possible able available way go going s d ll re ve m im ive id to from into onto towards""".split()
 )
