@@ -4,9 +4,11 @@ that runs a guard stage imports them, and loads their models here, once."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from pipeline.backends.base import Backend
+from pipeline.cache.exact import ExactTier, MemoryExactTier, RedisExactTier
 from pipeline.gateway.build import redis_client, redis_gateway
 from pipeline.settings import Settings
 from pipeline.stage import Stage
@@ -24,6 +26,22 @@ def state_store(settings: Settings) -> StateStore:
     if settings.state.store == "memory":
         return MemoryStateStore(settings.state.ttl_s)
     return RedisStateStore(redis_client(settings), ttl_s=settings.state.ttl_s)
+
+
+def exact_tier(settings: Settings) -> ExactTier:
+    """The cache's exact tier: Redis, or this process's memory when the state store is (a demo, tests)."""
+    if settings.state.store == "memory":
+        return _memory_exact()
+    return RedisExactTier(redis_client(settings))
+
+
+@functools.cache
+def _memory_exact() -> MemoryExactTier:
+    return MemoryExactTier()  # one per process: emit writes what the cache stage reads
+
+
+def _any_semantic(settings: Settings) -> bool:
+    return any(t.semantic for t in settings.cache.tenants.values())
 
 
 def pool_backend(node: Node, settings: Settings, backends: Mapping[str, Backend]) -> Backend:
@@ -54,7 +72,14 @@ def _build(node: Node, settings: Settings, backends: Mapping[str, Backend], work
     if node.kind == "decode":
         return DecodeStage(pool_backend(node, settings, backends), t, state_store(settings), name=name)
     if node.kind == "emit":
-        return EmitStage(settings, t, state_store(settings), meter=redis_gateway(settings), name=name)
+        answers = exact_tier(settings) if t.table else None
+        return EmitStage(settings, t, state_store(settings), meter=redis_gateway(settings), name=name, answers=answers)
+    if node.kind == "cache":
+        from pipeline.guard.embedder import load_embedder
+        from pipeline.stages.cache import CacheStage
+
+        embedder = load_embedder(settings.model_cache, threads=1) if settings.cache.semantic or _any_semantic(settings) else None
+        return CacheStage(settings.cache, t, exact_tier(settings), embedder, name=name)
     if node.kind == "guard":
         from pipeline.guard.loader import InputGuard
         from pipeline.stages.guard import GuardStage

@@ -6,6 +6,7 @@
     sluice topics create       create the declared topics (idempotent)
     sluice ask "prompt"        stream an answer through the whole pipeline
     sluice keys create|rotate|revoke|list   API keys (pipeline/gateway/keys_cli.py)
+    sluice cache purge --tenant T [--model M]   forget cached answers (pipeline/cache/purge_cli.py)
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--model", default=None)
     ask.add_argument("--api-key", default=None, help="an API key from `sluice keys create`")
+    from pipeline.cache import purge_cli
     from pipeline.gateway import keys_cli
 
     keys_cli.add_parser(sub)
+    purge_cli.add_parser(sub)
     args = parser.parse_args(argv)
     settings = settings_module.load()
 
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "keys":
         return asyncio.run(keys_cli.run(settings, args))
+    if args.command == "cache":
+        return asyncio.run(purge_cli.run(settings, args))
     if args.command == "topics":
         return asyncio.run(_topics(settings, args.action))
     return asyncio.run(_ask(settings, args))

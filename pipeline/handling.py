@@ -32,6 +32,7 @@ from pipeline.producing import Producer
 from pipeline.settings import Settings
 from pipeline.stage import Address, Out, Resettable, Stage, address_of
 from topics import codec, dlq, registry
+from topics.cache import TableRecord
 from topics.control import Cancel
 from topics.errors import ErrorCode
 from topics.stream import Done, Failed
@@ -194,13 +195,25 @@ class Handling:
 
     async def control_loop(self, stop: asyncio.Event, client_id: str) -> None:
         """Every message on the stage's control topic, from now on, to its `on_control`; survives anything."""
-        on_control: Callable[[Any], Awaitable[None]] = getattr(self.stage, "on_control")
+        await self._follow(stop, client_id + "-control", self.stage.topics.control, Cancel, getattr(self.stage, "on_control"))
+
+    async def table_loop(self, stop: asyncio.Event, client_id: str) -> None:
+        """Every record of the stage's table (a compacted topic), from its start, to its `on_table`; after a
+        lost connection the table is read again from its start (applying a record twice is harmless)."""
+        topic = self.stage.topics.table
+        assert topic is not None
+        await self._follow(stop, client_id + "-table", topic, TableRecord, getattr(self.stage, "on_table"), from_start=True)
+
+    async def _follow(
+        self, stop: asyncio.Event, client_id: str, topic: str, kind: Any, apply: Callable[[Any], Awaitable[None]],
+        *, from_start: bool = False,
+    ) -> None:
         backoff = 0.5
         while not stop.is_set():
             try:
-                consumer = await kafka.broadcast_consumer(self.settings, (self.stage.topics.control,), client_id + "-control")
+                consumer = await kafka.broadcast_consumer(self.settings, (topic,), client_id, from_start=from_start)
             except (LookupError, *INFRA) as exc:
-                log.warning("stage=%s control topic unavailable (%s); retrying", self.stage.name, type(exc).__name__)
+                log.warning("stage=%s %s unavailable (%s); retrying", self.stage.name, topic, type(exc).__name__)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
@@ -209,24 +222,26 @@ class Handling:
                     batch = await consumer.getmany(timeout_ms=100)
                     for records in batch.values():
                         for record in records:
-                            await self._control(record, on_control)
+                            await self._apply(record, kind, apply)
             except INFRA as exc:
-                log.warning("stage=%s control consumer failed (%s); reconnecting", self.stage.name, type(exc).__name__)
+                log.warning("stage=%s consumer of %s failed (%s); reconnecting", self.stage.name, topic, type(exc).__name__)
             finally:
                 await consumer.stop()
 
-    async def _control(self, record: ConsumerRecord[bytes, bytes], on_control: Callable[[Any], Awaitable[None]]) -> None:
+    async def _apply(self, record: ConsumerRecord[bytes, bytes], kind: Any, apply: Callable[[Any], Awaitable[None]]) -> None:
+        if record.value is None:
+            return  # a tombstone
         try:
-            message = codec.decode(record.value or b"", Cancel)
+            message = codec.decode(record.value, kind)
         except Exception as exc:
             await self._dead_letter(record, "SchemaError", str(exc) if isinstance(exc, codec.SchemaError) else type(exc).__name__, None, None, None)
             return
         try:
-            await on_control(message)
+            await apply(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.warning("stage=%s control message failed: %s", self.stage.name, type(exc).__name__)
+            log.warning("stage=%s record of %s failed: %s", self.stage.name, record.topic, type(exc).__name__)
 
 
 async def _after(ack: asyncio.Future[Any], acked: Callable[[], Awaitable[None]], previous: asyncio.Task[None] | None) -> None:

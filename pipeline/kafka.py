@@ -65,9 +65,10 @@ def group_consumer(settings: Settings, group: str, topics: tuple[str, ...], clie
 
 
 async def broadcast_consumer(
-    settings: Settings, topics: tuple[str, ...], client_id: str, timeout_s: float = 30.0
+    settings: Settings, topics: tuple[str, ...], client_id: str, timeout_s: float = 30.0, *, from_start: bool = False,
 ) -> AIOKafkaConsumer:
-    """A started consumer outside any group that reads every partition of `topics` from their current end.
+    """A started consumer outside any group that reads every partition of `topics` from their current end
+    (or, `from_start`, from their beginning: a compacted table read whole).
 
     It returns once it holds every partition and knows its position, so nothing produced after the call
     is missed (a reply listener must be in place before its request is sent)."""
@@ -88,6 +89,8 @@ async def broadcast_consumer(
             if asyncio.get_running_loop().time() > deadline:
                 raise LookupError(f"no partitions for {topics} after {timeout_s} s: run `sluice topics create`")
             await asyncio.sleep(0.05)
+        if from_start:
+            await consumer.seek_to_beginning(*consumer.assignment())
         for tp in consumer.assignment():
             await consumer.position(tp)
     except BaseException:

@@ -18,3 +18,11 @@ GATEWAY_DEGRADED = Counter(
     "Gateway decisions taken without Redis (failure mode), by operation and decision",
     ["operation", "decision"],
 )
+CACHE_LOOKUPS = Counter(
+    "sluice_cache_lookups_total",
+    "Cache stage decisions, by result: hit_exact, hit_semantic, miss, bypass (no-cache or not cacheable), trap (a "
+    "semantic candidate refused by the trap check)",
+    ["result"],
+)
+CACHE_DEGRADED = Counter("sluice_cache_degraded_total", "Exact-tier operations skipped because Redis was away", ["operation"])
+CACHE_ENTRIES = Gauge("sluice_cache_entries", "Entries in this worker's semantic index, over all tenants")

@@ -26,7 +26,7 @@ from pipeline.handling import Handling
 from pipeline.offsets import OffsetTracker
 from pipeline.producing import Producer
 from pipeline.settings import Settings
-from pipeline.stage import Closable, Controlled, Resettable, Stage
+from pipeline.stage import Closable, Controlled, Resettable, Stage, Tabled
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +73,18 @@ class Runner:
         consumer = lambda: kafka.group_consumer(self.settings, self.stage.name, (), self.client_id)  # noqa: E731
         self._consumer = await kafka.started(consumer, stop, self.stage.name, subscribe=(self.stage.topics.inputs, _Rebalance(self)))
         handling = Handling(self.stage, self.settings, self._producer)
-        control = asyncio.create_task(handling.control_loop(stop, self.client_id)) if isinstance(self.stage, Controlled) else None
+        followers = []  # the topics a stage hears besides its input: cancellations, a table
+        if isinstance(self.stage, Controlled):
+            followers.append(asyncio.create_task(handling.control_loop(stop, self.client_id)))
+        if isinstance(self.stage, Tabled):
+            followers.append(asyncio.create_task(handling.table_loop(stop, self.client_id)))
         try:
             await self._poll_loop(stop, handling)
         finally:
             await self._drain()
-            if control is not None:
-                control.cancel()
-                await asyncio.gather(control, return_exceptions=True)
+            for follower in followers:
+                follower.cancel()
+            await asyncio.gather(*followers, return_exceptions=True)
             await self._consumer.stop()
             await self._producer.stop()
             if isinstance(self.stage, Closable):

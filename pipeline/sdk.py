@@ -181,9 +181,12 @@ class Client:
         tenant: str = "default",
         api_key: str | None = None,
         deadline_s: float = 300.0,
+        no_cache: bool = False,
+        no_store: bool = False,
         **sampling: object,
     ) -> Request:
-        """A validated request (msgspec.ValidationError names the bad field) with a fresh id."""
+        """A validated request (msgspec.ValidationError names the bad field) with a fresh id. `no_cache`:
+        never answered from the cache; `no_store`: its answer is not stored in it."""
         fields = {
             "id": uuid.uuid4().hex,
             "reply_to": self.reply_topic,
@@ -195,6 +198,8 @@ class Client:
             "deadline_s": deadline_s,
             "api_key": api_key,
             "tenant": tenant,
+            "no_cache": no_cache,
+            "no_store": no_store,
         }
         return msgspec.convert(fields, Request)
 

@@ -14,6 +14,7 @@ from typing import Literal
 
 import msgspec
 
+from pipeline.cache.config import CacheSettings
 from pipeline.gateway.config import GatewaySettings
 from pipeline.guard.config import GuardSettings
 from pipeline.topology import check_profile
@@ -73,7 +74,7 @@ class StateSettings:
 
 
 DEFAULT_PROFILES = {
-    "guarded": ("ingest", "guard", "route", "prefill", "decode", "postguard", "emit"),
+    "guarded": ("ingest", "guard", "cache", "route", "prefill", "decode", "postguard", "emit"),
     "bare": ("ingest", "route", "prefill", "decode", "emit"),
 }
 
@@ -99,6 +100,7 @@ class Settings:
     profiles: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_PROFILES))
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     guard: GuardSettings = field(default_factory=GuardSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
 
     @property
     def reply_topics(self) -> frozenset[str]:
@@ -154,6 +156,8 @@ class Settings:
         if problems := self.gateway.problems():
             raise SettingsError("; ".join(problems))
         if problems := self.guard.problems():
+            raise SettingsError("; ".join(problems))
+        if problems := self.cache.problems():
             raise SettingsError("; ".join(problems))
         return self
 

@@ -6,7 +6,7 @@ and commits only after every produce is acknowledged. A stage gets its topics fr
 (`pipeline.topology.Topics`); it names none itself.
 
 Capabilities beyond `handle` are declared protocols the runner checks with isinstance:
-`Controlled` (hears every cancellation), `Resettable` (keeps per-request caches in front of its
+`Controlled` (hears every cancellation), `Tabled` (reads a compacted topic whole), `Resettable` (keeps per-request caches in front of its
 state store), `Closable` (has connections of its own to close).
 """
 
@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from pipeline.topology import Topics
+from topics.cache import Ticket
 from topics.errors import ErrorCode, retriable
 from topics.hops import Admitted
 from topics.requests import Request
@@ -55,6 +56,14 @@ class Controlled(Protocol):
 
 
 @runtime_checkable
+class Tabled(Protocol):
+    """A stage that also reads every record of `topics.table` (a compacted topic), from its start and on,
+    to hold a copy of it in memory (the cache's semantic index)."""
+
+    async def on_table(self, record: Any) -> None: ...
+
+
+@runtime_checkable
 class Resettable(Protocol):
     """A stage that caches per-request state in front of its store. The runner resets one request
     before handling its message again (an infrastructure error interrupted it), and all of them when
@@ -79,6 +88,7 @@ class Address:
     model: str = ""
     created_at: float = 0.0
     deadline_s: float = 300.0
+    ticket: Ticket | None = None  # a cache miss's ticket: its Done carries it to emit
 
     @property
     def deadline(self) -> float:
@@ -98,6 +108,7 @@ class Address:
         return Done(
             id=self.request_id, reply_to=self.reply_to, chunks=chunks, digest=digest, finish_reason=finish,
             usage=usage, tenant=self.tenant, model=self.model, created_at=self.created_at, timings=timings,
+            ticket=self.ticket,
         )
 
     def chunk(self, seq: int, text: str, token_ids: tuple[int, ...] = ()) -> Chunk:
@@ -107,7 +118,7 @@ class Address:
 def address_of(message: object) -> Address | None:
     if isinstance(message, Admitted):  # Routed and Prefilled too
         r = message.request
-        return Address(message.id, r.reply_to, message.tenant, r.model, r.created_at, r.deadline_s)
+        return Address(message.id, r.reply_to, message.tenant, r.model, r.created_at, r.deadline_s, message.cache)
     if isinstance(message, Request):  # not authenticated yet: the client's id, no tenant
         return Address(message.id, message.reply_to, "", message.model, message.created_at, message.deadline_s)
     if isinstance(message, Done | Failed):

@@ -1,8 +1,10 @@
 """The graph as data: which stages a deployment runs, and which topics each one reads and writes.
 
-    ingest -> llm.admitted -> guard -> llm.guarded -> route -> llm.routed.<pool> -> prefill.<pool>
-    -> llm.prefilled.<pool> -> decode.<pool> -> llm.tokens -> postguard -> llm.checked -> emit
-    -> llm.responses.<name>
+    ingest -> llm.admitted -> guard -> llm.screened -> cache -> llm.guarded -> route -> llm.routed.<pool>
+    -> prefill.<pool> -> llm.prefilled.<pool> -> decode.<pool> -> llm.tokens -> postguard -> llm.checked
+    -> emit -> llm.responses.<name>
+
+    cache hits -> llm.checked (what is stored already passed postguard); emit -> llm.cache.entries -> cache
 
 `STAGES` is the table: each kind of stage and the topic it reads. A profile (`[profiles]` in
 sluice.toml) is a list of kinds; `graph()` wires it: a stage forwards to the input topic of the next
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 from topics import registry
 
-REQUEST_PART = ("ingest", "guard", "route")  # the request before a backend is chosen, in order
+REQUEST_PART = ("ingest", "guard", "cache", "route")  # the request before a backend is chosen, in order
 POOL_PART = ("prefill", "decode")  # one of each per pool
 STREAM_PART = ("postguard", "emit")  # the token stream on its way to the client
 KINDS = REQUEST_PART + POOL_PART + STREAM_PART
@@ -29,6 +31,7 @@ REQUIRED = frozenset({"ingest", "route", "prefill", "decode", "emit"})
 _INPUT: dict[str, str] = {
     "ingest": registry.REQUESTS,
     "guard": registry.ADMITTED,
+    "cache": registry.SCREENED,
     "route": registry.GUARDED,
     "postguard": registry.TOKENS,
     "emit": registry.CHECKED,
@@ -45,6 +48,7 @@ class Topics:
     control: str = registry.CONTROL  # cancellations: decode reads them, postguard writes them
     usage: str = registry.USAGE  # emit: one record per finished request
     pools: Mapping[str, str] = field(default_factory=dict)  # route only: pool -> llm.routed.<pool>
+    table: str | None = None  # llm.cache.entries: the cache reads it (from the start), emit writes it
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,14 @@ def graph(kinds: tuple[str, ...], pools: tuple[str, ...]) -> list[Node]:
     stream = [k for k in STREAM_PART if k in kinds]
     first_stream = input_of(stream[0])
     nodes: list[Node] = []
+    cached = "cache" in kinds
+    table = registry.CACHE_ENTRIES if cached else None
     for i, kind in enumerate(request[:-1]):
-        nodes.append(Node(kind, kind, Topics((input_of(kind),), input_of(request[i + 1]), first_stream)))
+        if kind == "cache":  # a hit is replayed straight to emit: what is stored already passed postguard
+            topics = Topics((input_of(kind),), input_of(request[i + 1]), input_of(stream[-1]), table=table)
+        else:
+            topics = Topics((input_of(kind),), input_of(request[i + 1]), first_stream)
+        nodes.append(Node(kind, kind, topics))
     routes = {p: registry.routed_topic(p) for p in pools}
     nodes.append(Node("route", "route", Topics((registry.GUARDED,), None, first_stream, pools=routes)))
     for pool in pools:
@@ -88,7 +98,7 @@ def graph(kinds: tuple[str, ...], pools: tuple[str, ...]) -> list[Node]:
         nodes.append(Node(f"decode.{pool}", "decode", Topics((registry.prefilled_topic(pool),), first_stream, first_stream), pool))
     for i, kind in enumerate(stream):
         after = input_of(stream[i + 1]) if i + 1 < len(stream) else None
-        nodes.append(Node(kind, kind, Topics((input_of(kind),), after, after)))
+        nodes.append(Node(kind, kind, Topics((input_of(kind),), after, after, table=table if kind == "emit" else None)))
     return nodes
 
 

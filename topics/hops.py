@@ -1,6 +1,7 @@
 """The request as it travels between stages: one struct per hop, every field set by the hop's writer.
 
-    llm.admitted, llm.guarded   Admitted    ingest, then guard (sanitised prompt), then the cache
+    llm.admitted, llm.screened  Admitted    ingest, then guard (sanitised prompt)
+    llm.guarded                 Admitted    the cache's misses (with the ticket emit stores the answer under)
     llm.routed.<pool>           Routed      route: the chosen backend and its fallbacks
     llm.prefilled.<pool>        Prefilled   prefill: the KV handle and the first token
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
+from topics.cache import Ticket
 from topics.requests import Request
 
 
@@ -49,6 +51,7 @@ class Admitted(msgspec.Struct, frozen=True, tag="admitted.v2", tag_field="kind")
     principal: str  # "key:<id>", "jwt:<sub>" or "anonymous"
     admitted_at: float
     timings: dict[str, float] = {}
+    cache: Ticket | None = None  # set by the cache stage on a miss it may store (emit stores the answer)
 
 
 class Routed(Admitted, frozen=True, kw_only=True, tag="routed.v2"):

@@ -1,7 +1,7 @@
 """Every topic sluice uses: name, partitions, config, and the message type it carries.
 
-Only topics with a schema and a stage that uses them are declared; `llm.cache.entries` and
-`llm.backend.health` (DESIGN.md) arrive with the cache and routing issues. Which stage reads and
+Only topics with a schema and a stage that uses them are declared; `llm.backend.health` (DESIGN.md)
+arrives with the routing issue. Which stage reads and
 writes which topic is `pipeline.topology`'s business, not this module's.
 
 Reply topics are `llm.responses.<name>`, one per configured tenant or bridge; `reply_topic()` builds
@@ -17,7 +17,9 @@ DAY_MS = 24 * 3600 * 1000
 
 REQUESTS = "llm.requests"
 ADMITTED = "llm.admitted"
-GUARDED = "llm.guarded"  # guard -> route: the sanitised request
+SCREENED = "llm.screened"  # guard -> cache: the sanitised request
+GUARDED = "llm.guarded"  # -> route: the request to generate (the cache's misses, or guard's output without a cache)
+CACHE_ENTRIES = "llm.cache.entries"  # compacted: emit -> every cache worker (topics.cache)
 TOKENS = "llm.tokens"
 CHECKED = "llm.checked"  # postguard -> emit: the stream after the output checks
 CONTROL = "llm.control"
@@ -70,7 +72,11 @@ def all_topics(*, pools: tuple[str, ...], replies: tuple[str, ...], partitions: 
     specs = [
         TopicSpec(REQUESTS, partitions, "request.v2", day),
         TopicSpec(ADMITTED, partitions, "admitted.v2", hour),
+        TopicSpec(SCREENED, partitions, "admitted.v2", hour),
         TopicSpec(GUARDED, partitions, "admitted.v2", hour),
+        # Compacted (the latest entry per key); deleted after the longest entry TTL the config allows.
+        TopicSpec(CACHE_ENTRIES, partitions, "cache_entry.v1 | cache_purge.v1",
+                  {"cleanup.policy": "compact,delete", "retention.ms": str(7 * DAY_MS), "min.cleanable.dirty.ratio": "0.1"}),
         TopicSpec(TOKENS, partitions, _STREAM, hour),
         TopicSpec(CHECKED, partitions, _STREAM, hour),
         TopicSpec(CONTROL, partitions, "cancel.v2", hour),

@@ -42,6 +42,8 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="requ
     stream: bool = True
     priority: Priority = Priority.interactive  # the engine's scheduling lane
     deadline_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # seconds after created_at
+    no_cache: bool = False  # never answered from the cache (HTTP `Cache-Control: no-cache`)
+    no_store: bool = False  # the answer is not stored in the cache (`Cache-Control: no-store`)
     api_key: str | None = None  # checked by ingest's authenticator (gateway issue); never logged
     tenant: str = "default"  # a claim only: ingest replaces it with the authenticated principal's tenant
     # Set by the bridge (never by the client): the caller's address and user agent, and an HMAC over

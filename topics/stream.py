@@ -16,8 +16,8 @@ import hashlib
 
 import msgspec
 
+from topics.cache import CacheTier, Ticket
 from topics.errors import ErrorCode
-
 
 EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 
@@ -37,16 +37,17 @@ class Usage(msgspec.Struct, frozen=True):
     completion_tokens: int = 0
 
 
-class Chunk(msgspec.Struct, frozen=True, tag="chunk.v2", tag_field="kind"):
+class Chunk(msgspec.Struct, frozen=True, omit_defaults=True, tag="chunk.v2", tag_field="kind"):
     id: str  # request id
     reply_to: str
     seq: int
     text: str
     tenant: str
     token_ids: tuple[int, ...] = ()  # the completion tokens this chunk covers (empty after postguard rewrites text)
+    cache: CacheTier | None = None  # set when the cache answered: the chunks of the stored answer
 
 
-class Done(msgspec.Struct, frozen=True, tag="done.v2", tag_field="kind"):
+class Done(msgspec.Struct, frozen=True, omit_defaults=True, tag="done.v2", tag_field="kind"):
     id: str
     reply_to: str
     chunks: int
@@ -57,6 +58,8 @@ class Done(msgspec.Struct, frozen=True, tag="done.v2", tag_field="kind"):
     model: str
     created_at: float
     timings: dict[str, float] = {}  # stage -> ms; emit adds "total" (created_at to terminal)
+    cache: CacheTier | None = None  # which tier answered; None: generated
+    ticket: Ticket | None = None  # a miss the cache may store: emit stores the answer under it (topics.cache)
 
 
 class RateLimit(msgspec.Struct, frozen=True):

@@ -102,7 +102,8 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
 def _completions(client: Client, parse: Parser, cap: int, settings: Settings) -> Endpoint:
     async def endpoint(request: HttpRequest) -> Response:
         parsed = parse(decode_body(await read_capped(request, cap)))
-        sdk_request = client.request(**parsed.request_kwargs(), api_key=bearer_token(request))
+        no_cache, no_store = cache_directives(request.headers.get("cache-control", ""))
+        sdk_request = client.request(**parsed.request_kwargs(), api_key=bearer_token(request), no_cache=no_cache, no_store=no_store)
         return RelayResponse(client, with_client_info(sdk_request, request, settings.gateway.client_info_secret), parsed)
 
     return endpoint
@@ -125,6 +126,13 @@ class HeaderLimit:
             await JSONResponse(body, status_code=431)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def cache_directives(header: str) -> tuple[bool, bool]:
+    """(no-cache, no-store) from a `Cache-Control` request header: do not answer from the cache, do
+    not store the answer in it."""
+    directives = {d.strip().split("=", 1)[0].lower() for d in header.split(",")}
+    return "no-cache" in directives, "no-store" in directives
 
 
 def with_client_info(sdk_request: Request, connection: HTTPConnection, secret: str) -> Request:

@@ -37,6 +37,7 @@ from pipeline.bridge.openai_format import (
 )
 from pipeline.metrics import HANDLE_SECONDS, IN_FLIGHT, MESSAGES
 from pipeline.sdk import Client, RequestFailed, Stream
+from topics.cache import CacheTier
 from topics.errors import ErrorCode, http_status
 from topics.requests import Request
 from topics.stream import Chunk, Done, Failed
@@ -133,11 +134,13 @@ class RelayResponse(Response):
             return
         done = finished(stream)
         self._tally.outcome = "done"
-        await _send_json(send, 200, completion(self._reply, "".join(texts), done.finish_reason, done.usage))
+        body = completion(self._reply, "".join(texts), done.finish_reason, done.usage)
+        await _send_json(send, 200, body, headers=[cache_header(done.cache)])
 
     async def _send_events(self, send: Send, first: Chunk | None, stream: Stream) -> None:
         reply = self._reply
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        tier = first.cache if first is not None else stream.done.cache if stream.done is not None else None
+        await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, cache_header(tier)]})
         await _send_body(send, sse_event(stream_chunk(reply, first.text if first else "", first=True)))
         try:
             async for chunk in stream:
@@ -171,6 +174,11 @@ async def _disconnected(receive: Receive) -> None:
 
 async def _send_body(send: Send, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+def cache_header(tier: CacheTier | None) -> tuple[bytes, bytes]:
+    """`x-sluice-cache: hit-exact | hit-semantic | miss`: whether the cache answered, and which tier."""
+    return b"x-sluice-cache", (tier.value if tier is not None else "miss").encode()
 
 
 def limit_headers(failed: Failed) -> list[tuple[bytes, bytes]]:

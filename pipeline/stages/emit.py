@@ -6,14 +6,23 @@ What it already sent survives it: after the broker acknowledges a chunk, the nex
 digest chain are recorded in the state store; the terminal event marks the request finished. A
 successor (a crash, a rebalance) takes ownership of the request's emit record the first time it meets
 it and reads them, so it neither repeats a chunk nor a terminal event beyond the ones in flight at the
-crash (which the SDK drops by seq). A worker that finds its record taken (it was paused past its
-session and replaced) stops forwarding that request and lets the runner try the message again: the
-worker that owns the partition then takes the record back and goes on from what it says. The usage record is claimed in the store before
-it is produced, so billing sees it at most once.
+crash (which the SDK drops by seq). A chunk that arrives early (held until the gap before it fills)
+is stored before its message is finished, since the broker will not deliver that message again.
+Positions are written one at a time per request and never backwards. A worker that finds its record
+taken (it was paused past its session and replaced) stops forwarding that request and lets the runner
+try the message again: the worker that owns the partition then takes the record back and goes on from
+what it says. The usage record is claimed in the store before it is produced, so billing sees it at
+most once.
+
+A finished answer (`Done`, stop or length, every chunk seen by this worker from the first) whose
+request carries a cache ticket is stored: in the exact tier (Redis) and as an entry on
+`llm.cache.entries` for every cache worker's semantic index. Errors, cancellations, `content_filter`
+endings, answers over `cache.max_entry_bytes` and streams this worker took over midway are not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import OrderedDict
@@ -22,14 +31,17 @@ from typing import Protocol
 
 import msgspec
 
+from pipeline.cache.exact import ExactTier
 from pipeline.errors import InfraUnavailable, Undeliverable
 from pipeline.sequencing import Sequencer
 from pipeline.settings import Settings
 from pipeline.stage import Out, Stopwatch, address_of
 from pipeline.state import MemoryStateStore, StateStore
 from pipeline.topology import Topics
+from topics import codec
+from topics.cache import Entry, Ticket
 from topics.errors import ErrorCode
-from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, StreamEvent, digest_step
+from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, StreamEvent, Usage, digest_step
 from topics.usage import UsageRecord
 
 _CACHED = 50_000  # requests whose progress this worker keeps in memory (the store has all of them)
@@ -46,13 +58,17 @@ class Meter(Protocol):
 class _Sent:
     """What the client has of one request: in-order position, digest chain, whether it has ended."""
 
-    __slots__ = ("order", "digest", "finished", "fenced")
+    __slots__ = ("order", "digest", "finished", "fenced", "stored", "writing", "texts", "size")
 
     def __init__(self, next_seq: int, digest: str, finished: bool) -> None:
         self.order = Sequencer(next_seq)
+        self.texts: list[str] | None = [] if next_seq == 0 else None  # the whole answer, for the cache
+        self.size = 0
         self.digest = digest
         self.finished = finished
         self.fenced = False  # another emit worker took this request over
+        self.stored = next_seq  # the position as the store has it: it only moves forward
+        self.writing = asyncio.Lock()  # acknowledgements of successive messages arrive together
 
 
 class EmitStage:
@@ -61,10 +77,12 @@ class EmitStage:
 
     def __init__(
         self, settings: Settings, topics: Topics, store: StateStore | None = None, meter: Meter | None = None,
-        name: str = "emit",
+        name: str = "emit", answers: ExactTier | None = None,
     ) -> None:
         self.name, self.topics = name, topics
         self._replies = settings.reply_topics
+        self._cache = settings.cache
+        self._answers = answers  # the cache's exact tier, written when an answer may be stored
         self._store = store if store is not None else MemoryStateStore()
         self._meter = meter
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
@@ -74,6 +92,8 @@ class EmitStage:
     async def aclose(self) -> None:
         if self._meter is not None:
             await self._meter.aclose()
+        if self._answers is not None:
+            await self._answers.aclose()
         await self._store.aclose()
 
     async def reset(self, request_id: str | None) -> None:
@@ -90,15 +110,20 @@ class EmitStage:
             raise Undeliverable("reply_to is not a configured reply topic")
         rid = message.id
         sent = await self._progress(rid)
-        if sent.finished or sent.fenced:
-            return  # a redelivery after the terminal event (the client has it), or another worker's request
+        if sent.fenced:  # another worker took this request over: this message is tried again after a reset
+            raise InfraUnavailable("taken over by another emit worker")
+        if sent.finished:
+            return  # a redelivery after the terminal event (the client has it)
         ready = [c for held in self._carried.pop(rid, []) for c in sent.order.accept(held)]
         if isinstance(message, Chunk):
             ready += sent.order.accept(message)
+            if sent.order.holds(message.seq):  # its offset will be committed: only the store keeps it now
+                await self._hold(rid, sent, message)
         for chunk in ready:
             sent.digest = digest_step(sent.digest, chunk.text)
+            self._keep(sent, chunk.text)
             record = {"emitted": b"%d" % (chunk.seq + 1), "digest": sent.digest.encode()}
-            yield Out(message.reply_to, rid, chunk, acked=self._write(rid, sent, record))
+            yield Out(message.reply_to, rid, chunk, acked=self._write(rid, sent, record, chunk.seq + 1))
         if isinstance(message, Chunk):
             return
         if not await self._store.write(_key(rid), {}, owner=self._owner):  # still ours? (a paused worker's is not)
@@ -110,7 +135,39 @@ class EmitStage:
         if await self._store.claim(rid, "usage", b"1"):
             yield Out(self.topics.usage, terminal.tenant or "anonymous", self._usage(terminal))
         if self._meter is not None:
-            await self._meter.finish(terminal)
+            await self._meter.finish(self._billed(terminal))
+        texts, sent.texts = sent.texts, None
+        ticket = message.ticket if isinstance(message, Done) else None
+        if isinstance(terminal, Done) and ticket is not None and texts is not None and self.topics.table:
+            entry = self._entry(terminal, ticket, texts)
+            if self._answers is not None:
+                await self._answers.put(entry)
+            yield Out(self.topics.table, entry.key, entry)
+
+    def _keep(self, sent: _Sent, text: str) -> None:
+        """Collects the answer as the client gets it, while it fits in a cache entry."""
+        if sent.texts is None:
+            return
+        sent.size += len(text.encode())
+        if sent.size > self._cache.max_entry_bytes:
+            sent.texts = None
+        else:
+            sent.texts.append(text)
+
+    def _entry(self, done: Done, ticket: Ticket, texts: list[str]) -> Entry:
+        now = time.time()
+        return Entry(
+            key=ticket.key, tenant=done.tenant, model=done.model, context=ticket.context, chunks=tuple(texts),
+            finish_reason=done.finish_reason.value, prompt_tokens=done.usage.prompt_tokens,
+            completion_tokens=done.usage.completion_tokens, stored_at=now, expires_at=now + ticket.ttl_s,
+            vector=ticket.vector, salient=ticket.salient,
+        )
+
+    def _billed(self, terminal: Done | Failed) -> Done | Failed:
+        """What the meter charges: a cache hit costs no tokens unless the config bills hits in full."""
+        if isinstance(terminal, Done) and terminal.cache is not None and self._cache.hit_billing == "none":
+            return msgspec.structs.replace(terminal, usage=Usage())
+        return terminal
 
     async def _progress(self, rid: str) -> _Sent:
         sent = self._sent.get(rid)
@@ -118,6 +175,9 @@ class EmitStage:
             fields = await self._store.take(_key(rid), self._owner)
             digest = fields.get("digest", EMPTY_DIGEST.encode()).decode()
             sent = self._sent[rid] = _Sent(int(fields.get("emitted", b"0")), digest, "terminal" in fields)
+            stored = [codec.decode(raw, Chunk) for name, raw in fields.items() if name.startswith(_HELD)]
+            if stored:  # what a predecessor held behind a gap: accepted before the message at hand
+                self._carried[rid] = sorted(stored + self._carried.get(rid, []), key=lambda c: c.seq)
             if len(self._sent) > _CACHED:
                 self._sent.popitem(last=False)
         self._sent.move_to_end(rid)
@@ -136,7 +196,7 @@ class EmitStage:
             text = f"chunks {received}..{message.chunks - 1} of this answer were lost; retry the request"
             return address.failed(ErrorCode.stream_incomplete, text, chunks=received, usage=message.usage, timings=timings)
         if isinstance(message, Done):
-            return msgspec.structs.replace(message, chunks=received, digest=sent.digest, timings=timings)
+            return msgspec.structs.replace(message, chunks=received, digest=sent.digest, timings=timings, ticket=None)
         return msgspec.structs.replace(message, chunks=received, timings=timings)
 
     def _usage(self, message: Done | Failed) -> UsageRecord:
@@ -149,13 +209,29 @@ class EmitStage:
             total_ms=total, timings=message.timings, at=now,
         )
 
-    def _write(self, rid: str, sent: _Sent, fields: dict[str, bytes]) -> Callable[[], Awaitable[None]]:
+    async def _hold(self, rid: str, sent: _Sent, chunk: Chunk) -> None:
+        """Stores a chunk held behind a gap before its message is finished (and its offset committed)."""
+        if not await self._store.write(_key(rid), {f"{_HELD}{chunk.seq}": codec.encode(chunk)}, owner=self._owner):
+            sent.fenced = True
+            raise InfraUnavailable("taken over by another emit worker")
+
+    def _write(self, rid: str, sent: _Sent, fields: dict[str, bytes], position: int = 0) -> Callable[[], Awaitable[None]]:
+        """Records `fields` once the broker acknowledged the output. Writes of one request go one at a
+        time and a position is never written over a later one: the acknowledgements of successive
+        messages arrive together, and two writes in flight could land in either order."""
         async def acked() -> None:
-            if not await self._store.write(_key(rid), fields, owner=self._owner):
-                sent.fenced = True  # the runner tries the message again, after `reset`: re-read the store
-                raise InfraUnavailable("taken over by another emit worker")
+            async with sent.writing:
+                if position and position <= sent.stored:
+                    return
+                if not await self._store.write(_key(rid), fields, owner=self._owner):
+                    sent.fenced = True  # the runner tries the message again, after `reset`: re-read the store
+                    raise InfraUnavailable("taken over by another emit worker")
+                sent.stored = max(sent.stored, position)
 
         return acked
+
+
+_HELD = "held:"  # field prefix of a chunk held behind a gap: "held:<seq>" -> the encoded chunk
 
 
 def _key(rid: str) -> str:

@@ -10,9 +10,11 @@ import shutil
 import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import pytest_asyncio
 
@@ -20,7 +22,9 @@ from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
 from pipeline.backends.base import Backend
+from pipeline.bridge import serve
 from pipeline.runner import Runner
+from pipeline.sdk import Client
 from pipeline.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,3 +86,47 @@ async def stack(settings: Settings, backends: dict[str, Backend]) -> AsyncIterat
         close = getattr(backend, "aclose", None)
         if close is not None:
             await close()
+
+
+@dataclass(frozen=True)
+class Bridge:
+    settings: Settings
+    url: str  # http://127.0.0.1:<port>
+
+    @property
+    def ws_url(self) -> str:
+        return self.url.replace("http://", "ws://") + "/v1/stream"
+
+    def openai(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def bridge(stack: Settings) -> AsyncIterator[Bridge]:
+    """The bridge served by `serve()` on a free port, on a client the test starts and stops."""
+    settings = replace(stack, bridge=replace(stack.bridge, port=_free_port()))
+    url = f"http://127.0.0.1:{settings.bridge.port}"
+    stop = asyncio.Event()
+    async with Client(settings, reply_name=settings.bridge.reply_name) as client:
+        serving = asyncio.create_task(serve(settings, client, stop))
+        async with httpx.AsyncClient(base_url=url) as http:
+            for _ in range(100):
+                if serving.done():
+                    serving.result()
+                try:
+                    if (await http.get("/healthz")).status_code == 200:
+                        break
+                except httpx.ConnectError:
+                    await asyncio.sleep(0.05)
+            else:
+                raise RuntimeError("the bridge did not start")
+        yield Bridge(settings, url)
+        stop.set()
+        await serving

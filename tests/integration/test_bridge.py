@@ -5,25 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import pytest_asyncio
 import websockets
 from aiokafka import AIOKafkaConsumer
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import kafka
-from pipeline.bridge import serve
 from pipeline.bridge.app import body_cap
-from pipeline.sdk import Client
-from pipeline.settings import Settings
+from tests.integration.conftest import Bridge
 from topics import codec, registry
 from topics.errors import ErrorCode
 from topics.hops import client_id_of
@@ -32,50 +27,6 @@ from topics.stream import Chunk, Failed, StreamEvent
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 HELLO = [{"role": "user", "content": "Say hello in five words."}]
 STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
-
-
-@dataclass(frozen=True)
-class Bridge:
-    settings: Settings
-    url: str  # http://127.0.0.1:<port>
-
-    @property
-    def ws_url(self) -> str:
-        return self.url.replace("http://", "ws://") + "/v1/stream"
-
-    def openai(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def bridge(stack: Settings) -> AsyncIterator[Bridge]:
-    """The bridge served by `serve()` on a free port, on a client the test starts and stops."""
-    settings = replace(stack, bridge=replace(stack.bridge, port=_free_port()))
-    url = f"http://127.0.0.1:{settings.bridge.port}"
-    stop = asyncio.Event()
-    async with Client(settings, reply_name=settings.bridge.reply_name) as client:
-        serving = asyncio.create_task(serve(settings, client, stop))
-        async with httpx.AsyncClient(base_url=url) as http:
-            for _ in range(100):
-                if serving.done():
-                    serving.result()
-                try:
-                    if (await http.get("/healthz")).status_code == 200:
-                        break
-                except httpx.ConnectError:
-                    await asyncio.sleep(0.05)
-            else:
-                raise RuntimeError("the bridge did not start")
-        yield Bridge(settings, url)
-        stop.set()
-        await serving
 
 
 async def test_openai_client_streams_chat(bridge: Bridge) -> None:

@@ -105,7 +105,8 @@ async def test_a_replaced_worker_learns_it_and_leaves_the_message_to_be_retried(
     assert [c.seq for c in await replies(successor, chunk(0), chunk(1))] == [1]  # it took the request over
     with pytest.raises(InfraUnavailable):  # resumed: its record is refused when it writes
         await replies(paused, chunk(1))
-    assert await replies(paused, chunk(2)) == []  # until the runner resets it, it forwards nothing more
+    with pytest.raises(InfraUnavailable):  # every later message too, until the runner resets the request:
+        await replies(paused, chunk(2))  # finishing it quietly would commit a chunk nobody forwarded
     assert [getattr(m, "seq", "end") for m in await replies(successor, chunk(2), done(3))] == [2, "end"]
 
 
@@ -116,3 +117,24 @@ async def test_chunks_held_behind_a_gap_survive_a_reset_of_their_request() -> No
     await stage.reset(RID)  # a retry of this request's message re-reads the store; chunk 2's message is done
     sent = await replies(stage, chunk(1), done(3))
     assert [getattr(m, "seq", "end") for m in sent] == [1, 2, "end"] and isinstance(sent[-1], Done)
+
+
+@pytest.mark.asyncio
+async def test_chunks_held_behind_a_gap_survive_the_worker() -> None:
+    store = MemoryStateStore()
+    first = emit(store)
+    assert [c.seq for c in await replies(first, chunk(0), chunk(2), chunk(3))] == [0]  # 2 and 3 wait for 1
+    successor = emit(store)  # the first died; the messages of 2 and 3 were finished, so never redelivered
+    sent = await replies(successor, chunk(1), done(4))
+    assert [getattr(m, "seq", "end") for m in sent] == [1, 2, 3, "end"] and isinstance(sent[-1], Done)
+
+
+@pytest.mark.asyncio
+async def test_the_stored_position_never_moves_back_when_acknowledgements_land_out_of_order() -> None:
+    store = MemoryStateStore()
+    stage = emit(store)
+    first = [o async for o in stage.handle(chunk(0))]
+    second = [o async for o in stage.handle(chunk(1))]
+    await second[0].acked()  # the later write lands first (two connections, two writes in flight)
+    await first[0].acked()
+    assert (await store.read(RID + "#emit"))["emitted"] == b"2"

@@ -1,0 +1,118 @@
+"""cache: answers a request from a stored answer when it may, else sends it on to route with a ticket
+under which emit stores the finished answer (topics.cache).
+
+It sits after the input guard (a refused prompt is never answered from the cache) and before route.
+A hit is replayed at once as the stored chunks, same boundaries, each and the `Done` marked with the
+tier, straight to emit's input: what was stored had already passed postguard. Exact tier first
+(Redis, `keys.exact_key`), then the semantic tier (this worker's per-tenant index, fed by the runner
+with every record of `llm.cache.entries` from the start: `on_table`).
+
+Not cached: tenants or models the config turns off, temperature > 0 without a seed (unless the tenant
+opts in), `no_cache` requests are not answered from it and `no_store` ones not stored. Redis away: the
+exact tier answers nothing (a miss), never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+import numpy as np
+
+from pipeline import metrics
+from pipeline.cache import keys
+from pipeline.cache.config import CacheSettings, Policy
+from pipeline.cache.exact import ExactTier
+from pipeline.cache.index import SemanticIndex, from_vector
+from pipeline.cache.traps import Salient, salient
+from pipeline.guard.embedder import MiniLmEmbedder
+from pipeline.stage import Out, Stopwatch, address_of
+from pipeline.topology import Topics
+from topics.cache import CacheTier, Entry, Purge, Ticket
+from topics.hops import Admitted
+from topics.stream import EMPTY_DIGEST, FinishReason, Usage, digest_step
+
+# The embedder reads the first 256 tokens: two longer questions that differ after them would look the
+# same, so they are cached by their exact key only.
+MAX_SEMANTIC_CHARS = 800
+
+
+class CacheStage:
+    input_type = Admitted
+    ordered = False
+
+    def __init__(
+        self, settings: CacheSettings, topics: Topics, exact: ExactTier, embedder: MiniLmEmbedder | None,
+        name: str = "cache",
+    ) -> None:
+        self.name, self.topics = name, topics
+        self._settings = settings
+        self._exact = exact
+        self._embedder = embedder  # None: no semantic tier in this process
+        self.index = SemanticIndex(settings.max_entries_per_tenant)
+
+    async def aclose(self) -> None:
+        await self._exact.aclose()
+
+    async def on_table(self, record: Entry | Purge) -> None:
+        """Every record of `llm.cache.entries`, from its start (the runner's table loop)."""
+        self.index.apply(record)
+        metrics.CACHE_ENTRIES.set(len(self.index))
+
+    async def handle(self, message: Admitted) -> AsyncIterator[Out]:
+        clock = Stopwatch()
+        request = message.request
+        policy = self._settings.policy(message.tenant, request.model)
+        if keys.refusal(request, policy) is not None or (request.no_cache and request.no_store):
+            metrics.CACHE_LOOKUPS.labels("bypass").inc()
+            yield self._miss(message, None, clock)
+            return
+        key = keys.exact_key(message.tenant, request)
+        if not request.no_cache and (entry := await self._exact.get(key)) is not None:
+            metrics.CACHE_LOOKUPS.labels("hit_exact").inc()
+            for out in self._replay(message, entry, CacheTier.exact, clock):
+                yield out
+            return
+        question = await self._question(message, policy)
+        if question is not None and not request.no_cache:
+            vector, marks = question
+            context = keys.context(message.tenant, request)
+            if (found := self.index.search(message.tenant, request.model, context, vector, marks, policy.threshold)) is not None:
+                metrics.CACHE_LOOKUPS.labels("hit_semantic").inc()
+                for out in self._replay(message, found.entry, CacheTier.semantic, clock):
+                    yield out
+                return
+        metrics.CACHE_LOOKUPS.labels("bypass" if request.no_cache else "miss").inc()
+        ticket = None
+        if not request.no_store:
+            vector_bytes, marks_bytes = (from_vector(question[0]), msgspec.msgpack.encode(question[1])) if question else (b"", b"")
+            ticket = Ticket(key, keys.context(message.tenant, request), policy.ttl_s, vector_bytes, marks_bytes)
+        yield self._miss(message, ticket, clock)
+
+    async def _question(self, message: Admitted, policy: Policy) -> tuple[np.ndarray, Salient] | None:
+        """The last user turn's embedding and salient tokens (None: no semantic tier for this request)."""
+        text = keys.last_turn(message.request)
+        if self._embedder is None or not policy.semantic or text is None or len(text) > MAX_SEMANTIC_CHARS:
+            return None
+        vector = (await asyncio.to_thread(self._embedder.embed, [text]))[0]
+        return vector, salient(text)
+
+    def _miss(self, message: Admitted, ticket: Ticket | None, clock: Stopwatch) -> Out:
+        timings = {**message.timings, self.name: clock.ms()}
+        return Out(self.topics.forward or "", message.id, msgspec.structs.replace(message, cache=ticket, timings=timings))
+
+    def _replay(self, message: Admitted, entry: Entry, tier: CacheTier, clock: Stopwatch) -> list[Out]:
+        address = address_of(message)
+        assert address is not None
+        stream = self.topics.stream or ""
+        outs, digest = [], EMPTY_DIGEST
+        for seq, text in enumerate(entry.chunks):
+            digest = digest_step(digest, text)
+            outs.append(Out(stream, message.id, msgspec.structs.replace(address.chunk(seq, text), cache=tier)))
+        done = address.done(
+            chunks=len(entry.chunks), digest=digest, finish=FinishReason(entry.finish_reason),
+            usage=Usage(entry.prompt_tokens, entry.completion_tokens), timings={**message.timings, self.name: clock.ms()},
+        )
+        outs.append(Out(stream, message.id, msgspec.structs.replace(done, cache=tier, ticket=None)))
+        return outs

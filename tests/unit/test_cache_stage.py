@@ -1,0 +1,193 @@
+"""The cache stage with emit behind it: what is stored, what is served, to whom, and what never is.
+
+The exact tier is the in-memory one; the semantic tier uses the real MiniLM embedder and usearch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.cache import keys
+from pipeline.cache.config import CacheSettings, TenantCache
+from pipeline.cache.exact import MemoryExactTier
+from pipeline.guard.embedder import load_embedder
+from pipeline.settings import Settings
+from pipeline.stage import address_of
+from pipeline.stages.cache import CacheStage
+from pipeline.stages.emit import EmitStage
+from pipeline.topology import graph
+from tests.unit.fakes import run_handler
+from tests.unit.helpers import SETTINGS, admitted, node, request
+from topics import registry
+from topics.cache import CacheTier, Entry, Purge
+from topics.errors import ErrorCode
+from topics.hops import Admitted
+from topics.requests import ChatMessage, Sampling
+from topics.stream import Chunk, Done, FinishReason, Usage
+
+pytestmark = pytest.mark.asyncio
+CACHE, EMIT, ROUTE = node("cache"), node("emit"), node("route")
+
+
+@pytest.fixture(scope="module")
+def embedder():  # type: ignore[no-untyped-def]
+    return load_embedder(SETTINGS.model_cache)
+
+
+class Pipeline:
+    """The cache stage, a stand-in for generation (fixed chunks), and emit, sharing one exact tier."""
+
+    def __init__(self, embedder, cache: CacheSettings | None = None) -> None:  # type: ignore[no-untyped-def]
+        config = cache or CacheSettings()
+        self.exact = MemoryExactTier()
+        self.cache = CacheStage(config, CACHE.topics, self.exact, embedder)
+        self.emit = EmitStage(dataclasses.replace(SETTINGS, cache=config), EMIT.topics, answers=self.exact)
+
+    async def ask(self, message: Admitted, answer: tuple[str, ...] = ("Vienna ", "is the capital."), *, fail: bool = False) -> tuple[str, list[object]]:
+        """One request end to end: 'hit-exact', 'hit-semantic' or 'miss', and what emit sent the client."""
+        outs = await run_handler(self.cache, message)
+        if outs[0].topic == CACHE.topics.forward:  # a miss: generate, then emit (which may store it)
+            forwarded = outs[0].value
+            address = address_of(forwarded)
+            assert address is not None
+            events: list[object] = [address.chunk(i, t) for i, t in enumerate(answer)]
+            if fail:
+                events.append(address.failed(ErrorCode.content_filter, "stopped", chunks=len(answer)))
+            else:
+                events.append(address.done(chunks=len(answer), digest="x", finish=FinishReason.stop, usage=Usage(7, len(answer)), timings={}))
+            sent = [o for e in events for o in await run_handler(self.emit, e)]
+            for out in sent:
+                if out.topic == registry.CACHE_ENTRIES:
+                    await self.cache.on_table(out.value)
+            return "miss", [o.value for o in sent if o.topic == message.request.reply_to]
+        assert all(o.topic == CACHE.topics.stream == registry.CHECKED for o in outs)  # straight to emit
+        sent = [o for out in outs for o in await run_handler(self.emit, out.value)]
+        done = outs[-1].value
+        assert isinstance(done, Done) and done.cache is not None
+        return done.cache.value, [o.value for o in sent if o.topic == message.request.reply_to]
+
+
+def chat(text: str, rid: str, tenant: str = "acme", **overrides: object) -> Admitted:
+    return admitted(request(rid, messages=(ChatMessage(role="user", content=text),), **overrides), tenant)
+
+
+async def test_a_repeated_request_is_answered_from_the_exact_tier_with_the_same_chunks(embedder) -> None:  # type: ignore[no-untyped-def]
+    p = Pipeline(embedder)
+    first, answer = await p.ask(chat("What is the capital of Austria?", "a1"))
+    second, replay = await p.ask(chat("What is the capital of Austria?", "a2"))
+    assert (first, second) == ("miss", "hit-exact")
+    assert [c.text for c in replay if isinstance(c, Chunk)] == [c.text for c in answer if isinstance(c, Chunk)]
+    assert all(c.cache is CacheTier.exact for c in replay if isinstance(c, Chunk))
+    done = replay[-1]
+    assert isinstance(done, Done) and done.cache is CacheTier.exact and done.ticket is None and done.chunks == 2
+
+
+async def test_every_parameter_that_changes_the_answer_is_in_the_key(embedder) -> None:  # type: ignore[no-untyped-def]
+    p = Pipeline(embedder, CacheSettings(semantic=False))
+    await p.ask(chat("Name a colour.", "b1"))
+    for i, change in enumerate([{"sampling": Sampling(max_tokens=9)}, {"sampling": Sampling(max_tokens=8, stop=("\n",))},
+                                {"sampling": Sampling(max_tokens=8, top_p=0.5)}, {"model": "another-model"}]):
+        assert (await p.ask(chat("Name a colour.", f"b{i + 2}", **change)))[0] == "miss"
+    assert (await p.ask(chat("Name a colour.", "b9")))[0] == "hit-exact"
+    assert (await p.ask(chat("Name a colour.", "b10", stream=False, priority="batch")))[0] == "hit-exact"
+
+
+async def test_sampled_requests_are_cached_only_with_a_seed_or_when_the_tenant_opts_in(embedder) -> None:  # type: ignore[no-untyped-def]
+    p = Pipeline(embedder, CacheSettings(tenants={"loose": TenantCache(sampled=True)}))
+    hot = Sampling(max_tokens=8, temperature=0.8)
+    await p.ask(chat("Tell me a joke.", "c1", sampling=hot))
+    assert (await p.ask(chat("Tell me a joke.", "c2", sampling=hot)))[0] == "miss"
+    seeded = Sampling(max_tokens=8, temperature=0.8, seed=3)
+    await p.ask(chat("Tell me a joke.", "c3", sampling=seeded))
+    assert (await p.ask(chat("Tell me a joke.", "c4", sampling=seeded)))[0] == "hit-exact"
+    await p.ask(chat("Tell me a joke.", "c5", tenant="loose", sampling=hot))
+    assert (await p.ask(chat("Tell me a joke.", "c6", tenant="loose", sampling=hot)))[0] == "hit-exact"
+
+
+async def test_no_cache_skips_the_lookup_and_no_store_the_storing(embedder) -> None:  # type: ignore[no-untyped-def]
+    p = Pipeline(embedder)
+    await p.ask(chat("Is it raining in Oslo?", "d1", no_store=True))
+    assert (await p.ask(chat("Is it raining in Oslo?", "d2")))[0] == "miss"  # nothing was stored
+    assert (await p.ask(chat("Is it raining in Oslo?", "d3", no_cache=True)))[0] == "miss"  # stored, not read
+    assert (await p.ask(chat("Is it raining in Oslo?", "d4")))[0] == "hit-exact"
+
+
+async def test_a_filtered_or_failed_answer_is_never_stored(embedder) -> None:  # type: ignore[no-untyped-def]
+    p = Pipeline(embedder)
+    status, sent = await p.ask(chat("Write something rude.", "e1"), fail=True)
+    assert status == "miss" and sent[-1].code is ErrorCode.content_filter  # type: ignore[attr-defined]
+    assert (await p.ask(chat("Write something rude.", "e2")))[0] == "miss"
+    assert len(p.cache.index) == 1  # only the second, finished answer
+
+
+async def test_a_paraphrase_is_a_semantic_hit_and_a_one_word_trap_is_not(embedder) -> None:  # type: ignore[no-untyped-def]
+    p = Pipeline(embedder)
+    await p.ask(chat("How do I reset my password?", "f1"))
+    assert (await p.ask(chat("How can I reset my password?", "f2")))[0] == "hit-semantic"
+    await p.ask(chat("What is the capital of Australia?", "f3"))
+    assert (await p.ask(chat("What is the capital of Austria?", "f4")))[0] == "miss"
+    await p.ask(chat("Is the office open on Saturday?", "f5"))
+    assert (await p.ask(chat("Is the office open on Sunday?", "f6")))[0] == "miss"
+
+
+async def test_a_semantic_hit_needs_the_same_earlier_turns(embedder) -> None:  # type: ignore[no-untyped-def]
+    p = Pipeline(embedder)
+    netflix = (ChatMessage(role="user", content="I pay for Netflix."), ChatMessage(role="assistant", content="OK."))
+    gym = (ChatMessage(role="user", content="I pay for a gym."), ChatMessage(role="assistant", content="OK."))
+    await p.ask(admitted(request("g1", messages=(*netflix, ChatMessage(role="user", content="Yes, cancel it."))), "acme"))
+    again = admitted(request("g2", messages=(*gym, ChatMessage(role="user", content="Yes, cancel it please."))), "acme")
+    assert (await p.ask(again))[0] == "miss"
+
+
+async def test_a_purge_drops_the_tenants_entries(embedder) -> None:  # type: ignore[no-untyped-def]
+    p = Pipeline(embedder)
+    await p.ask(chat("How do I reset my password?", "h1"))
+    await p.cache.on_table(Purge(tenant="acme", model=None, at=2e9))
+    assert (await p.ask(chat("How can I reset my password?", "h2")))[0] == "miss"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    texts=st.lists(st.sampled_from(["How do I reset my password?", "How can I reset my password?", "Name a colour.",
+                                    "What is 2+2?", "what is 2 + 2"]), min_size=1, max_size=6),
+    tenants=st.lists(st.sampled_from(["a", "b", "a-b", "A"]), min_size=1, max_size=6),
+)
+async def test_no_entry_of_one_tenant_ever_answers_another(embedder, texts: list[str], tenants: list[str]) -> None:  # type: ignore[no-untyped-def]
+    p = Pipeline(embedder)
+    stored: set[str] = set()
+    for i, (text, tenant) in enumerate(zip(texts, tenants * len(texts), strict=False)):
+        status, _ = await p.ask(chat(text, f"p{i}", tenant=tenant))
+        if status != "miss":
+            assert tenant in stored  # a hit only ever comes from an entry of the same tenant
+        stored.add(tenant)
+    for entry in p.exact._entries.values():
+        assert isinstance(entry, Entry) and entry.key.startswith(keys.scope(entry.tenant))
+
+
+async def test_the_hit_bills_no_tokens_unless_configured(embedder) -> None:  # type: ignore[no-untyped-def]
+    charged: list[Usage] = []
+
+    class Meter:
+        async def finish(self, event: object) -> None:
+            charged.append(event.usage)  # type: ignore[attr-defined]
+
+        async def aclose(self) -> None:
+            pass
+
+    p = Pipeline(embedder)
+    p.emit._meter = Meter()
+    await p.ask(chat("Name a colour.", "i1"))
+    await p.ask(chat("Name a colour.", "i2"))
+    assert charged[0].completion_tokens == 2 and charged[1] == Usage()
+    assert msgspec.json.encode(charged)  # plain structs
+
+
+async def test_the_default_profile_runs_the_cache_between_guard_and_route() -> None:
+    kinds = [n.kind for n in graph(Settings().stages, ("local",))]
+    assert kinds.index("guard") < kinds.index("cache") < kinds.index("route")
+    assert CACHE.topics.inputs == (registry.SCREENED,) and node("guard").topics.forward == registry.SCREENED
+    assert CACHE.topics.forward == ROUTE.topics.inputs[0] and CACHE.topics.table == EMIT.topics.table == registry.CACHE_ENTRIES
