@@ -62,9 +62,22 @@ class BackendSettings:
     name: str
     model: str  # the model name clients ask for
     pool: str  # consumers of llm.routed.<pool> serve this backend
-    kind: Literal["local", "instant"] = "local"  # instant: numbered tokens, no model (chaos tests, benchmarks)
+    # local: sluice's engine in this process; instant: numbered tokens, no model (chaos tests, benchmarks);
+    # triton: a Triton Inference Server model over gRPC; openai: any OpenAI-compatible server (vLLM, SGLang, TGI...)
+    kind: Literal["local", "instant", "triton", "openai"] = "local"
     max_batch: int = 16
     token_delay_ms: float = 0.0  # instant backend only: time per generated token
+    url: str = ""  # triton: the server's gRPC address, host:port (from this file only, never from a request)
+    triton_model: str = ""  # triton: the model's name in the repository (sluice_llm, ensemble, tensorrt_llm_bls)
+    base_url: str = ""  # openai: e.g. http://127.0.0.1:8000/v1 (from this file only, never from a request)
+    upstream_model: str = ""  # openai: the model name the upstream server knows (default: `model`)
+    api_key_env: str = ""  # openai: the NAME of the environment variable holding the upstream key (never the key)
+    timeout_s: float = 60.0  # triton, openai: connect and per-chunk read timeout
+
+    @property
+    def splits(self) -> bool:
+        """Whether the backend has the prefill/decode split (else one generation stage serves its pool)."""
+        return self.kind in ("local", "instant")
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,23 @@
-"""The backend protocol: what route, prefill and decode depend on, and nothing more.
+"""The backend protocol: what the generation stages depend on, and nothing more.
 
-A backend turns a `GenerationRequest` into text. The split form (`prefill` then `decode`) lets the
-prefill stage emit the first token early and hand the decode stage a KV handle; `generate` is the
-one-call form used by direct callers and benchmarks. `cancel` stops a running request at its next step.
+Every backend has the base, `Backend`: `generate` turns a `GenerationRequest` into a stream of text
+deltas, `cancel` stops a running request at its next step. The prefill/decode split is a capability
+(`SplitBackend`): `prefill` returns the first token and a KV handle early, `decode` continues from the
+handle. Sluice's own engine (`local`) and the instant backend split; a pool whose backend cannot (Triton,
+an OpenAI-compatible server) is served by one generation stage that calls `generate`, with the same
+guarantees (topology.py wires it).
+
+Resume: a request may carry the completion tokens already delivered (`resume_token_ids`) or, for a
+backend that speaks text only, the delivered text (`resume_text`); a backend continues after them where
+it can, and says so with `resumes` (else a successor regenerates from the start, the client's copy
+dropping what it already has by sequence number).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length"]
 
@@ -36,6 +44,7 @@ class GenerationRequest:
     # would have produced: sampling is seeded per (seed, completion index).
     resume_token_ids: tuple[int, ...] = field(default=())
     resume_sent_chars: int | None = None
+    resume_text: str = ""  # the completion text already delivered (backends that speak text, not tokens)
     priority: Literal["interactive", "batch"] = "interactive"  # the engine's scheduling lane
 
 
@@ -51,21 +60,31 @@ class Prefilled:
 @dataclass(frozen=True)
 class Delta:
     text: str  # new text since the previous delta (may be "")
-    token_ids: tuple[int, ...]  # tokens this delta covers
+    token_ids: tuple[int, ...]  # tokens this delta covers (empty from a backend that speaks text only)
     finish_reason: FinishReason | None = None  # set on the last delta only
+    # On the last delta, from a backend that counts tokens itself (an upstream server's usage): the
+    # prompt's tokens and the completion's, which the stage reports instead of counting token ids.
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
+@runtime_checkable
 class Backend(Protocol):
     name: str
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]: ...
+
+    async def cancel(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class SplitBackend(Backend, Protocol):
+    """A backend with the prefill/decode split (and a tokenizer of its own)."""
 
     async def prefill(self, request: GenerationRequest) -> Prefilled: ...
 
     def decode(self, request: GenerationRequest, prefilled: Prefilled) -> AsyncIterator[Delta]:
         """Continue after the first token; resumes from `prefilled.handle` or recomputes if it is gone."""
         ...
-
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]: ...
-
-    async def cancel(self, request_id: str) -> None: ...
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int: ...

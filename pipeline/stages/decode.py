@@ -28,7 +28,7 @@ from contextlib import aclosing
 
 import msgspec
 
-from pipeline.backends.base import Backend, Delta
+from pipeline.backends.base import Delta, SplitBackend
 from pipeline.backends.base import Prefilled as BackendPrefilled
 from pipeline.backends.errors import BackendError, Cancelled
 from pipeline.errors import InfraUnavailable
@@ -70,7 +70,7 @@ class DecodeStage:
     input_type = Prefilled
     ordered = False
 
-    def __init__(self, backend: Backend, topics: Topics, store: StateStore, name: str = "decode") -> None:
+    def __init__(self, backend: SplitBackend, topics: Topics, store: StateStore, name: str = "decode") -> None:
         self.name, self.topics = name, topics
         self._backend = backend
         self._store = store

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from pipeline.backends.base import Backend
+from pipeline.backends.base import SplitBackend
 from pipeline.backends.errors import BackendError
 from pipeline.errors import StageError
 from pipeline.stage import Out, Stopwatch, address_of
@@ -20,7 +20,7 @@ class PrefillStage:
     input_type = Routed
     ordered = False
 
-    def __init__(self, backend: Backend, topics: Topics, name: str = "prefill", worker: str = "0") -> None:
+    def __init__(self, backend: SplitBackend, topics: Topics, name: str = "prefill", worker: str = "0") -> None:
         self.name, self.topics = name, topics
         self._backend = backend
         self._worker = worker
