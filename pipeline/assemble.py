@@ -18,7 +18,7 @@ from pipeline.topology import Node, graph, select
 
 def nodes_of(settings: Settings, names: list[str] | None = None) -> list[Node]:
     """The deployment's nodes (its profile and pools), or those of them named (by kind or name)."""
-    nodes = graph(settings.stages, settings.pools)
+    nodes = graph(settings.stages, settings.pools, settings.unsplit_pools)
     return nodes if names is None else select(nodes, names)
 
 
@@ -70,7 +70,11 @@ def _build(node: Node, settings: Settings, backends: Mapping[str, Backend], work
     if node.kind == "prefill":
         return PrefillStage(pool_backend(node, settings, backends), t, name=name, worker=worker)
     if node.kind == "decode":
-        return DecodeStage(pool_backend(node, settings, backends), t, state_store(settings), name=name)
+        return DecodeStage(pool_backend(node, settings, backends), t, state_store(settings), name=name)  # type: ignore[arg-type]
+    if node.kind == "generate":
+        from pipeline.stages.generate import GenerateStage
+
+        return GenerateStage(pool_backend(node, settings, backends), t, state_store(settings), name=name)
     if node.kind == "emit":
         answers = exact_tier(settings) if t.table else None
         return EmitStage(settings, t, state_store(settings), meter=redis_gateway(settings), name=name, answers=answers)

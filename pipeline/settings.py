@@ -17,6 +17,7 @@ import msgspec
 from pipeline.cache.config import CacheSettings
 from pipeline.gateway.config import GatewaySettings
 from pipeline.guard.config import GuardSettings
+from pipeline.strict import describe, unknown_keys
 from pipeline.topology import check_profile
 from topics.registry import reply_topic, routed_topic
 
@@ -124,6 +125,11 @@ class Settings:
         return tuple(dict.fromkeys(b.pool for b in self.backends))
 
     @property
+    def unsplit_pools(self) -> frozenset[str]:
+        """Pools whose backends cannot split prefill from decode: one generation stage serves each."""
+        return frozenset(b.pool for b in self.backends if not b.splits)
+
+    @property
     def stages(self) -> tuple[str, ...]:
         """The stage kinds of the active profile."""
         return self.profiles[self.profile]
@@ -161,6 +167,9 @@ class Settings:
                 raise SettingsError(f"{name} must be at least 1, got {value}")
         if self.profile not in self.profiles:
             raise SettingsError(f"profile {self.profile!r} is not in [profiles] ({', '.join(self.profiles)})")
+        for pool in self.pools:
+            if len({b.splits for b in self.backends if b.pool == pool}) > 1:
+                raise SettingsError(f"pool {pool!r} mixes backends with and without the prefill/decode split")
         for name, kinds in self.profiles.items():
             if problems := check_profile(kinds):
                 raise SettingsError(f"profile {name!r}: {'; '.join(problems)}")
@@ -183,10 +192,12 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
     if path.exists():
         with path.open("rb") as f:
             raw = tomllib.load(f)
+    if unknown := unknown_keys(raw, Settings):
+        raise SettingsError(f"{path}: " + "; ".join(unknown))
     try:
         settings = msgspec.convert(raw, Settings, strict=True)
     except msgspec.ValidationError as exc:
-        raise SettingsError(f"{path}: {exc}") from None
+        raise SettingsError(f"{path}: {_shape_error(str(exc))}") from None
     if "SLUICE_KAFKA_BOOTSTRAP" in env:
         settings = replace(settings, kafka=replace(settings.kafka, bootstrap=env["SLUICE_KAFKA_BOOTSTRAP"]))
     if "SLUICE_REDIS_URL" in env:
@@ -211,3 +222,13 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
         gateway = replace(gateway, client_info_secret=env["SLUICE_GATEWAY_SECRET"])
     settings = replace(settings, gateway=gateway)
     return settings.validate()
+
+
+def _shape_error(message: str) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.kafka.partitions`" as "`kafka.partitions`: expected ..."."""
+    problem, sep, where = message.rpartition(" - at `")
+    if not sep:
+        return message
+    where = where.rstrip("`")
+    allowed = describe(Settings, where)
+    return f"`{where.removeprefix('$.')}`: {problem[:1].lower()}{problem[1:]}" + (f" (allowed: {allowed})" if allowed else "")

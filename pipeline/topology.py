@@ -10,7 +10,8 @@
 sluice.toml) is a list of kinds; `graph()` wires it: a stage forwards to the input topic of the next
 stage of its part of the chain, so leaving guard out makes ingest write `llm.guarded`, and leaving
 postguard out makes decode write `llm.checked`. Generation stages are per pool (`prefill.local`,
-`decode.local`): each pool has its own topics and consumer groups. Stages receive their `Topics`;
+`decode.local`, or `generate.<pool>` for a backend without the prefill/decode split): each pool has
+its own topics and consumer groups. Stages receive their `Topics`;
 none names a topic of its own.
 """
 
@@ -22,9 +23,10 @@ from dataclasses import dataclass, field
 from topics import registry
 
 REQUEST_PART = ("ingest", "guard", "cache", "route")  # the request before a backend is chosen, in order
-POOL_PART = ("prefill", "decode")  # one of each per pool
+POOL_PART = ("prefill", "decode")  # one of each per pool whose backend splits them
+GENERATE = "generate"  # instead, for a pool whose backend cannot split (Triton, an OpenAI-compatible server)
 STREAM_PART = ("postguard", "emit")  # the token stream on its way to the client
-KINDS = REQUEST_PART + POOL_PART + STREAM_PART
+KINDS = REQUEST_PART + POOL_PART + (GENERATE,) + STREAM_PART
 REQUIRED = frozenset({"ingest", "route", "prefill", "decode", "emit"})
 
 # The topic each kind reads (per pool for the generation stages).
@@ -69,7 +71,7 @@ def input_of(kind: str, pool: str | None = None) -> str:
 
 def check_profile(kinds: tuple[str, ...]) -> list[str]:
     """What is wrong with a profile (empty when it can run)."""
-    problems = [f"unknown stage {k!r}" for k in kinds if k not in KINDS]
+    problems = [f"unknown stage {k!r}" for k in kinds if k not in KINDS or k == GENERATE]
     if missing := sorted(REQUIRED - set(kinds)):
         problems.append(f"missing stages {missing}")
     if len(set(kinds)) != len(kinds):
@@ -77,8 +79,9 @@ def check_profile(kinds: tuple[str, ...]) -> list[str]:
     return problems
 
 
-def graph(kinds: tuple[str, ...], pools: tuple[str, ...]) -> list[Node]:
-    """The nodes of a deployment running `kinds` (in any order) with these backend pools."""
+def graph(kinds: tuple[str, ...], pools: tuple[str, ...], unsplit: frozenset[str] = frozenset()) -> list[Node]:
+    """The nodes of a deployment running `kinds` (in any order) with these backend pools; the pools in
+    `unsplit` get one `generate.<pool>` stage where the others get `prefill.<pool>` and `decode.<pool>`."""
     request = [k for k in REQUEST_PART if k in kinds]
     stream = [k for k in STREAM_PART if k in kinds]
     first_stream = input_of(stream[0])
@@ -94,6 +97,9 @@ def graph(kinds: tuple[str, ...], pools: tuple[str, ...]) -> list[Node]:
     routes = {p: registry.routed_topic(p) for p in pools}
     nodes.append(Node("route", "route", Topics((registry.GUARDED,), None, first_stream, pools=routes)))
     for pool in pools:
+        if pool in unsplit:
+            nodes.append(Node(f"{GENERATE}.{pool}", GENERATE, Topics((routes[pool],), first_stream, first_stream), pool))
+            continue
         nodes.append(Node(f"prefill.{pool}", "prefill", Topics((routes[pool],), registry.prefilled_topic(pool), first_stream), pool))
         nodes.append(Node(f"decode.{pool}", "decode", Topics((registry.prefilled_topic(pool),), first_stream, first_stream), pool))
     for i, kind in enumerate(stream):

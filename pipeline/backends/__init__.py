@@ -27,4 +27,9 @@ def _build(settings: Settings, config: BackendSettings) -> Backend:
         from pipeline.backends.instant import InstantBackend
 
         return InstantBackend(name=config.name, token_delay_ms=config.token_delay_ms)
+    if config.kind == "openai":
+        from pipeline.backends.openai_compat import OpenAIBackend
+
+        model = config.upstream_model or config.model
+        return OpenAIBackend.from_env(config.name, config.base_url, model, config.api_key_env, config.timeout_s)
     raise ValueError(f"unknown backend kind {config.kind!r}")

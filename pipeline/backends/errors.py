@@ -3,7 +3,9 @@
     BackendError              root; never raised itself
     ├── Cancelled             the request was cancelled (client gone, guard fired, deadline)
     ├── InvalidRequest        the request cannot be served as given; retrying will not help
-    ├── ModelError            the model's forward pass failed; another backend may succeed
+    ├── ModelError            the model's forward pass failed (or the upstream answered 5xx, timed out);
+    │                         another backend may succeed
+    ├── Overloaded            the upstream refused for load (429), with its retry-after
     └── BackendClosed         the backend was shut down while the request was running
 
 `retriable` says whether the same request may succeed on a retry (here or on another backend);
@@ -16,7 +18,7 @@ from typing import ClassVar
 
 from topics.errors import ErrorCode
 
-__all__ = ["BackendClosed", "BackendError", "Cancelled", "InvalidRequest", "ModelError"]
+__all__ = ["BackendClosed", "BackendError", "Cancelled", "InvalidRequest", "ModelError", "Overloaded"]
 
 
 class BackendError(Exception):
@@ -48,3 +50,14 @@ class BackendClosed(BackendError):
     """The backend was closed while the request was waiting or running."""
 
     retriable: ClassVar[bool] = True
+
+
+class Overloaded(BackendError):
+    """The upstream refused for load (HTTP 429): retriable after `retry_after_s`, here or elsewhere."""
+
+    retriable: ClassVar[bool] = True
+    code: ClassVar[ErrorCode] = ErrorCode.rate_limited
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -67,8 +67,9 @@ _progress = msgspec.msgpack.Decoder(Progress)
 
 
 class DecodeStage:
-    input_type = Prefilled
+    input_type: type = Prefilled
     ordered = False
+    phase = "decode"  # in error messages
 
     def __init__(self, backend: SplitBackend, topics: Topics, store: StateStore, name: str = "decode") -> None:
         self.name, self.topics = name, topics
@@ -119,33 +120,47 @@ class DecodeStage:
             self._unrecorded.discard(rid)
             self._acked.pop(rid, None)
 
+    def _first(self, message: Prefilled) -> Progress:
+        """The progress before any chunk of this stage: prefill's first token, sent as chunk 0."""
+        prefill = message.prefill
+        sent_first = bool(prefill.first_text)  # prefill sent it as chunk 0
+        return Progress((prefill.first_token_id,), len(prefill.first_text), int(sent_first),
+                        digest_step(EMPTY_DIGEST, prefill.first_text) if sent_first else EMPTY_DIGEST)
+
+    def _deltas(self, message: Prefilled, progress: Progress, resumed: bool) -> AsyncIterator[Delta]:
+        """The backend's stream after `progress`: decode from prefill's KV handle (recomputed if it is gone)."""
+        prefill = message.prefill
+        generation = generation_request(message.request, message.id, progress.tokens[:-1], progress.sent_chars if resumed else None)
+        handoff = BackendPrefilled(prefill.handle, progress.tokens[-1], prefill.first_text, prefill.prompt_tokens, None)
+        return self._backend.decode(generation, handoff)
+
+    def _usage(self, message: Prefilled, progress: Progress, reported: Delta | None) -> Usage:
+        return Usage(message.prefill.prompt_tokens, len(progress.tokens))
+
     async def _generate(self, message: Prefilled, stored: dict[str, bytes]) -> AsyncIterator[Out]:
-        """The stream from where the store says it got to (prefill's first token when it says nothing)."""
+        """The stream from where the store says it got to (`_first` when it says nothing)."""
         clock = Stopwatch()
-        rid, prefill = message.id, message.prefill
+        rid = message.id
         address = address_of(message)
         assert address is not None
-        sent_first = bool(prefill.first_text)  # prefill sent it as chunk 0
-        first = Progress((prefill.first_token_id,), len(prefill.first_text), int(sent_first),
-                         digest_step(EMPTY_DIGEST, prefill.first_text) if sent_first else EMPTY_DIGEST)
-        progress = _progress.decode(stored["progress"]) if "progress" in stored else first
+        progress = _progress.decode(stored["progress"]) if "progress" in stored else self._first(message)
         self._acked[rid] = (progress.next_seq, asyncio.Event())
         timings = lambda: {**message.timings, self.name: clock.ms()}  # noqa: E731
-        usage = lambda p: Usage(prefill.prompt_tokens, len(p.tokens))  # noqa: E731
+        last: Delta | None = None  # the backend's last delta (its token counts, when it reports them)
+        usage = lambda p: self._usage(message, p, last)  # noqa: E731
         if (reason := self._cancel_reason(rid, stored)) is not None:
             text = "cancelled before decode started"
             yield self._terminal(rid, address.failed(_CODE[reason], text, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
             return
-        resume_chars = progress.sent_chars if "progress" in stored else None
-        generation = generation_request(message.request, rid, progress.tokens[:-1], resume_chars)
-        handoff = BackendPrefilled(prefill.handle, progress.tokens[-1], prefill.first_text, prefill.prompt_tokens, None)
         error: tuple[ErrorCode, str] | None = None
+        retry_after: float | None = None  # an upstream's retry-after, passed on to the client
         finish = FinishReason.length
         pending: tuple[int, ...] = ()  # tokens consumed since the last chunk (their text held back)
         try:
-            async with aclosing(self._backend.decode(generation, handoff)) as stream:
+            async with aclosing(self._deltas(message, progress, "progress" in stored)) as stream:
                 async for delta in stream:
                     self._check_still_recording(rid)
+                    last = delta
                     pending += delta.token_ids
                     if delta.text:
                         await self._wait_for_acks(rid, progress.next_seq)
@@ -165,9 +180,11 @@ class DecodeStage:
             reason = self._cancelled.get(rid) or self._cancelled.get(client_id_of(rid)) or CancelReason.client_gone
             error = (_CODE[reason], f"generation stopped: {reason.value}")
         except BackendError as exc:
-            error = (exc.code, f"backend failed during decode ({type(exc).__name__})")
+            error = (exc.code, f"backend failed during {self.phase} ({type(exc).__name__})")
+            retry_after = getattr(exc, "retry_after_s", None)
         if error is not None:
-            yield self._terminal(rid, address.failed(*error, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
+            yield self._terminal(rid, address.failed(*error, chunks=progress.next_seq, usage=usage(progress),
+                                                     timings=timings(), retry_after_s=retry_after))
             return
         yield self._terminal(rid, address.done(chunks=progress.next_seq, digest=progress.digest, finish=finish,
                                                usage=usage(progress), timings=timings()))

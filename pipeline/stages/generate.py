@@ -1,0 +1,61 @@
+"""generate: the one generation stage of a pool whose backend cannot split prefill from decode (Triton,
+an OpenAI-compatible server). Reads `llm.routed.<pool>`, writes the stream, with decode's guarantees:
+ownership in the state store, progress recorded after each acknowledged chunk, at most `AHEAD` chunks
+unacknowledged, cancellation within a step, one terminal event recorded once sent.
+
+Resume: such a backend cannot be handed tokens to continue from, so a worker that takes a stream over
+asks for the answer again and drops the characters already delivered (`Progress.sent_chars`), then goes
+on numbering chunks where its predecessor stopped. With greedy or seeded sampling on the same backend
+the client sees one seamless stream; otherwise the continuation is a valid answer that may not join
+the delivered part exactly (docs/reliability.md). Token counts come from the backend's last delta when
+it reports them (an upstream server's usage), else from the token ids it streamed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from pipeline.backends.base import Backend, Delta
+from pipeline.stages.decode import DecodeStage, Progress
+from pipeline.stages.generation import generation_request
+from pipeline.state import StateStore
+from pipeline.topology import Topics
+from topics.hops import Routed
+from topics.stream import EMPTY_DIGEST, Usage
+
+
+class GenerateStage(DecodeStage):
+    input_type = Routed
+    phase = "generation"
+
+    def __init__(self, backend: Backend, topics: Topics, store: StateStore, name: str = "generate") -> None:
+        super().__init__(backend, topics, store, name=name)  # type: ignore[arg-type]  # generate only needs the base
+
+    def _first(self, message: Routed) -> Progress:  # type: ignore[override]
+        return Progress((), 0, 0, EMPTY_DIGEST)
+
+    def _deltas(self, message: Routed, progress: Progress, resumed: bool) -> AsyncIterator[Delta]:  # type: ignore[override]
+        stream = self._backend.generate(generation_request(message.request, message.id))
+        return _after_chars(stream, progress.sent_chars) if resumed and progress.sent_chars else stream
+
+    def _usage(self, message: Routed, progress: Progress, reported: Delta | None) -> Usage:  # type: ignore[override]
+        prompt = reported.prompt_tokens if reported is not None and reported.prompt_tokens is not None else 0
+        if reported is not None and reported.completion_tokens is not None:
+            return Usage(prompt, reported.completion_tokens)
+        return Usage(prompt, len(progress.tokens))
+
+
+async def _after_chars(stream: AsyncIterator[Delta], skip: int) -> AsyncIterator[Delta]:
+    """`stream` without its first `skip` characters (what a predecessor already delivered); the token ids
+    of the dropped text are dropped too (the stored progress counts them)."""
+    try:
+        async for delta in stream:
+            if skip >= len(delta.text) and delta.finish_reason is None:
+                skip -= len(delta.text)
+                continue
+            if skip:
+                delta = Delta(delta.text[skip:], (), delta.finish_reason, delta.prompt_tokens, delta.completion_tokens)
+                skip = 0
+            yield delta
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
