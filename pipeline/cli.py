@@ -7,6 +7,7 @@
     sluice ask "prompt"        stream an answer through the whole pipeline
     sluice keys create|rotate|revoke|list   API keys (pipeline/gateway/keys_cli.py)
     sluice cache purge --tenant T [--model M]   forget cached answers (pipeline/cache/purge_cli.py)
+    sluice config check        validate the configuration and print it as it takes effect, secrets masked
 """
 
 from __future__ import annotations
@@ -35,12 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--model", default=None)
     ask.add_argument("--api-key", default=None, help="an API key from `sluice keys create`")
+    config = sub.add_parser("config", help="check the configuration")
+    config.add_argument("action", choices=["check"])
     from pipeline.cache import purge_cli
     from pipeline.gateway import keys_cli
 
     keys_cli.add_parser(sub)
     purge_cli.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "config":
+        return _config_check()
     settings = settings_module.load()
 
     if args.command == "run" and args.in_process:
@@ -66,6 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "topics":
         return asyncio.run(_topics(settings, args.action))
     return asyncio.run(_ask(settings, args))
+
+
+def _config_check() -> int:
+    """Prints the effective settings (file and environment) as JSON with secrets masked; exit 2 if invalid."""
+    import json
+
+    from pipeline.strict import masked
+
+    try:
+        settings = settings_module.load()
+    except settings_module.SettingsError as exc:
+        print(f"invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(masked(settings), indent=2))
+    return 0
 
 
 async def _topics(settings: settings_module.Settings, action: str) -> int:

@@ -23,7 +23,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import HTTPConnection
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
@@ -31,6 +30,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from pipeline.bridge.edges import AllowedHosts
 from pipeline.bridge.openai_format import (
     BridgeError,
     Json,
@@ -95,7 +95,7 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
     handlers = {BridgeError: _bridge_error, HTTPException: _http_error, Exception: _internal_error}
     hosts = settings.gateway.allowed_hosts
     middleware = [Middleware(HeaderLimit, limit=MAX_HEADER_BYTES)]
-    middleware += [Middleware(TrustedHostMiddleware, allowed_hosts=list(hosts))] if hosts else []
+    middleware += [Middleware(AllowedHosts, hosts=hosts)] if hosts else []
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
 
 

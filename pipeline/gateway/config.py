@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pipeline.gateway.hosts import HostEntryError, parse_entry
+
 
 @dataclass(frozen=True)
 class TenantPolicy:
@@ -91,7 +93,7 @@ class GatewaySettings:
     ip_rpm: int = 0
     ip_tpm: int = 0
     client_info_secret: str = field(default="", repr=False)  # HMAC key for the bridge's client ip/user agent; empty: trusted
-    allowed_hosts: tuple[str, ...] = ()  # the bridge answers only these Host headers; empty: any
+    allowed_hosts: tuple[str, ...] = ()  # Host headers the bridge answers: `host` (any port) or `host:port`; empty: any
     tenants: dict[str, TenantPolicy] = field(default_factory=dict)
     prices: dict[str, ModelPrice] = field(default_factory=dict)
     jwt: JwtSettings = field(default_factory=JwtSettings)
@@ -115,6 +117,11 @@ class GatewaySettings:
                 re.compile(pattern)
             except re.error as exc:
                 found.append(f"gateway.network.deny_user_agents: {pattern!r}: {exc}")
+        for entry in self.allowed_hosts:
+            try:
+                parse_entry(entry)
+            except HostEntryError as exc:
+                found.append(f"gateway.allowed_hosts: {exc}")
         if self.jwt.enabled and not (self.jwt.jwks_file or self.jwt.jwks_url):
             found.append("gateway.jwt: enabled needs jwks_file or jwks_url")
         if self.jwt.enabled and (not self.jwt.issuer or not self.jwt.audience):
