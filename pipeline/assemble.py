@@ -5,12 +5,15 @@ that runs a guard stage imports them, and loads their models here, once."""
 from __future__ import annotations
 
 import functools
+import os
+import socket
 from collections.abc import Mapping
 
 from pipeline.backends.base import Backend
 from pipeline.cache.exact import ExactTier, MemoryExactTier, RedisExactTier
 from pipeline.gateway.build import redis_client, redis_gateway
-from pipeline.settings import Settings
+from pipeline.routing.stats import BackendStats
+from pipeline.settings import BackendSettings, Settings
 from pipeline.stage import Stage
 from pipeline.state import MemoryStateStore, RedisStateStore, StateStore
 from pipeline.topology import Node, graph, select
@@ -44,6 +47,12 @@ def _any_semantic(settings: Settings) -> bool:
     return any(t.semantic for t in settings.cache.tenants.values())
 
 
+def _stats(config: BackendSettings, stage: str, settings: Settings) -> BackendStats:
+    """What a generation stage reports of its backend; `worker` tells this process's stage from others."""
+    worker = f"{stage}:{socket.gethostname()}:{os.getpid()}"
+    return BackendStats(config.name, config.pool, worker, config.max_batch, settings.routing.eject_after)
+
+
 def pool_backend(node: Node, settings: Settings, backends: Mapping[str, Backend]) -> Backend:
     for b in settings.backends:
         if b.pool == node.pool and b.name in backends:
@@ -67,14 +76,20 @@ def _build(node: Node, settings: Settings, backends: Mapping[str, Backend], work
         return IngestStage(settings, t, redis_gateway(settings), state_store(settings), name=name)
     if node.kind == "route":
         return RouteStage(settings, t, name=name)
+    by_name = {b.name: b for b in settings.backends}
     if node.kind == "prefill":
-        return PrefillStage(pool_backend(node, settings, backends), t, name=name, worker=worker)
+        backend = pool_backend(node, settings, backends)
+        return PrefillStage(backend, t, name=name, worker=worker, stats=_stats(by_name[backend.name], name, settings), backends=by_name)  # type: ignore[arg-type]
     if node.kind == "decode":
-        return DecodeStage(pool_backend(node, settings, backends), t, state_store(settings), name=name)  # type: ignore[arg-type]
+        backend = pool_backend(node, settings, backends)
+        return DecodeStage(backend, t, state_store(settings), name=name, stats=_stats(by_name[backend.name], name, settings),  # type: ignore[arg-type]
+                           backends=by_name)
     if node.kind == "generate":
         from pipeline.stages.generate import GenerateStage
 
-        return GenerateStage(pool_backend(node, settings, backends), t, state_store(settings), name=name)
+        backend = pool_backend(node, settings, backends)
+        return GenerateStage(backend, t, state_store(settings), name=name, stats=_stats(by_name[backend.name], name, settings),
+                             backends=by_name)
     if node.kind == "emit":
         answers = exact_tier(settings) if t.table else None
         return EmitStage(settings, t, state_store(settings), meter=redis_gateway(settings), name=name, answers=answers)

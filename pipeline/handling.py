@@ -32,7 +32,6 @@ from pipeline.producing import Producer
 from pipeline.settings import Settings
 from pipeline.stage import Address, Out, Resettable, Stage, address_of
 from topics import codec, dlq, registry
-from topics.cache import TableRecord
 from topics.control import Cancel
 from topics.errors import ErrorCode
 from topics.stream import Done, Failed
@@ -202,7 +201,23 @@ class Handling:
         lost connection the table is read again from its start (applying a record twice is harmless)."""
         topic = self.stage.topics.table
         assert topic is not None
-        await self._follow(stop, client_id + "-table", topic, TableRecord, getattr(self.stage, "on_table"), from_start=True)
+        await self._follow(stop, client_id + "-table", topic, getattr(self.stage, "table_type"), getattr(self.stage, "on_table"),
+                           from_start=True)
+
+    async def report_loop(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
+        """What the stage reports (`Reporting.report`), produced once a second; a failed produce is dropped
+        (the next report replaces it)."""
+        report = getattr(self.stage, "report")
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except TimeoutError:
+                pass
+            for out in report():
+                try:
+                    (await self._send(out)).add_done_callback(_quiet)
+                except INFRA as exc:
+                    log.debug("stage=%s report not sent (%s)", self.stage.name, type(exc).__name__)
 
     async def _follow(
         self, stop: asyncio.Event, client_id: str, topic: str, kind: Any, apply: Callable[[Any], Awaitable[None]],

@@ -26,7 +26,7 @@ from pipeline.handling import Handling
 from pipeline.offsets import OffsetTracker
 from pipeline.producing import Producer
 from pipeline.settings import Settings
-from pipeline.stage import Closable, Controlled, Resettable, Stage, Tabled
+from pipeline.stage import Closable, Controlled, Reporting, Resettable, Stage, Tabled
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class Runner:
             followers.append(asyncio.create_task(handling.control_loop(stop, self.client_id)))
         if isinstance(self.stage, Tabled):
             followers.append(asyncio.create_task(handling.table_loop(stop, self.client_id)))
+        if isinstance(self.stage, Reporting):
+            followers.append(asyncio.create_task(handling.report_loop(stop)))
         try:
             await self._poll_loop(stop, handling)
         finally:

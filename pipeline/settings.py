@@ -17,6 +17,7 @@ import msgspec
 from pipeline.cache.config import CacheSettings
 from pipeline.gateway.config import GatewaySettings
 from pipeline.guard.config import GuardSettings
+from pipeline.routing.config import RoutingSettings
 from pipeline.strict import describe, unknown_keys
 from pipeline.topology import check_profile
 from topics.registry import reply_topic, routed_topic
@@ -121,6 +122,7 @@ class Settings:
         return frozenset(reply_topic(r) for r in self.replies)
 
     @property
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
     def pools(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(b.pool for b in self.backends))
 
@@ -189,6 +191,8 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
     env = os.environ if env is None else env
     path = path or Path(env.get("SLUICE_CONFIG", DEFAULT_CONFIG))
     raw: dict[str, object] = {}
+        if problems := self.routing.problems(frozenset(names)):
+            raise SettingsError("; ".join(problems))
     if path.exists():
         with path.open("rb") as f:
             raw = tomllib.load(f)

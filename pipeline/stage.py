@@ -6,7 +6,8 @@ and commits only after every produce is acknowledged. A stage gets its topics fr
 (`pipeline.topology.Topics`); it names none itself.
 
 Capabilities beyond `handle` are declared protocols the runner checks with isinstance:
-`Controlled` (hears every cancellation), `Tabled` (reads a compacted topic whole), `Resettable` (keeps per-request caches in front of its
+`Controlled` (hears every cancellation), `Tabled` (reads a compacted topic whole), `Reporting`
+(publishes on a clock), `Resettable` (keeps per-request caches in front of its
 state store), `Closable` (has connections of its own to close).
 """
 
@@ -58,9 +59,18 @@ class Controlled(Protocol):
 @runtime_checkable
 class Tabled(Protocol):
     """A stage that also reads every record of `topics.table` (a compacted topic), from its start and on,
-    to hold a copy of it in memory (the cache's semantic index)."""
+    to hold a copy of it in memory (the cache's semantic index, route's view of backend health)."""
+
+    table_type: Any  # the msgspec type of the table's records
 
     async def on_table(self, record: Any) -> None: ...
+
+
+@runtime_checkable
+class Reporting(Protocol):
+    """A stage with something to publish on a clock, not in answer to a message (backend health)."""
+
+    def report(self) -> list[Out]: ...
 
 
 @runtime_checkable

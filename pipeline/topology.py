@@ -50,7 +50,8 @@ class Topics:
     control: str = registry.CONTROL  # cancellations: decode reads them, postguard writes them
     usage: str = registry.USAGE  # emit: one record per finished request
     pools: Mapping[str, str] = field(default_factory=dict)  # route only: pool -> llm.routed.<pool>
-    table: str | None = None  # llm.cache.entries: the cache reads it (from the start), emit writes it
+    table: str | None = None  # a compacted topic: llm.cache.entries (the cache reads it, emit writes it),
+    # llm.backend.health (route reads it)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def graph(kinds: tuple[str, ...], pools: tuple[str, ...], unsplit: frozenset[str
             topics = Topics((input_of(kind),), input_of(request[i + 1]), first_stream)
         nodes.append(Node(kind, kind, topics))
     routes = {p: registry.routed_topic(p) for p in pools}
-    nodes.append(Node("route", "route", Topics((registry.GUARDED,), None, first_stream, pools=routes)))
+    nodes.append(Node("route", "route", Topics((registry.GUARDED,), None, first_stream, pools=routes, table=registry.HEALTH)))
     for pool in pools:
         if pool in unsplit:
             nodes.append(Node(f"{GENERATE}.{pool}", GENERATE, Topics((routes[pool],), first_stream, first_stream), pool))

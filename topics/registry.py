@@ -1,7 +1,6 @@
 """Every topic sluice uses: name, partitions, config, and the message type it carries.
 
-Only topics with a schema and a stage that uses them are declared; `llm.backend.health` (DESIGN.md)
-arrives with the routing issue. Which stage reads and
+Only topics with a schema and a stage that uses them are declared. Which stage reads and
 writes which topic is `pipeline.topology`'s business, not this module's.
 
 Reply topics are `llm.responses.<name>`, one per configured tenant or bridge; `reply_topic()` builds
@@ -20,6 +19,7 @@ ADMITTED = "llm.admitted"
 SCREENED = "llm.screened"  # guard -> cache: the sanitised request
 GUARDED = "llm.guarded"  # -> route: the request to generate (the cache's misses, or guard's output without a cache)
 CACHE_ENTRIES = "llm.cache.entries"  # compacted: emit -> every cache worker (topics.cache)
+HEALTH = "llm.backend.health"  # compacted: generation workers -> every route worker (topics.health)
 TOKENS = "llm.tokens"
 CHECKED = "llm.checked"  # postguard -> emit: the stream after the output checks
 CONTROL = "llm.control"
@@ -80,6 +80,8 @@ def all_topics(*, pools: tuple[str, ...], replies: tuple[str, ...], partitions: 
         TopicSpec(TOKENS, partitions, _STREAM, hour),
         TopicSpec(CHECKED, partitions, _STREAM, hour),
         TopicSpec(CONTROL, partitions, "cancel.v2", hour),
+        TopicSpec(HEALTH, 1, "backend_health.v1", {"cleanup.policy": "compact,delete", "retention.ms": str(3600 * 1000),
+                                                   "segment.ms": str(600 * 1000)}),
         TopicSpec(DLQ, 1, "dead_letter.v1", {"retention.ms": str(7 * DAY_MS)}),
         TopicSpec(USAGE, partitions, "usage.v2", {"retention.ms": str(30 * DAY_MS)}),
     ]

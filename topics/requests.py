@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 
 import msgspec
 
-
 ID_PATTERN = r"^[A-Za-z0-9._:-]+\Z"  # no "/": ingest namespaces ids as "<tenant>/<id>" (topics.hops)
 
 
@@ -42,6 +41,7 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="requ
     stream: bool = True
     priority: Priority = Priority.interactive  # the engine's scheduling lane
     deadline_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0  # seconds after created_at
+    task: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_-]{0,31}\Z")] | None = None  # e.g. code, summarization: routing rules match it
     no_cache: bool = False  # never answered from the cache (HTTP `Cache-Control: no-cache`)
     no_store: bool = False  # the answer is not stored in the cache (`Cache-Control: no-store`)
     api_key: str | None = None  # checked by ingest's authenticator (gateway issue); never logged

@@ -29,7 +29,7 @@ from pipeline.cache.traps import Salient, salient
 from pipeline.guard.embedder import MiniLmEmbedder
 from pipeline.stage import Out, Stopwatch, address_of
 from pipeline.topology import Topics
-from topics.cache import CacheTier, Entry, Purge, Ticket
+from topics.cache import CacheTier, Entry, Purge, TableRecord, Ticket
 from topics.hops import Admitted
 from topics.stream import EMPTY_DIGEST, FinishReason, Usage, digest_step
 
@@ -41,6 +41,7 @@ MAX_SEMANTIC_CHARS = 800
 class CacheStage:
     input_type = Admitted
     ordered = False
+    table_type = TableRecord  # llm.cache.entries
 
     def __init__(
         self, settings: CacheSettings, topics: Topics, exact: ExactTier, embedder: MiniLmEmbedder | None,

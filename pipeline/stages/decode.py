@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 
 import msgspec
@@ -32,11 +32,14 @@ from pipeline.backends.base import Delta, SplitBackend
 from pipeline.backends.base import Prefilled as BackendPrefilled
 from pipeline.backends.errors import BackendError, Cancelled
 from pipeline.errors import InfraUnavailable
+from pipeline.routing.reroute import rerouted
+from pipeline.routing.stats import BackendStats
+from pipeline.settings import BackendSettings
 from pipeline.stage import Out, Stopwatch, address_of
 from pipeline.stages.generation import generation_request
 from pipeline.state import StateStore
 from pipeline.topology import Topics
-from topics import codec
+from topics import codec, registry
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
 from topics.hops import Prefilled, client_id_of
@@ -71,8 +74,15 @@ class DecodeStage:
     ordered = False
     phase = "decode"  # in error messages
 
-    def __init__(self, backend: SplitBackend, topics: Topics, store: StateStore, name: str = "decode") -> None:
+    reroutes = False  # decode continues prefill's stream: there is no "before the first chunk" to reroute
+
+    def __init__(
+        self, backend: SplitBackend, topics: Topics, store: StateStore, name: str = "decode",
+        stats: BackendStats | None = None, backends: Mapping[str, BackendSettings] | None = None,
+    ) -> None:
         self.name, self.topics = name, topics
+        self.stats = stats  # what this worker reports of its backend on llm.backend.health
+        self._backends = backends or {}  # every configured backend by name: where a fallback's pool is
         self._backend = backend
         self._store = store
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"  # this worker, for this process's life
@@ -156,6 +166,9 @@ class DecodeStage:
         retry_after: float | None = None  # an upstream's retry-after, passed on to the client
         finish = FinishReason.length
         pending: tuple[int, ...] = ()  # tokens consumed since the last chunk (their text held back)
+        failure: BackendError | None = None
+        if self.stats is not None:
+            self.stats.started()
         try:
             async with aclosing(self._deltas(message, progress, "progress" in stored)) as stream:
                 async for delta in stream:
@@ -166,6 +179,8 @@ class DecodeStage:
                         await self._wait_for_acks(rid, progress.next_seq)
                         progress = self._advance(progress, pending, delta)
                         chunk = address.chunk(progress.next_seq - 1, delta.text, pending)
+                        if chunk.seq == 0 and self.stats is not None:
+                            self.stats.first_token(clock.ms())
                         yield Out(self.topics.stream or "", rid, chunk, acked=self._record(rid, progress))
                         pending = ()
                     elif pending:
@@ -182,12 +197,32 @@ class DecodeStage:
         except BackendError as exc:
             error = (exc.code, f"backend failed during {self.phase} ({type(exc).__name__})")
             retry_after = getattr(exc, "retry_after_s", None)
+            failure = exc
+        for out in self._ended(message, failure, sent=progress.next_seq):
+            yield out
+            if out.topic != registry.HEALTH:  # sent on to a fallback backend: its terminal is the fallback's
+                return
         if error is not None:
             yield self._terminal(rid, address.failed(*error, chunks=progress.next_seq, usage=usage(progress),
                                                      timings=timings(), retry_after_s=retry_after))
             return
         yield self._terminal(rid, address.done(chunks=progress.next_seq, digest=progress.digest, finish=finish,
                                                usage=usage(progress), timings=timings()))
+
+    def _ended(self, message: Prefilled, failure: BackendError | None, sent: int) -> list[Out]:
+        """Counts how the backend did (a health report at once when a failure streak reaches the ejection
+        threshold) and, where the stage may, sends a request its backend failed before any chunk on to the
+        next fallback backend (`reroutes`)."""
+        outs: list[Out] = []
+        retriable = failure is not None and failure.retriable
+        if self.stats is not None and self.stats.finished(failed=retriable):
+            outs.append(Out(registry.HEALTH, self.stats.key, self.stats.report()))
+        if retriable and self.reroutes and sent == 0 and (onward := rerouted(message, self._backends)) is not None:
+            outs.append(onward)
+        return outs
+
+    def report(self) -> list[Out]:
+        return [Out(registry.HEALTH, self.stats.key, self.stats.report())] if self.stats is not None else []
 
     async def _wait_for_acks(self, rid: str, seq: int) -> None:
         """Holds chunk `seq` back while AHEAD chunks before it wait for the broker."""

@@ -8,14 +8,17 @@ asks for the answer again and drops the characters already delivered (`Progress.
 on numbering chunks where its predecessor stopped. With greedy or seeded sampling on the same backend
 the client sees one seamless stream; otherwise the continuation is a valid answer that may not join
 the delivered part exactly (docs/reliability.md). Token counts come from the backend's last delta when
-it reports them (an upstream server's usage), else from the token ids it streamed.
+it reports them (an upstream server's usage), else from the token ids it streamed. A retriable failure
+before the first chunk sends the request on to the route's next fallback backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from pipeline.backends.base import Backend, Delta
+from pipeline.routing.stats import BackendStats
+from pipeline.settings import BackendSettings
 from pipeline.stages.decode import DecodeStage, Progress
 from pipeline.stages.generation import generation_request
 from pipeline.state import StateStore
@@ -27,9 +30,13 @@ from topics.stream import EMPTY_DIGEST, Usage
 class GenerateStage(DecodeStage):
     input_type = Routed
     phase = "generation"
+    reroutes = True  # a backend that fails before the first chunk: the request moves on to the next fallback
 
-    def __init__(self, backend: Backend, topics: Topics, store: StateStore, name: str = "generate") -> None:
-        super().__init__(backend, topics, store, name=name)  # type: ignore[arg-type]  # generate only needs the base
+    def __init__(
+        self, backend: Backend, topics: Topics, store: StateStore, name: str = "generate",
+        stats: BackendStats | None = None, backends: Mapping[str, BackendSettings] | None = None,
+    ) -> None:
+        super().__init__(backend, topics, store, name=name, stats=stats, backends=backends)  # type: ignore[arg-type]
 
     def _first(self, message: Routed) -> Progress:  # type: ignore[override]
         return Progress((), 0, 0, EMPTY_DIGEST)

@@ -1,16 +1,22 @@
 """prefill: the context phase, for one pool. Computes the prompt, sends the first token at once (time to
-first token) as chunk 0, and hands decode the KV state by handle."""
+first token) as chunk 0, and hands decode the KV state by handle. A retriable backend failure (before
+any token) sends the request on to the route's next fallback backend; it reports its backend's load,
+failures and time to first token on `llm.backend.health`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from pipeline.backends.base import SplitBackend
 from pipeline.backends.errors import BackendError
 from pipeline.errors import StageError
+from pipeline.routing.reroute import rerouted
+from pipeline.routing.stats import BackendStats
+from pipeline.settings import BackendSettings
 from pipeline.stage import Out, Stopwatch, address_of
 from pipeline.stages.generation import generation_request, to_wire
 from pipeline.topology import Topics
+from topics import registry
 from topics.errors import ErrorCode
 from topics.hops import Prefilled, Routed, forward
 from topics.stream import EMPTY_DIGEST, FinishReason, Usage, digest_step
@@ -20,20 +26,38 @@ class PrefillStage:
     input_type = Routed
     ordered = False
 
-    def __init__(self, backend: SplitBackend, topics: Topics, name: str = "prefill", worker: str = "0") -> None:
+    def __init__(
+        self, backend: SplitBackend, topics: Topics, name: str = "prefill", worker: str = "0",
+        stats: BackendStats | None = None, backends: Mapping[str, BackendSettings] | None = None,
+    ) -> None:
         self.name, self.topics = name, topics
         self._backend = backend
         self._worker = worker
+        self.stats = stats  # what this worker reports of its backend on llm.backend.health
+        self._backends = backends or {}
+
+    def report(self) -> list[Out]:
+        return [Out(registry.HEALTH, self.stats.key, self.stats.report())] if self.stats is not None else []
 
     async def handle(self, message: Routed) -> AsyncIterator[Out]:
         clock = Stopwatch()
         address = address_of(message)
         assert address is not None
+        if self.stats is not None:
+            self.stats.started()
         try:
             prefilled = await self._backend.prefill(generation_request(message.request, message.id))
         except BackendError as exc:
+            if self.stats is not None and self.stats.finished(failed=exc.retriable):
+                yield Out(registry.HEALTH, self.stats.key, self.stats.report())
+            if exc.retriable and (onward := rerouted(message, self._backends)) is not None:
+                yield onward  # failed before the first token: the route's next backend tries
+                return
             text = f"prefill failed: {exc}" if exc.code is ErrorCode.invalid_request else f"backend failed during prefill ({type(exc).__name__})"
             raise StageError(exc.code, text) from exc
+        if self.stats is not None:
+            self.stats.first_token(clock.ms())
+            self.stats.finished(failed=False)
         stream = self.topics.stream or ""
         if prefilled.first_text:
             yield Out(stream, message.id, address.chunk(0, prefilled.first_text, (prefilled.first_token_id,)))

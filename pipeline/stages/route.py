@@ -1,40 +1,115 @@
-"""route: chooses the backend for a request from the config file and sends it to that backend's pool.
+"""route: chooses the backends for a request and sends it to the first one's pool, the others following
+as its fallbacks.
 
-For now the rule is the model name; rules on task, language, length and cost, live health and
-circuit breakers arrive with the routing issue.
+Candidates: the first `[[routing.rules]]` entry that matches the request (model, task, detected
+language, tenant, priority lane, prompt length, `max_tokens`) names them, else the backends serving the
+request's model. A rule's cost ceiling drops candidates whose model costs more per 1K tokens; its
+latency objective prefers candidates whose reported time to first token meets it. Among the rest,
+`pipeline.routing.choose` orders them by health (ejected backends last resort only), prefix affinity
+and load, from what every generation worker reports on `llm.backend.health` (read whole: `on_table`).
 """
 
 from __future__ import annotations
 
+import functools
+import random
+import time
 from collections.abc import AsyncIterator
 
 from pipeline.errors import StageError
+from pipeline.routing.choose import choose
+from pipeline.routing.config import RouteRule
+from pipeline.routing.health import HealthView
 from pipeline.settings import BackendSettings, Settings
 from pipeline.stage import Out, Stopwatch
 from pipeline.topology import Topics
 from topics.errors import ErrorCode
+from topics.health import BackendHealth
 from topics.hops import Admitted, Route, Routed, forward
+from topics.requests import Request
+
+LANGUAGE_CHARS = 1000  # the detector reads this much of the last user turn
 
 
 class RouteStage:
     input_type = Admitted
     ordered = False
+    table_type = BackendHealth  # llm.backend.health
 
-    def __init__(self, settings: Settings, topics: Topics, name: str = "route") -> None:
+    def __init__(self, settings: Settings, topics: Topics, name: str = "route", rng: random.Random | None = None) -> None:
         self.name, self.topics = name, topics
-        self._by_model: dict[str, list[BackendSettings]] = {}
+        self._backends: dict[str, BackendSettings] = {b.name: b for b in settings.backends}
+        self._by_model: dict[str, list[str]] = {}
         for backend in settings.backends:
-            self._by_model.setdefault(backend.model, []).append(backend)
+            self._by_model.setdefault(backend.model, []).append(backend.name)
+        self._routing = settings.routing
+        self._prices = settings.gateway.prices
+        self.health = HealthView(settings.routing)
+        self._rng = rng or random.Random()
+
+    async def on_table(self, record: BackendHealth) -> None:
+        self.health.apply(record)
 
     def choose(self, admitted: Admitted) -> Route:
-        candidates = self._by_model.get(admitted.request.model)
-        if not candidates:
+        request = admitted.request
+        rule = next((r for r in self._routing.rules if _matches(r, request, admitted.tenant)), None)
+        names = list(rule.backends) if rule is not None else self._by_model.get(request.model, [])
+        if not names:
             raise StageError(ErrorCode.not_found, "no backend serves this model")
-        first, *rest = candidates
-        return Route(backend=first.name, pool=first.pool, fallbacks=tuple(b.name for b in rest))
+        if rule is not None and rule.max_cost_per_1k:
+            names = [n for n in names if self._price(n) <= rule.max_cost_per_1k]
+            if not names:
+                raise StageError(ErrorCode.not_found, f"no backend of route {rule.name!r} is within its cost ceiling")
+        now = time.time()
+        members = {n: self.health.member(n, now) for n in names}
+        objective = rule.ttft_p95_ms if rule is not None else 0.0
+        ordered = choose(names, members, _prefix(request), self._routing, objective, self._rng)
+        first = self._backends[ordered[0]]
+        return Route(backend=first.name, pool=first.pool, fallbacks=tuple(ordered[1:]))
+
+    def _price(self, backend: str) -> float:
+        price = self._prices.get(self._backends[backend].model)
+        return price.prompt_per_1k + price.completion_per_1k if price is not None else 0.0
 
     async def handle(self, message: Admitted) -> AsyncIterator[Out]:
         clock = Stopwatch()
         route = self.choose(message)
         routed = forward(message, Routed, route=route, timings={**message.timings, self.name: clock.ms()})
         yield Out(self.topics.pools[route.pool], message.id, routed)
+
+
+def _prefix(request: Request) -> str:
+    """The text a prompt starts with, for prefix affinity: system and earlier turns first."""
+    if request.prompt is not None:
+        return request.prompt
+    return "\n".join(m.content for m in request.messages)
+
+
+def _last_turn(request: Request) -> str:
+    return request.prompt if request.prompt is not None else (request.messages[-1].content if request.messages else "")
+
+
+def _matches(rule: RouteRule, request: Request, tenant: str) -> bool:
+    chars = len(_prefix(request))
+    checks = (
+        not rule.models or request.model in rule.models,
+        not rule.tasks or request.task in rule.tasks,
+        not rule.tenants or tenant in rule.tenants,
+        not rule.priority or request.priority.value == rule.priority,
+        chars >= rule.min_prompt_chars,
+        not rule.max_prompt_chars or chars <= rule.max_prompt_chars,
+        request.sampling.max_tokens >= rule.min_max_tokens,
+        not rule.max_max_tokens or request.sampling.max_tokens <= rule.max_max_tokens,
+    )
+    if not all(checks):
+        return False
+    return not rule.languages or language(_last_turn(request)[:LANGUAGE_CHARS]) in rule.languages
+
+
+@functools.lru_cache(maxsize=4096)
+def language(text: str) -> str:
+    """The ISO 639-1 code of `text`'s language (py3langid: offline, its model ships in the package)."""
+    import py3langid
+
+    code, _ = py3langid.classify(text)
+    return str(code)

@@ -1,0 +1,62 @@
+"""`[routing]` and `[[routing.rules]]` in sluice.toml.
+
+Rules are tried in order; the first that matches a request names its candidate backends (in order of
+preference). A request no rule matches is served by the backends of its model, in config order. A
+field left empty (or 0) matches anything.
+
+    [[routing.rules]]
+    name = "code-to-the-big-pool"
+    models = ["smollm2-135m-instruct"]
+    tasks = ["code"]                 # the request's `task` (x-sluice-task header at the bridge)
+    languages = ["en"]               # detected offline from the last user turn (py3langid)
+    max_prompt_chars = 8000
+    backends = ["gpu-a", "gpu-b", "local"]
+    max_cost_per_1k = 0.5            # only candidates whose model's price is at most this
+    ttft_p95_ms = 800                # only candidates whose reported TTFT p95 meets this (when known)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouteRule:
+    name: str
+    backends: tuple[str, ...]
+    models: tuple[str, ...] = ()
+    tasks: tuple[str, ...] = ()
+    languages: tuple[str, ...] = ()
+    tenants: tuple[str, ...] = ()
+    priority: str = ""  # "interactive" or "batch"; empty: either
+    min_prompt_chars: int = 0
+    max_prompt_chars: int = 0
+    min_max_tokens: int = 0
+    max_max_tokens: int = 0
+    max_cost_per_1k: float = 0.0  # prompt + completion price per 1K tokens of the candidate's model
+    ttft_p95_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class RoutingSettings:
+    eject_after: int = 5  # consecutive failures that eject a backend (Envoy's consecutive_5xx)
+    ejection_s: float = 30.0  # ejected this long times the number of ejections (Envoy's base_ejection_time)
+    max_ejection_s: float = 300.0
+    health_stale_s: float = 5.0  # a report older than this says nothing
+    affinity_chars: int = 1000  # the prompt's first characters (about 250 tokens) pick a preferred backend (0: off)
+    affinity_min_chars: int = 256  # shorter prompts are spread by load only
+    affinity_max_load: float = 1.25  # the preferred backend is passed over above this times the mean load
+    rules: tuple[RouteRule, ...] = ()
+
+    def problems(self, backends: frozenset[str]) -> list[str]:
+        found = []
+        for rule in self.rules:
+            if not rule.backends:
+                found.append(f"routing rule {rule.name!r} names no backends")
+            if unknown := sorted(set(rule.backends) - backends):
+                found.append(f"routing rule {rule.name!r} names unknown backends {unknown}")
+            if rule.priority not in ("", "interactive", "batch"):
+                found.append(f"routing rule {rule.name!r}: priority must be interactive or batch")
+        if self.eject_after < 1 or self.ejection_s <= 0:
+            found.append("routing.eject_after must be at least 1 and routing.ejection_s positive")
+        return found

@@ -1,0 +1,56 @@
+"""What route knows of each backend: the latest report of each of its workers on `llm.backend.health`,
+folded into one view per backend (load, ejection, time to first token). Every route process folds the
+same records, so they agree on who is ejected without talking to each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.routing.config import RoutingSettings
+from topics.health import BackendHealth
+
+
+@dataclass(frozen=True)
+class Member:
+    """One backend as route sees it now."""
+
+    load: float  # in flight / capacity over its fresh reports (0 when nothing is known)
+    ejected: bool
+    ttft_p95_ms: float  # 0: unknown
+    known: bool  # a fresh report exists
+
+
+UNKNOWN = Member(load=0.0, ejected=False, ttft_p95_ms=0.0, known=False)
+
+
+class HealthView:
+    def __init__(self, settings: RoutingSettings) -> None:
+        self._settings = settings
+        self._reports: dict[str, dict[str, BackendHealth]] = {}  # backend -> worker -> latest report
+
+    def apply(self, report: BackendHealth) -> None:
+        workers = self._reports.setdefault(report.backend, {})
+        previous = workers.get(report.worker)
+        if previous is None or report.at >= previous.at:
+            workers[report.worker] = report
+
+    def member(self, backend: str, now: float) -> Member:
+        s = self._settings
+        reports = [r for r in self._reports.get(backend, {}).values()]
+        fresh = [r for r in reports if now - r.at <= s.health_stale_s]
+        # Ejection counts from any report, fresh or not: a worker that reported a failure streak and then
+        # went quiet (it has nothing to run while ejected) keeps its backend ejected for the whole term.
+        ejected = any(
+            r.streak >= s.eject_after and now < r.streak_at + min(s.ejection_s * r.ejections, s.max_ejection_s)
+            for r in reports
+        )
+        if not fresh:
+            return Member(0.0, ejected, 0.0, False)
+        capacity = sum(max(r.capacity, 1) for r in fresh)
+        return Member(
+            load=sum(r.in_flight for r in fresh) / capacity,
+            ejected=ejected,
+            ttft_p95_ms=max(r.ttft_p95_ms for r in fresh),
+            known=True,
+        )

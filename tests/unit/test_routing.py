@@ -1,0 +1,173 @@
+"""Routing: rules, health and ejection, power of two choices, prefix affinity with bounded load, and a
+request moved on to its fallback when its backend fails before the first chunk."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections import Counter
+
+import pytest
+
+from pipeline.backends.errors import ModelError
+from pipeline.errors import StageError
+from pipeline.gateway.config import ModelPrice
+from pipeline.routing.choose import choose
+from pipeline.routing.config import RouteRule, RoutingSettings
+from pipeline.routing.health import UNKNOWN, HealthView, Member
+from pipeline.routing.stats import BackendStats
+from pipeline.settings import BackendSettings, Settings
+from pipeline.stages.generate import GenerateStage
+from pipeline.stages.route import RouteStage
+from pipeline.state import MemoryStateStore
+from pipeline.topology import graph
+from tests.unit.fakes import run_handler
+from tests.unit.helpers import admitted, request
+from topics import registry
+from topics.health import BackendHealth
+from topics.hops import Route, Routed, forward
+from topics.requests import ChatMessage, Priority
+
+pytestmark = pytest.mark.asyncio
+ROUTING = RoutingSettings()
+NAMES = ["a", "b", "c"]
+
+
+def members(**loads: float) -> dict[str, Member]:
+    return {n: Member(load=loads.get(n, 0.0), ejected=False, ttft_p95_ms=0.0, known=True) for n in NAMES}
+
+
+async def test_power_of_two_choices_never_picks_the_most_loaded_of_three() -> None:
+    rng = random.Random(1)
+    picks = Counter(choose(NAMES, members(a=0.9, b=0.1, c=0.5), "", ROUTING, rng=rng)[0] for _ in range(300))
+    assert picks["a"] == 0 and picks["b"] > picks["c"] > 0
+
+
+async def test_ejected_backends_are_skipped_unless_every_one_is() -> None:
+    view = members()
+    view["b"] = dataclasses.replace(view["b"], ejected=True)
+    assert all(choose(NAMES, view, "", ROUTING)[0] != "b" for _ in range(50))
+    assert "b" not in choose(NAMES, view, "", ROUTING)
+    all_out = {n: dataclasses.replace(m, ejected=True) for n, m in view.items()}
+    assert sorted(choose(NAMES, all_out, "", ROUTING)) == NAMES  # panic: better tried than refused
+
+
+async def test_a_latency_objective_prefers_backends_that_meet_it() -> None:
+    view = members()
+    view["a"] = dataclasses.replace(view["a"], ttft_p95_ms=900.0)
+    assert all(choose(NAMES, view, "", ROUTING, ttft_objective_ms=500)[0] != "a" for _ in range(50))
+
+
+async def test_prefix_affinity_sends_a_shared_prefix_to_one_backend_until_it_is_overloaded() -> None:
+    prefix = "You are a support agent for ACME. " * 40
+    firsts = {choose(NAMES, members(), prefix + f"question {i}", ROUTING)[0] for i in range(30)}
+    assert len(firsts) == 1  # the first 1,000 characters decide
+    preferred = firsts.pop()
+    busy = members(**{preferred: 0.9, **{n: 0.2 for n in NAMES if n != preferred}})
+    assert choose(NAMES, busy, prefix, ROUTING)[0] != preferred  # over 1.25x the mean: it spills over
+    short = {choose(NAMES, members(), f"hi {i}", ROUTING, rng=random.Random(i))[0] for i in range(30)}
+    assert len(short) > 1  # short prompts are spread by load
+
+
+async def test_a_failure_streak_ejects_for_a_growing_term_and_a_success_ends_it() -> None:
+    stats = BackendStats("a", "pa", "w1", capacity=4, eject_after=5)
+    view = HealthView(ROUTING)
+    published = [stats.finished(failed=True) for _ in range(5)]
+    assert published == [False, False, False, False, True]  # the 5th failure is reported at once
+    view.apply(stats.report())
+    now = time.time()
+    assert view.member("a", now).ejected and not view.member("a", now + 31).ejected
+    for _ in range(5):
+        stats.finished(failed=True)
+    view.apply(stats.report())
+    assert view.member("a", time.time() + 31).ejected  # the second ejection lasts 60 s
+    stats.finished(failed=False)
+    view.apply(stats.report())
+    assert not view.member("a", time.time()).ejected
+    assert view.member("zzz", time.time()) == UNKNOWN
+
+
+async def test_load_is_summed_over_a_backends_fresh_reports() -> None:
+    view = HealthView(ROUTING)
+    now = time.time()
+    view.apply(BackendHealth("a", "pa", "w1", now, 3, 4, 0, 0, 0.0, 120.0, 0.0))
+    view.apply(BackendHealth("a", "pa", "w2", now, 1, 4, 0, 0, 0.0, 80.0, 0.0))
+    view.apply(BackendHealth("a", "pa", "w3", now - 60, 4, 4, 0, 0, 0.0, 0.0, 0.0))  # stale: ignored
+    member = view.member("a", now)
+    assert member.load == 0.5 and member.ttft_p95_ms == 120.0 and member.known
+
+
+def settings_with(*rules: RouteRule) -> Settings:
+    backends = tuple(BackendSettings(name=n, model="m", pool=f"p{n}", kind="openai", base_url="http://127.0.0.1:1/v1") for n in NAMES)
+    prices = {"m": ModelPrice(0.1, 0.2)}
+    base = Settings()
+    return dataclasses.replace(base, backends=backends, routing=RoutingSettings(rules=rules),
+                               gateway=dataclasses.replace(base.gateway, prices=prices))
+
+
+def route_stage(settings: Settings) -> RouteStage:
+    node = next(n for n in graph(("ingest", "route", "prefill", "decode", "emit"), settings.pools, settings.unsplit_pools) if n.kind == "route")
+    return RouteStage(settings, node.topics, rng=random.Random(3))
+
+
+async def test_rules_match_task_language_tenant_lane_and_length() -> None:
+    rules = (
+        RouteRule(name="code", backends=("c",), tasks=("code",)),
+        RouteRule(name="french", backends=("b",), languages=("fr",)),
+        RouteRule(name="acme-batch", backends=("a",), tenants=("acme",), priority="batch"),
+        RouteRule(name="long", backends=("a", "b"), min_prompt_chars=500),
+    )
+    stage = route_stage(settings_with(*rules))
+    ask = lambda text, **kw: admitted(request("r1", model="m", messages=(ChatMessage(role="user", content=text),), **kw), "t")  # noqa: E731
+    assert stage.choose(ask("write a sort", task="code")).backend == "c"
+    assert stage.choose(ask("Bonjour, pouvez-vous m'aider à écrire une lettre de motivation ?")).backend == "b"
+    acme = admitted(request("r2", model="m", priority=Priority.batch), "acme")
+    assert stage.choose(acme).backend == "a"
+    long_route = stage.choose(ask("tell me " * 100))
+    assert {long_route.backend, *long_route.fallbacks} == {"a", "b"}
+    plain = stage.choose(ask("hello there"))
+    assert {plain.backend, *plain.fallbacks} == set(NAMES) and plain.pool == f"p{plain.backend}"
+
+
+async def test_a_cost_ceiling_no_backend_meets_is_refused() -> None:
+    stage = route_stage(settings_with(RouteRule(name="cheap", backends=("a", "b"), max_cost_per_1k=0.1)))
+    with pytest.raises(StageError):
+        stage.choose(admitted(request("r1", model="m")))
+
+
+async def test_route_hears_health_and_avoids_an_ejected_backend() -> None:
+    stage = route_stage(settings_with())
+    stats = BackendStats("a", "pa", "w1", capacity=4)
+    for _ in range(5):
+        stats.finished(failed=True)
+    await stage.on_table(stats.report())
+    assert all(stage.choose(admitted(request(f"r{i}", model="m"))).backend != "a" for i in range(30))
+
+
+class Failing:
+    name = "a"
+
+    async def generate(self, request):  # type: ignore[no-untyped-def]
+        raise ModelError("upstream failed (HTTP 500)")
+        yield  # pragma: no cover
+
+    async def cancel(self, request_id: str) -> None:
+        pass
+
+
+async def test_a_backend_failing_before_the_first_chunk_hands_the_request_to_the_next() -> None:
+    settings = settings_with()
+    node = next(n for n in graph(("ingest", "route", "prefill", "decode", "emit"), settings.pools, settings.unsplit_pools) if n.name == "generate.pa")
+    stats = BackendStats("a", "pa", "w1", capacity=4)
+    stage = GenerateStage(Failing(), node.topics, MemoryStateStore(), stats=stats, backends={b.name: b for b in settings.backends})
+    message = forward(admitted(request("r1")), Routed, route=Route(backend="a", pool="pa", fallbacks=("b", "c")))
+    outs = await run_handler(stage, message)
+    [onward] = [o for o in outs if o.topic != registry.HEALTH]
+    assert onward.topic == registry.routed_topic("pb") and onward.value.route == Route(backend="b", pool="pb", fallbacks=("c",))
+    last = forward(admitted(request("r2")), Routed, route=Route(backend="a", pool="pa"))
+    ending = (await run_handler(stage, last))[-1].value
+    assert ending.code.value == "backend_error"  # no fallback left: the terminal event
+    for i in range(3):
+        outs = await run_handler(stage, forward(admitted(request(f"r{i + 3}")), Routed, route=Route(backend="a", pool="pa")))
+    assert [o.topic for o in outs][0] == registry.HEALTH  # the 5th failure in a row is published at once
