@@ -57,6 +57,12 @@ class BridgeSettings:
     host: str = "127.0.0.1"
     port: int = 8080
     reply_name: str = "bridge"
+    header_timeout_s: float = 10.0  # a connection whose request head is not complete by then is closed
+    body_timeout_s: float = 30.0  # a request body not read by then is refused with 408
+    keep_alive_s: int = 5  # an idle keep-alive connection is closed after this many seconds
+    # /metrics on the API port: empty serves it openly unless gateway.auth_required (then not at all);
+    # set (SLUICE_METRICS_TOKEN), it needs `Authorization: Bearer <token>`.
+    metrics_token: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -116,13 +122,13 @@ class Settings:
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     guard: GuardSettings = field(default_factory=GuardSettings)
     cache: CacheSettings = field(default_factory=CacheSettings)
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
 
     @property
     def reply_topics(self) -> frozenset[str]:
         return frozenset(reply_topic(r) for r in self.replies)
 
     @property
-    routing: RoutingSettings = field(default_factory=RoutingSettings)
     def pools(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(b.pool for b in self.backends))
 
@@ -175,6 +181,8 @@ class Settings:
         for name, kinds in self.profiles.items():
             if problems := check_profile(kinds):
                 raise SettingsError(f"profile {name!r}: {'; '.join(problems)}")
+        if min(self.bridge.header_timeout_s, self.bridge.body_timeout_s, self.bridge.keep_alive_s) <= 0:
+            raise SettingsError("bridge.header_timeout_s, body_timeout_s and keep_alive_s must be positive")
         if not 0 < self.kafka.heartbeat_interval_ms * 3 <= self.kafka.session_timeout_ms:
             raise SettingsError("kafka.heartbeat_interval_ms must be positive and at most a third of session_timeout_ms")
         if problems := self.gateway.problems():
@@ -182,6 +190,8 @@ class Settings:
         if problems := self.guard.problems():
             raise SettingsError("; ".join(problems))
         if problems := self.cache.problems():
+            raise SettingsError("; ".join(problems))
+        if problems := self.routing.problems(frozenset(names)):
             raise SettingsError("; ".join(problems))
         return self
 
@@ -191,8 +201,6 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
     env = os.environ if env is None else env
     path = path or Path(env.get("SLUICE_CONFIG", DEFAULT_CONFIG))
     raw: dict[str, object] = {}
-        if problems := self.routing.problems(frozenset(names)):
-            raise SettingsError("; ".join(problems))
     if path.exists():
         with path.open("rb") as f:
             raw = tomllib.load(f)
@@ -214,6 +222,8 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
         except ValueError:
             raise SettingsError("SLUICE_BRIDGE_PORT must be an integer") from None
         settings = replace(settings, bridge=replace(settings.bridge, port=port))
+    if "SLUICE_METRICS_TOKEN" in env:
+        settings = replace(settings, bridge=replace(settings.bridge, metrics_token=env["SLUICE_METRICS_TOKEN"]))
     gateway = settings.gateway
     if "SLUICE_KAFKA_USER" in env or "SLUICE_KAFKA_PASSWORD" in env:
         # Credentials in the environment mean the secure profile: SASL, unless the file names SASL_SSL.

@@ -4,7 +4,7 @@
     POST /v1/completions        the same for a plain prompt
     GET  /v1/models             the configured models, in OpenAI's list format
     WS   /v1/stream             many chat requests over one socket (websocket.py)
-    GET  /healthz, /metrics     liveness, Prometheus text format
+    GET  /healthz, /metrics     liveness, Prometheus text format (/metrics: see edges.metrics_allowed)
 
 Every request goes through `Client`, so it takes the same path as any other: ingest checks the model,
 the limits and (later) the API key, and its refusals come back as error terminal events that the
@@ -14,6 +14,7 @@ refuses only what it cannot parse and bodies over `body_cap()`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,12 +31,14 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from pipeline.bridge.edges import AllowedHosts
+from pipeline.bridge.edges import AllowedHosts, metrics_allowed
 from pipeline.bridge.openai_format import (
     BridgeError,
     Json,
     Parsed,
     PayloadTooLarge,
+    RequestTimeout,
+    Unauthorized,
     decode_body,
     error_body,
     models_body,
@@ -77,19 +80,37 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
             if owns_client:
                 await client.stop()
 
+    auth_required = settings.gateway.auth_required
+
     async def models(request: HttpRequest) -> Response:
+        require_credential(request, auth_required)
         return JSONResponse(models_body(settings.models))
 
     async def stream(websocket: WebSocket) -> None:
         await websocket.accept()
-        await StreamSession(websocket, client, cap, bearer_token(websocket)).run()
+        try:
+            require_credential(websocket, auth_required)
+        except Unauthorized as exc:
+            await websocket.send_json({"type": "error", "id": None, "code": exc.code.value, "message": exc.message})
+            await websocket.close(code=1008)
+            return
+        secret = settings.gateway.client_info_secret
+        await StreamSession(websocket, client, cap, bearer_token(websocket),
+                            lambda request: with_client_info(request, websocket, secret)).run()
+
+    async def metrics(request: HttpRequest) -> Response:
+        if not metrics_allowed(request, settings.bridge.metrics_token, auth_required):
+            if settings.bridge.metrics_token:
+                raise Unauthorized("/metrics needs its bearer token")
+            raise HTTPException(404, "Not Found")
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     routes = [
         Route("/v1/chat/completions", _completions(client, parse_chat, cap, settings), methods=["POST"]),
         Route("/v1/completions", _completions(client, parse_completion, cap, settings), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", _healthz, methods=["GET"]),
-        Route("/metrics", _metrics, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         WebSocketRoute("/v1/stream", stream),
     ]
     handlers = {BridgeError: _bridge_error, HTTPException: _http_error, Exception: _internal_error}
@@ -101,7 +122,8 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
 
 def _completions(client: Client, parse: Parser, cap: int, settings: Settings) -> Endpoint:
     async def endpoint(request: HttpRequest) -> Response:
-        parsed = parse(decode_body(await read_capped(request, cap)))
+        require_credential(request, settings.gateway.auth_required)  # before the body is read or validated
+        parsed = parse(decode_body(await read_capped(request, cap, settings.bridge.body_timeout_s)))
         no_cache, no_store = cache_directives(request.headers.get("cache-control", ""))
         sdk_request = client.request(**parsed.request_kwargs(), api_key=bearer_token(request), no_cache=no_cache, no_store=no_store)
         return RelayResponse(client, with_client_info(sdk_request, request, settings.gateway.client_info_secret), parsed)
@@ -146,17 +168,29 @@ def with_client_info(sdk_request: Request, connection: HTTPConnection, secret: s
     return msgspec.structs.replace(sdk_request, client_ip=ip, user_agent=agent, client_attestation=signature)
 
 
-async def read_capped(request: HttpRequest, cap: int) -> bytes:
-    """The whole body, refused with 413 as soon as it is known to be over `cap` bytes."""
+async def read_capped(request: HttpRequest, cap: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, refused with 413 as soon as it is known to be over `cap` bytes, and with 408 if it
+    has not all arrived within `timeout_s`."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > cap:
         raise PayloadTooLarge(f"the request body is {declared} bytes; the limit is {cap}")
     body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > cap:
-            raise PayloadTooLarge(f"the request body is over the limit of {cap} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for piece in request.stream():
+                body += piece
+                if len(body) > cap:
+                    raise PayloadTooLarge(f"the request body is over the limit of {cap} bytes")
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
     return bytes(body)
+
+
+def require_credential(connection: HTTPConnection, auth_required: bool) -> None:
+    """Where auth is required, a request without a credential is refused before anything else is looked at
+    (ingest verifies the credential, also before it validates the request)."""
+    if auth_required and bearer_token(connection) is None:
+        raise Unauthorized("an API key is required (Authorization: Bearer sk-sluice-...)")
 
 
 def bearer_token(connection: HTTPConnection) -> str | None:
@@ -169,10 +203,6 @@ def bearer_token(connection: HTTPConnection) -> str | None:
 
 async def _healthz(request: HttpRequest) -> Response:
     return JSONResponse({"status": "ok"})
-
-
-async def _metrics(request: HttpRequest) -> Response:
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _bridge_error(request: HTTPConnection, exc: Exception) -> Response:
@@ -191,4 +221,4 @@ async def _internal_error(request: HTTPConnection, exc: Exception) -> Response:
     return JSONResponse(error_body("internal error", code=ErrorCode.internal), status_code=500)
 
 
-__all__ = ["body_cap", "bearer_token", "create_app", "read_capped"]
+__all__ = ["body_cap", "bearer_token", "create_app", "read_capped", "require_credential"]

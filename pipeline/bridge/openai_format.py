@@ -15,6 +15,8 @@ Errors:
     SluiceError (pipeline.errors)
     └── BridgeError       answered with an OpenAI error body and `status`
         ├── BadRequest        400: the body is not a request we can run; `param` names the field
+        ├── Unauthorized      401: no credential where `gateway.auth_required` (before the body is read)
+        ├── RequestTimeout    408: the body did not arrive within `bridge.body_timeout_s`
         └── PayloadTooLarge   413: the body is over the bridge's size cap, refused unread
 """
 
@@ -71,6 +73,15 @@ class PayloadTooLarge(BridgeError):
     status = 413
 
 
+class Unauthorized(BridgeError):
+    status = 401
+    code = ErrorCode.unauthorized
+
+
+class RequestTimeout(BridgeError):
+    status = 408
+
+
 @dataclass(frozen=True)
 class Parsed:
     """A validated OpenAI request. Exactly one of `messages` (chat) and `prompt` (completion) is set."""
@@ -99,6 +110,8 @@ def decode_body(raw: bytes) -> Json:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError:
         raise BadRequest("the request body is not valid JSON") from None
+    except RecursionError:  # msgspec's depth limit: a body nested thousands deep
+        raise BadRequest("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
@@ -334,6 +347,8 @@ __all__ = [
     "BridgeError",
     "Parsed",
     "PayloadTooLarge",
+    "RequestTimeout",
+    "Unauthorized",
     "Reply",
     "completion",
     "decode_body",

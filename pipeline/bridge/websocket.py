@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
@@ -36,11 +37,16 @@ log = logging.getLogger(__name__)
 class StreamSession:
     """One accepted WebSocket and the requests running on it."""
 
-    def __init__(self, websocket: WebSocket, client: Client, max_message_bytes: int, api_key: str | None) -> None:
+    def __init__(
+        self, websocket: WebSocket, client: Client, max_message_bytes: int, api_key: str | None,
+        prepare: Callable[[Request], Request] = lambda request: request,
+    ) -> None:
+        """`prepare` adds what the connection knows to each request (the client address, as over HTTP)."""
         self._ws = websocket
         self._client = client
         self._max_bytes = max_message_bytes
         self._api_key = api_key
+        self._prepare = prepare
         self._running: set[asyncio.Task[None]] = set()
         self._send_lock = asyncio.Lock()
 
@@ -69,7 +75,7 @@ class StreamSession:
         except BridgeError as exc:
             await self._send({"type": "error", "id": None, "code": exc.code.value, "message": exc.message, "param": exc.param})
             return
-        request = self._client.request(**parsed.request_kwargs(), api_key=self._api_key)
+        request = self._prepare(self._client.request(**parsed.request_kwargs(), api_key=self._api_key))
         await self._send({"type": "start", "id": request.id, "model": request.model})
         task = asyncio.create_task(self._serve(request))
         self._running.add(task)

@@ -1,5 +1,6 @@
 """Gateway: the decisions ingest asks for before admitting a request, and the charge emit reports.
 
+    authenticate(request)   network rules -> who sent it (API key, JWT, or anonymous)
     admit(request)  network rules -> authenticate (API key, JWT, or anonymous) -> authorise the model
                     -> tenant network rules -> limits and budgets; returns the request to forward, with
                     the authenticated tenant and key id and without the credential; raises StageError.
@@ -80,11 +81,19 @@ class Gateway:
             if (close := getattr(store, "aclose", None)) is not None:
                 await close()
 
-    async def admit(self, request: Request) -> tuple[Request, Principal]:
+    async def authenticate(self, request: Request) -> Principal:
+        """Network rules, then who sent the request; raises StageError (403, 401)."""
         ip, user_agent = self._client_info(request)
         if reason := self._network.refusal(ip, user_agent):
             raise StageError(ErrorCode.forbidden, reason)
-        principal = await self._authenticate(request.api_key)
+        return await self._authenticate(request.api_key)
+
+    async def admit(self, request: Request, principal: Principal | None = None) -> tuple[Request, Principal]:
+        """`principal`: what `authenticate` already returned for this request (ingest authenticates first
+        when auth is required, so an unauthenticated caller learns nothing from validation errors)."""
+        ip, _ = self._client_info(request)
+        if principal is None:
+            principal = await self.authenticate(request)
         policy = self._settings.tenants.get(principal.tenant, TenantPolicy())
         for allowed in (principal.models, policy.models):
             if allowed and request.model not in allowed:

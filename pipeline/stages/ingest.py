@@ -42,6 +42,7 @@ class IngestStage:
         self._limits = settings.limits
         self._models = frozenset(settings.models)
         self._replies = settings.reply_topics
+        self._auth_first = settings.gateway.auth_required
 
     async def aclose(self) -> None:
         await self._gateway.aclose()
@@ -69,8 +70,12 @@ class IngestStage:
     async def handle(self, message: Request) -> AsyncIterator[Out]:
         clock = Stopwatch()
         now = time.time()
+        # Where auth is required, a caller proves who it is before validation tells it anything (models, caps).
+        if message.reply_to not in self._replies:  # first of all: a refusal is only ever sent to a configured topic
+            raise Undeliverable("reply_to is not a configured reply topic")
+        principal = await self._gateway.authenticate(message) if self._auth_first else None
         self.check(message, now)
-        request, principal = await self._gateway.admit(message)
+        request, principal = await self._gateway.admit(message, principal)
         rid = request_key(principal.tenant, message.id)
         fingerprint = hashlib.sha256(codec.encode(message)).hexdigest()[:32].encode()
         if not await self._store.claim(rid, "fingerprint", fingerprint):

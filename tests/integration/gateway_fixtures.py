@@ -9,6 +9,7 @@ route, prefill, decode and emit like any request, so the session's ingest (auth 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -57,9 +58,11 @@ def free_port() -> int:
 class SecureClient(Client):
     """The SDK client, producing to the secure ingest's topic."""
 
+    requests_topic = SECURE_REQUESTS
+
     async def _produce(self, request: Request) -> None:
         assert self._producer is not None
-        await self._producer.send_and_wait(SECURE_REQUESTS, codec.encode(request), key=request.id.encode())
+        await self._producer.send_and_wait(self.requests_topic, codec.encode(request), key=request.id.encode())
 
 
 @dataclass(frozen=True)
@@ -102,21 +105,24 @@ async def wait_healthy(url: str, serving: asyncio.Task[None], **client_options: 
     raise RuntimeError("the bridge did not start")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def secure_bridge(stack: Settings) -> AsyncIterator[SecureBridge]:
-    settings = with_gateway(stack, auth_required=True, key_cache_s=0.0, client_info_secret=CLIENT_SECRET)
+@contextlib.asynccontextmanager
+async def front_door(settings: Settings, requests_topic: str, group: str) -> AsyncIterator[SecureBridge]:
+    """An ingest stage (consumer group `group`) reading `requests_topic` with `settings`, and a bridge on a
+    free port whose client produces there; what it admits flows through the shared stack."""
     settings = replace(settings, bridge=replace(settings.bridge, port=free_port()))
-    await create_topic(settings, SECURE_REQUESTS)
-    base = node("ingest").topics  # the default graph's ingest, reading the secure bridge's own request topic
-    ingest = IngestStage(settings, replace(base, inputs=(SECURE_REQUESTS,)), redis_gateway(settings), name="ingest-gw")
+    await create_topic(settings, requests_topic)
+    base = node("ingest").topics  # the default graph's ingest, reading this front door's own request topic
+    ingest = IngestStage(settings, replace(base, inputs=(requests_topic,)), redis_gateway(settings), name=group)
     stop = asyncio.Event()
-    runner = Runner(ingest, settings, instance="gw")
+    runner = Runner(ingest, settings, instance=group)
     running = asyncio.create_task(runner.run(stop))
     await asyncio.wait([asyncio.create_task(runner.ready.wait()), running], timeout=60, return_when=asyncio.FIRST_COMPLETED)
     assert runner.ready.is_set(), "the secure ingest did not join its group"
     redis = redis_client(settings)
     url = f"http://127.0.0.1:{settings.bridge.port}"
-    async with SecureClient(settings, reply_name=settings.bridge.reply_name) as client:
+    client = SecureClient(settings, reply_name=settings.bridge.reply_name)
+    client.requests_topic = requests_topic
+    async with client:
         serving = asyncio.create_task(serve(settings, client, stop))
         await wait_healthy(url, serving)
         yield SecureBridge(settings, url, KeyManager(RedisKeyStore(redis), rotate_overlap_s=3600), redis)
@@ -124,6 +130,13 @@ async def secure_bridge(stack: Settings) -> AsyncIterator[SecureBridge]:
         await serving
     await running  # the runner closes the stage's Redis client
     await redis.aclose()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def secure_bridge(stack: Settings) -> AsyncIterator[SecureBridge]:
+    settings = with_gateway(stack, auth_required=True, key_cache_s=0.0, client_info_secret=CLIENT_SECRET)
+    async with front_door(settings, SECURE_REQUESTS, "ingest-gw") as door:
+        yield door
 
 
 async def restart_redis(port: int, down_s: float) -> None:

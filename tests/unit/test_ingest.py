@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import msgspec
 import pytest
 
@@ -76,3 +78,28 @@ async def test_an_unconfigured_reply_topic_is_undeliverable() -> None:
 def test_request_ids_are_restricted_to_a_safe_alphabet() -> None:
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({**msgspec.to_builtins(request()), "id": "a b\n"}, type(request()))
+
+
+AUTH_REQUIRED = replace(SETTINGS, gateway=replace(SETTINGS.gateway, auth_required=True))
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model": "gpt-17"},
+    {"sampling": Sampling(max_tokens=SETTINGS.limits.max_tokens_cap + 1)},
+    {"messages": (), "prompt": None},
+])
+@pytest.mark.parametrize("api_key", [None, "sk-sluice-" + "x" * 43])
+@pytest.mark.asyncio
+async def test_with_auth_required_an_unauthenticated_caller_learns_nothing_from_validation(
+    overrides: dict[str, object], api_key: str | None
+) -> None:
+    with pytest.raises(StageError) as caught:
+        await run_handler(IngestStage(AUTH_REQUIRED, INGEST.topics), request(api_key=api_key, **overrides))
+    assert caught.value.code is ErrorCode.unauthorized
+    assert SETTINGS.models[0] not in str(caught.value) and str(SETTINGS.limits.max_tokens_cap) not in str(caught.value)
+
+
+@pytest.mark.asyncio
+async def test_with_auth_required_an_unconfigured_reply_topic_is_still_undeliverable_first() -> None:
+    with pytest.raises(Undeliverable):
+        await run_handler(IngestStage(AUTH_REQUIRED, INGEST.topics), request(reply_to=registry.ADMITTED))
