@@ -33,8 +33,8 @@ class State:
     stall_s: float = 5.0
     served: int = 0
     refused: int = 0
+    refused_at: list[float] = field(default_factory=list)  # when each refusal (500 or 429) was answered
     left_early: int = 0
-    prompts: list[int] = field(default_factory=list)  # characters of each prompt (for prefix-affinity checks)
 
 
 def create_app(state: State) -> Starlette:
@@ -43,9 +43,11 @@ def create_app(state: State) -> Starlette:
         chat = request.url.path.endswith("chat/completions")
         if state.mode == "fail":
             state.refused += 1
+            state.refused_at.append(time.time())
             return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, status_code=500)
         if state.mode == "busy":
             state.refused += 1
+            state.refused_at.append(time.time())
             return JSONResponse({"error": {"message": "busy", "type": "rate_limit"}}, status_code=429, headers={"retry-after": "1"})
         if state.mode == "stall":
             await asyncio.sleep(state.stall_s)

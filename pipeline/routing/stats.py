@@ -31,6 +31,10 @@ class BackendStats:
     def started(self) -> None:
         self.in_flight += 1
 
+    def abandoned(self) -> None:
+        """A request left this worker without an outcome of the backend's (retried later, taken over)."""
+        self.in_flight = max(0, self.in_flight - 1)
+
     def first_token(self, ms: float) -> None:
         self._ttft.append((time.time(), ms))
 

@@ -92,6 +92,7 @@ class DecodeStage:
         self._fenced: set[str] = set()
         self._unrecorded: set[str] = set()  # progress could not be written (Redis away): stop, retry later
         self._acked: dict[str, tuple[int, asyncio.Event]] = {}  # rid -> (next seq recorded, set on each record)
+        self._counting: set[str] = set()  # requests counted as started in `stats`, not yet as ended
 
     async def aclose(self) -> None:
         await self._store.aclose()
@@ -125,6 +126,9 @@ class DecodeStage:
             async for out in self._generate(message, stored):
                 yield out
         finally:
+            if rid in self._counting and self.stats is not None:  # left before `_ended` counted an outcome
+                self._counting.discard(rid)
+                self.stats.abandoned()
             self._active.discard(rid)
             self._fenced.discard(rid)
             self._unrecorded.discard(rid)
@@ -169,6 +173,7 @@ class DecodeStage:
         failure: BackendError | None = None
         if self.stats is not None:
             self.stats.started()
+            self._counting.add(rid)
         try:
             async with aclosing(self._deltas(message, progress, "progress" in stored)) as stream:
                 async for delta in stream:
@@ -215,6 +220,7 @@ class DecodeStage:
         next fallback backend (`reroutes`)."""
         outs: list[Out] = []
         retriable = failure is not None and failure.retriable
+        self._counting.discard(message.id)
         if self.stats is not None and self.stats.finished(failed=retriable):
             outs.append(Out(registry.HEALTH, self.stats.key, self.stats.report()))
         if retriable and self.reroutes and sent == 0 and (onward := rerouted(message, self._backends)) is not None:

@@ -5,6 +5,7 @@ failures and time to first token on `llm.backend.health`."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 from pipeline.backends.base import SplitBackend
@@ -47,6 +48,10 @@ class PrefillStage:
             self.stats.started()
         try:
             prefilled = await self._backend.prefill(generation_request(message.request, message.id))
+        except asyncio.CancelledError:
+            if self.stats is not None:
+                self.stats.abandoned()
+            raise
         except BackendError as exc:
             if self.stats is not None and self.stats.finished(failed=exc.retriable):
                 yield Out(registry.HEALTH, self.stats.key, self.stats.report())

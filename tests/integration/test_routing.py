@@ -1,0 +1,74 @@
+"""Routing against real servers: three OpenAI-compatible upstreams behind three pools (bench.fake_openai
+over HTTP), the stages on the real broker. One upstream answers 500, one stalls past the backend's
+timeout: every request still succeeds (moved on before its first token), and the failing one is ejected
+after its 5th consecutive failure, so the requests after that no longer reach it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from bench.fake_openai import FakeUpstream
+from pipeline import assemble, kafka
+from pipeline import backends as backend_registry
+from pipeline.runner import Runner
+from pipeline.sdk import Client, RequestFailed
+from pipeline.settings import BackendSettings, Settings
+from tests.integration.conftest import _free_port
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+MODEL = "fake-model"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def upstreams(settings: Settings) -> AsyncIterator[tuple[Settings, list[FakeUpstream]]]:
+    fakes = [FakeUpstream(_free_port()) for _ in range(3)]
+    for fake in fakes:
+        await fake.__aenter__()
+    backends = tuple(
+        BackendSettings(name=f"up{i}", model=MODEL, pool=f"up{i}", kind="openai", base_url=fake.base_url, timeout_s=1.5, max_batch=8)
+        for i, fake in enumerate(fakes)
+    )
+    routed = dataclasses.replace(
+        settings, backends=backends, profile="routing",
+        profiles={**settings.profiles, "routing": ("ingest", "route", "prefill", "decode", "emit")},
+        cache=dataclasses.replace(settings.cache, enabled=False),
+    )
+    await kafka.create_topics(routed)
+    stop = asyncio.Event()
+    stages = assemble.build(assemble.nodes_of(routed), routed, backend_registry.load(routed), worker="routing-test")
+    runners = [Runner(s, routed, instance="routing-test") for s in stages]
+    tasks = [asyncio.create_task(r.run(stop)) for r in runners]
+    await asyncio.wait_for(asyncio.gather(*(r.ready.wait() for r in runners)), 60)
+    yield routed, fakes
+    stop.set()
+    await asyncio.gather(*tasks)
+    for fake in fakes:
+        await fake.__aexit__()
+
+
+async def test_every_request_succeeds_while_one_upstream_fails_and_one_stalls(upstreams) -> None:  # type: ignore[no-untyped-def]
+    settings, (healthy, failing, stalling) = upstreams
+    failing.state.mode = "fail"
+    stalling.state.mode, stalling.state.stall_s = "stall", 3.0
+    async with Client(settings, model=MODEL) as client:
+        async def one(i: int) -> str:
+            try:
+                answer = await client.complete(messages=[{"role": "user", "content": f"question {i}"}], max_tokens=6)
+                return answer.text
+            except RequestFailed as exc:
+                return f"failed: {exc.code.value}"
+
+        first = await asyncio.gather(*(one(i) for i in range(30)))
+        refused_before = failing.state.refused
+        await asyncio.sleep(0.5)
+        second = await asyncio.gather(*(one(100 + i) for i in range(30)))
+    answers = first + second
+    assert all(a == "w0 w1 w2 w3 w4 w5 " for a in answers), [a for a in answers if not a.startswith("w0")][:3]
+    assert refused_before >= 5  # the failing member was tried and failed ...
+    assert failing.state.refused - refused_before <= 5 + 1  # ... then ejected: at most threshold + route processes more
+    assert healthy.state.served >= 40
