@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel, PreTr
 from pipeline.backends.base import Delta, GenerationRequest, Prefilled
 from pipeline.backends.errors import BackendClosed, BackendError, Cancelled, InvalidRequest, ModelError
 from pipeline.backends.text_stream import TextStream
+from pipeline.chat_template import chat_prompt_ids
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.errors import EngineClosed, EngineError, RequestTooLarge, SequenceAborted, StepFailed
@@ -191,9 +192,9 @@ class LocalBackend:
         if bool(request.messages) == (request.prompt is not None):
             raise InvalidRequest("a request needs exactly one of `messages` (chat) and `prompt` (completion)")
         if request.messages:
-            chat = [{"role": m.role, "content": m.content} for m in request.messages]
-            return [int(t) for t in self._tokenizer.apply_chat_template(chat, add_generation_prompt=True)]
-        return [int(t) for t in self._tokenizer(request.prompt, add_special_tokens=False)["input_ids"]]
+            # Content is text: control tokens a client types are not turn boundaries (pipeline/chat_template.py).
+            return chat_prompt_ids(self._tokenizer, [{"role": m.role, "content": m.content} for m in request.messages])
+        return [int(t) for t in self._tokenizer(request.prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
 
     def _validate(self, request: GenerationRequest, prompt_tokens: int) -> None:
         if prompt_tokens == 0:
