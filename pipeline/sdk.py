@@ -183,10 +183,12 @@ class Client:
         deadline_s: float = 300.0,
         no_cache: bool = False,
         no_store: bool = False,
+        task: str | None = None,
         **sampling: object,
     ) -> Request:
         """A validated request (msgspec.ValidationError names the bad field) with a fresh id. `no_cache`:
-        never answered from the cache; `no_store`: its answer is not stored in it."""
+        never answered from the cache; `no_store`: its answer is not stored in it; `task` (code,
+        summarization, ...): what routing rules may match on."""
         fields = {
             "id": uuid.uuid4().hex,
             "reply_to": self.reply_topic,
@@ -200,6 +202,7 @@ class Client:
             "tenant": tenant,
             "no_cache": no_cache,
             "no_store": no_store,
+            "task": task,
         }
         return msgspec.convert(fields, Request)
 
