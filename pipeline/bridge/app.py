@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -33,6 +34,7 @@ from starlette.websockets import WebSocket
 
 from pipeline.bridge.edges import AllowedHosts, metrics_allowed
 from pipeline.bridge.openai_format import (
+    BadRequest,
     BridgeError,
     Json,
     Parsed,
@@ -125,7 +127,8 @@ def _completions(client: Client, parse: Parser, cap: int, settings: Settings) ->
         require_credential(request, settings.gateway.auth_required)  # before the body is read or validated
         parsed = parse(decode_body(await read_capped(request, cap, settings.bridge.body_timeout_s)))
         no_cache, no_store = cache_directives(request.headers.get("cache-control", ""))
-        sdk_request = client.request(**parsed.request_kwargs(), api_key=bearer_token(request), no_cache=no_cache, no_store=no_store)
+        sdk_request = client.request(**parsed.request_kwargs(), api_key=bearer_token(request), no_cache=no_cache, no_store=no_store,
+                                     task=task_header(request))
         return RelayResponse(client, with_client_info(sdk_request, request, settings.gateway.client_info_secret), parsed)
 
     return endpoint
@@ -148,6 +151,17 @@ class HeaderLimit:
             await JSONResponse(body, status_code=431)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+TASK = re.compile(r"^[a-z][a-z0-9_-]{0,31}\Z")
+
+
+def task_header(request: HttpRequest) -> str | None:
+    """`x-sluice-task` (code, summarization, ...), which routing rules may match on."""
+    task = request.headers.get("x-sluice-task")
+    if task is not None and not TASK.match(task):
+        raise BadRequest("`x-sluice-task` must be 1-32 lower-case letters, digits, '-' or '_'", "x-sluice-task")
+    return task
 
 
 def cache_directives(header: str) -> tuple[bool, bool]:
