@@ -30,7 +30,7 @@ infra/kafka/lib/.resolved: infra/kafka/pom.xml
 	touch $@
 
 run: setup
-	bash infra/run.sh
+	SLUICE_RUN_PARENT=$$PPID bash infra/run.sh  # make's pid: run.sh stops when make is interrupted
 
 test: setup
 	$(PY) -m pytest

@@ -1,24 +1,47 @@
 #!/usr/bin/env bash
 # `make run`: starts Kafka and Redis (ports from sluice.toml), creates the topics, and runs every stage
-# and the bridge in the foreground. Ctrl-C stops all of it, by pid.
+# and the bridge in the foreground. Ctrl-C, or SIGINT/SIGTERM to this script or to `make`, stops all of
+# it, by pid. SLUICE_RUN_STATE moves the state directory (default .state/run).
 # SLUICE_KAFKA_SECURE=1 make run: the broker's secure profile (SASL/SCRAM and ACLs; a state dir keeps
 # the profile it was first formatted with, so `make clean` first when switching).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-state="$root/.state/run"
+state=${SLUICE_RUN_STATE:-$root/.state/run}
 kafka_port=${SLUICE_KAFKA_PORT:-19092}
 redis_port=${SLUICE_REDIS_PORT:-16379}
 export SLUICE_KAFKA_BOOTSTRAP="127.0.0.1:$kafka_port"
 export SLUICE_REDIS_URL="redis://127.0.0.1:$redis_port/0"
 
 pid=""
+watcher=""
 cleanup() {
-  [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+  [ -n "$watcher" ] && kill "$watcher" 2>/dev/null || true
+  [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true  # its status must not skip the rest
   infra/services.sh stop "$state"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+# make passes SIGTERM on to its recipe but not SIGINT (it expects a terminal to signal the whole process
+# group), and then waits for the recipe forever. Its handler first resets the signal to the default, so
+# the signals make catches (SigCgt in /proc) lose SIGINT: seeing that, or make gone, stops this script.
+watch_make() {
+  local parent=$1 caught initial
+  caught=$(awk '/^SigCgt/ {print $2}' "/proc/$parent/status" 2>/dev/null) || return 0
+  initial=$((16#$caught & 0x4002))  # SIGINT (bit 1) and SIGTERM (bit 14)
+  while sleep 0.5; do
+    caught=$(awk '/^SigCgt/ {print $2}' "/proc/$parent/status" 2>/dev/null) || caught=""
+    if [ -z "$caught" ] || [ $((16#$caught & 0x4002)) -ne "$initial" ]; then
+      kill -TERM $$
+      return 0
+    fi
+  done
+}
+if [ -n "${SLUICE_RUN_PARENT:-}" ]; then  # set by the Makefile to make's pid
+  watch_make "$SLUICE_RUN_PARENT" &
+  watcher=$!
+fi
 infra/services.sh start "$state" "$kafka_port" "$redis_port"
 echo "Kafka on 127.0.0.1:$kafka_port, Redis on 127.0.0.1:$redis_port (logs in $state)"
 if [ "${SLUICE_KAFKA_SECURE:-0}" = 1 ]; then  # the secure profile: sluice's stages connect as the super user
