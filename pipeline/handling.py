@@ -237,15 +237,17 @@ class Handling:
                     batch = await consumer.getmany(timeout_ms=100)
                     for records in batch.values():
                         for record in records:
-                            await self._apply(record, kind, apply)
+                            await self._apply(record, kind, apply, from_start)
             except INFRA as exc:
                 log.warning("stage=%s consumer of %s failed (%s); reconnecting", self.stage.name, topic, type(exc).__name__)
             finally:
                 await consumer.stop()
 
-    async def _apply(self, record: ConsumerRecord[bytes, bytes], kind: Any, apply: Callable[[Any], Awaitable[None]]) -> None:
-        if record.value is None:
-            return  # a tombstone
+    async def _apply(
+        self, record: ConsumerRecord[bytes, bytes], kind: Any, apply: Callable[[Any], Awaitable[None]], table: bool,
+    ) -> None:
+        if record.value is None and table:
+            return  # a compacted table's tombstone: its key was deleted
         try:
             message = codec.decode(record.value, kind)
         except Exception as exc:

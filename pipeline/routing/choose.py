@@ -13,6 +13,7 @@ The others follow as fallbacks, least loaded first: a failure before the first t
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 
 from pipeline.routing.config import RoutingSettings
@@ -32,7 +33,7 @@ def choose(
     if len(healthy) == 1:
         return healthy
     load = {c: members[c].load for c in healthy}
-    first = _affine(healthy, load, prefix, settings)
+    first = _affine(healthy, members, prefix, settings)
     if first is None:
         a, b = rng.sample(healthy, 2)
         first = a if load[a] <= load[b] else b
@@ -40,16 +41,18 @@ def choose(
     return [first, *rest]
 
 
-def _affine(healthy: list[str], load: dict[str, float], prefix: str, settings: RoutingSettings) -> str | None:
-    """Consistent hashing with bounded loads: the candidates in the order the prefix hashes them to, the
-    first whose load is within `affinity_max_load` times the mean (so a popular prefix spills over to
-    its second choice, which then holds it too, instead of piling onto one backend)."""
+def _affine(healthy: list[str], members: dict[str, Member], prefix: str, settings: RoutingSettings) -> str | None:
+    """Consistent hashing with bounded loads (Mirrokni et al.): the candidates in the order the prefix
+    hashes them to, the first that would hold, with this request, at most ceil(`affinity_max_load` x the
+    mean) requests; so a popular prefix spills over to its second choice, which then caches it too,
+    instead of piling onto one backend."""
     if not settings.affinity_chars or len(prefix) < settings.affinity_min_chars:
         return None
     key = prefix[: settings.affinity_chars].encode()
     ranked = sorted(healthy, key=lambda c: hashlib.blake2b(key + b"\0" + c.encode(), digest_size=8).digest(), reverse=True)
-    mean = sum(load.values()) / len(load)
-    for candidate in ranked:
-        if mean == 0 or load[candidate] <= settings.affinity_max_load * mean:
-            return candidate
-    return None
+    if any(members[c].unit == 0 for c in healthy):  # capacities unknown: compare the loads themselves
+        mean = sum(members[c].load for c in healthy) / len(healthy)
+        return next((c for c in ranked if mean == 0 or members[c].load <= settings.affinity_max_load * mean), None)
+    running = {c: round(members[c].load / members[c].unit) for c in healthy}
+    bound = math.ceil(settings.affinity_max_load * (sum(running.values()) + 1) / len(healthy))
+    return next((c for c in ranked if running[c] + 1 <= bound), None)

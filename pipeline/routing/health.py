@@ -19,6 +19,7 @@ class Member:
     ejected: bool
     ttft_p95_ms: float  # 0: unknown
     known: bool  # a fresh report exists
+    unit: float = 0.0  # the load one more request adds (1 / capacity); 0 when unknown
 
 
 UNKNOWN = Member(load=0.0, ejected=False, ttft_p95_ms=0.0, known=False)
@@ -53,4 +54,5 @@ class HealthView:
             ejected=ejected,
             ttft_p95_ms=max(r.ttft_p95_ms for r in fresh),
             known=True,
+            unit=1.0 / capacity,
         )
