@@ -1,6 +1,8 @@
 // Creates (or updates) a tenant's SCRAM user and its ACLs on a secure-profile broker, with Kafka's own
 // Java admin client (aiokafka's admin has no ACL or SCRAM API). Run as a single-file program:
-//   java -cp 'infra/kafka/lib/*' infra/kafka/TenantAcls.java BOOTSTRAP ADMIN_PASSWORD TENANT TENANT_PASSWORD
+//   java -cp 'infra/kafka/lib/*' infra/kafka/TenantAcls.java BOOTSTRAP ADMIN_PASSWORD_FILE TENANT < TENANT_PASSWORD
+// Neither password is an argument (arguments are visible to every local user in `ps`): the admin's is read
+// from its file (mode 600, written by start.sh), the tenant's from the first line of standard input.
 // The tenant may write requests (llm.requests) and cancellations (llm.control), and read only its own
 // reply topic llm.responses.TENANT (outside any consumer group). Nothing else: no stage topic, no DLQ.
 import java.util.List;
@@ -19,19 +21,26 @@ import org.apache.kafka.common.resource.ResourceType;
 
 public class TenantAcls {
     public static void main(String[] args) throws Exception {
-        if (args.length != 4 || !args[2].matches("[a-z0-9][a-z0-9_-]{0,47}")) {
-            System.err.println("usage: TenantAcls BOOTSTRAP ADMIN_PASSWORD TENANT TENANT_PASSWORD (tenant: [a-z0-9_-])");
+        if (args.length != 3 || !args[2].matches("[a-z0-9][a-z0-9_-]{0,47}")) {
+            System.err.println("usage: TenantAcls BOOTSTRAP ADMIN_PASSWORD_FILE TENANT < TENANT_PASSWORD (tenant: [a-z0-9_-])");
             System.exit(2);
         }
+        String adminPassword = java.nio.file.Files.readString(java.nio.file.Path.of(args[1])).strip();
+        String tenantPassword = new java.io.BufferedReader(new java.io.InputStreamReader(System.in)).readLine();
+        if (tenantPassword == null || tenantPassword.strip().isEmpty()) {
+            System.err.println("the tenant's password goes on standard input");
+            System.exit(2);
+        }
+        tenantPassword = tenantPassword.strip();
         String tenant = args[2];
         Properties props = new Properties();
         props.put("bootstrap.servers", args[0]);
         props.put("security.protocol", "SASL_PLAINTEXT");
         props.put("sasl.mechanism", "SCRAM-SHA-256");
-        props.put("sasl.jaas.config", "org.apache.kafka.common.security.scram.ScramLoginModule required username=\"admin\" password=\"" + args[1] + "\";");
+        props.put("sasl.jaas.config", "org.apache.kafka.common.security.scram.ScramLoginModule required username=\"admin\" password=\"" + adminPassword + "\";");
         try (Admin admin = Admin.create(props)) {
             ScramCredentialInfo info = new ScramCredentialInfo(ScramMechanism.SCRAM_SHA_256, 8192);
-            admin.alterUserScramCredentials(List.of(new UserScramCredentialUpsertion(tenant, info, args[3]))).all().get();
+            admin.alterUserScramCredentials(List.of(new UserScramCredentialUpsertion(tenant, info, tenantPassword))).all().get();
             String principal = "User:" + tenant;
             admin.createAcls(List.of(
                 allow(principal, "llm.requests", AclOperation.WRITE),

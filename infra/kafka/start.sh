@@ -3,7 +3,8 @@
 # connections. Usage: infra/kafka/start.sh STATE_DIR PORT [--secure]  (or SLUICE_KAFKA_SECURE=1)
 # Writes STATE_DIR/kafka.pid and STATE_DIR/kafka.log; formats storage once (re-runs are safe).
 # --secure: SASL/SCRAM listeners and ACLs (secure.properties.in). The super user `admin` gets a random
-# password, created once in STATE_DIR/kafka-admin.password (mode 600) and added at format time;
+# password, created once in STATE_DIR/kafka-admin.password (mode 600) and added at format time (from a
+# mode-600 argument file, never on a command line); server.properties is mode 600 from its creation;
 # tenants are added with infra/kafka/TenantAcls.java. A state dir keeps the profile it was formatted with.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -16,19 +17,23 @@ data="$state/kafka-data"
 mkdir -p "$state" "$data"
 [ -d "$here/lib" ] || { echo "Kafka jars missing: run 'make setup' first" >&2; exit 1; }
 
+# server.properties holds the super user's password in the secure profile: it is written whole to a
+# private temporary file (umask 077, so mode 600 from its creation) and renamed into place.
+umask 077
+properties=$(mktemp "$state/server.properties.XXXXXX")
 sed -e "s|@PORT@|$port|g" -e "s|@CONTROLLER_PORT@|$controller_port|g" -e "s|@DATA@|$data|g" \
-  "$here/server.properties.in" >"$state/server.properties"
-format_extra=()
+  "$here/server.properties.in" >"$properties"
+scram=""
 if [ "$secure" = 1 ]; then
   password_file="$state/kafka-admin.password"
-  if [ ! -f "$password_file" ]; then
-    (umask 077; head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$password_file")
-  fi
+  [ -f "$password_file" ] || head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$password_file"
   admin_password=$(cat "$password_file")
-  (umask 077; sed -e "s|@PORT@|$port|g" -e "s|@CONTROLLER_PORT@|$controller_port|g" \
-    -e "s|@ADMIN_PASSWORD@|$admin_password|g" "$here/secure.properties.in" >>"$state/server.properties")
-  format_extra=(--add-scram "SCRAM-SHA-256=[name=admin,password=$admin_password]")
+  sed -e "s|@PORT@|$port|g" -e "s|@CONTROLLER_PORT@|$controller_port|g" \
+    -e "s|@ADMIN_PASSWORD@|$admin_password|g" "$here/secure.properties.in" >>"$properties"
+  scram="SCRAM-SHA-256=[name=admin,password=$admin_password]"
 fi
+mv -f "$properties" "$state/server.properties"
+umask 022
 
 java_opts=(-Xms256m -Xmx512m -server -XX:+UseG1GC -XX:MaxGCPauseMillis=20
   -XX:InitiatingHeapOccupancyPercent=35 -XX:+ExplicitGCInvokesConcurrent -Djava.awt.headless=true
@@ -37,8 +42,13 @@ cp="$here/lib/*"
 
 if [ ! -f "$data/meta.properties" ]; then
   cluster_id=$(java -cp "$cp" "-Dlog4j2.configurationFile=$here/log4j2.yaml" kafka.tools.StorageTool random-uuid)
-  java -cp "$cp" "-Dlog4j2.configurationFile=$here/log4j2.yaml" kafka.tools.StorageTool format \
-    -t "$cluster_id" -c "$state/server.properties" --ignore-formatted "${format_extra[@]}" >/dev/null
+  # The main class and its arguments go in a java @file (mode 600, removed after): the admin password is
+  # never on a command line, where every local user can read it in `ps`.
+  format_args=$(umask 077; mktemp "$state/format.args.XXXXXX")
+  printf 'kafka.tools.StorageTool format -t %s -c "%s" --ignore-formatted\n' "$cluster_id" "$state/server.properties" >"$format_args"
+  [ -z "$scram" ] || printf -- '--add-scram "%s"\n' "$scram" >>"$format_args"
+  java -cp "$cp" "-Dlog4j2.configurationFile=$here/log4j2.yaml" "@$format_args" >/dev/null || { rm -f "$format_args"; exit 1; }
+  rm -f "$format_args"
 fi
 
 nohup java "${java_opts[@]}" -cp "$cp" kafka.Kafka "$state/server.properties" >"$state/kafka.log" 2>&1 &

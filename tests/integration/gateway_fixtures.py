@@ -182,6 +182,7 @@ async def topic_reader(settings: Settings, topics: tuple[str, ...]) -> tuple[Any
 class SecureBroker:
     bootstrap: str
     admin_password: str
+    admin_password_file: Path
 
     def client_options(self, user: str, password: str) -> dict[str, str]:
         return {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "SCRAM-SHA-256",
@@ -190,8 +191,9 @@ class SecureBroker:
     def add_tenant(self, tenant: str, password: str) -> None:
         java = ["java", "-cp", str(ROOT / "infra" / "kafka" / "lib" / "*"),
                 "-Dlog4j2.configurationFile=" + str(ROOT / "infra" / "kafka" / "log4j2.yaml"),
-                str(ROOT / "infra" / "kafka" / "TenantAcls.java"), self.bootstrap, self.admin_password, tenant, password]
-        subprocess.run(java, check=True, capture_output=True, timeout=120)
+                str(ROOT / "infra" / "kafka" / "TenantAcls.java"), self.bootstrap, str(self.admin_password_file), tenant]
+        assert not any(self.admin_password in arg or password in arg for arg in java)  # no secret on a command line
+        subprocess.run(java, check=True, capture_output=True, timeout=120, input=password.encode() + b"\n")
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +204,6 @@ def secure_broker() -> Iterator[SecureBroker]:
     shutil.rmtree(state, ignore_errors=True)
     subprocess.run([ROOT / "infra" / "kafka" / "start.sh", state, str(port), "--secure"], check=True)
     try:
-        yield SecureBroker(f"127.0.0.1:{port}", (state / "kafka-admin.password").read_text().strip())
+        yield SecureBroker(f"127.0.0.1:{port}", (state / "kafka-admin.password").read_text().strip(), state / "kafka-admin.password")
     finally:
         subprocess.run([ROOT / "infra" / "services.sh", "stop", state], check=True)

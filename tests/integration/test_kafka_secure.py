@@ -5,6 +5,7 @@ sluice's own clients connect with the settings' credentials."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 import logging
 from dataclasses import replace
 
@@ -77,3 +78,18 @@ async def test_a_wrong_password_cannot_connect(secure_broker: SecureBroker) -> N
     with pytest.raises(KafkaConnectionError):
         await asyncio.wait_for(intruder.start(), 30)
     await intruder.stop()
+
+
+async def test_the_brokers_secrets_are_private_files_and_never_arguments(secure_broker: SecureBroker) -> None:
+    """server.properties and the password file are mode 600; the format step's argument file is gone; no
+    process shows the admin password in its command line."""
+    state = secure_broker.admin_password_file.parent
+    for name in ("server.properties", "kafka-admin.password"):
+        assert (state / name).stat().st_mode & 0o777 == 0o600, name
+    assert secure_broker.admin_password in (state / "server.properties").read_text()
+    assert not list(state.glob("format.args*")) and not list(state.glob("server.properties.*"))
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            assert secure_broker.admin_password.encode() not in cmdline.read_bytes()
+        except OSError:
+            continue
