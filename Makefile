@@ -4,7 +4,7 @@ PIP := .venv/bin/pip
 
 .PHONY: setup run test test-all chaos bench bench-models clean
 
-setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted
+setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted .venv-triton/.installed
 
 .venv/.installed: requirements.lock.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -28,6 +28,11 @@ infra/kafka/lib/.resolved: infra/kafka/pom.xml
 	$(PY) -m pipeline.models .cache/models
 	$(PY) -m pipeline.guard.minilm_onnx .cache/models
 	touch $@
+
+# The Triton server's own environment (numpy < 2, the bundled tritonserver, torch for sluice_llm): about
+# 5 minutes the first time, nothing when its lock file is unchanged (infra/triton/triton.sh setup).
+.venv-triton/.installed: infra/triton/requirements.lock.txt infra/triton/triton.sh
+	nice -n 10 bash infra/triton/triton.sh setup
 
 run: setup
 	SLUICE_RUN_PARENT=$$PPID bash infra/run.sh  # make's pid: run.sh stops when make is interrupted

@@ -32,4 +32,8 @@ def _build(settings: Settings, config: BackendSettings) -> Backend:
 
         model = config.upstream_model or config.model
         return OpenAIBackend.from_env(config.name, config.base_url, model, config.api_key_env, config.timeout_s)
+    if config.kind == "triton":
+        from pipeline.backends.triton import TritonBackend
+
+        return TritonBackend(config.url, config.triton_model, name=config.name, timeout_s=config.timeout_s)
     raise ValueError(f"unknown backend kind {config.kind!r}")

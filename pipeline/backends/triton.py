@@ -1,0 +1,268 @@
+"""A model on a Triton Inference Server as a backend: `tritonclient.grpc.aio` `stream_infer`, one gRPC
+stream per request.
+
+The tensors are TensorRT-LLM's ensemble's (`text_input`, `max_tokens`, `stream`, `temperature`, `top_p`,
+`random_seed`, `stop_words` in; `text_output` out), so the same backend serves `sluice_llm` (sluice's
+engine in Triton, triton_models/sluice_llm) and a TensorRT-LLM `ensemble` or `tensorrt_llm_bls` on a GPU
+host. The model's config is read once; an input or output is sent or asked for only when the model
+declares it. sluice_llm's extensions:
+
+    messages            chat messages as JSON, the chat template applied by the model (a model without
+                        this input takes a `prompt` only)
+    resume_text         the completion text already delivered: the model continues after it (sluice_llm
+                        re-tokenises it and samples as if it had generated it; see `resumes`)
+    tenant              prefix-cache isolation
+    finish_reason, prompt_tokens, completion_tokens   on the final response; from a model without them the
+                        ending is inferred at the response Triton marks final (`triton_final_response`) or
+                        when the stream closes: "length" once max_tokens responses came, else "stop", the
+                        completion counted as one token per response (TensorRT-LLM's streaming sends one
+                        token per response) and the prompt left uncounted
+
+Cancellation: `cancel` (and a consumer closing the iterator) cancels the gRPC call; Triton cancels the
+request and the model sees `request.is_cancelled()` (sluice_llm drops the sequence from its batch within
+the step). Errors: a stream's error message from sluice_llm starts with the backend error's class
+(`sluice.InvalidRequest: ...`) and is raised as that class; Triton's own refusals of a malformed request
+are `InvalidRequest`; anything else (an unknown or unloaded model, a failed step, the server gone, no
+response within `timeout_s`) is `ModelError`, retriable on another backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
+from tritonclient.grpc.aio import InferenceServerClient
+from tritonclient.utils import InferenceServerException
+
+from pipeline.backends.base import Delta, FinishReason, GenerationRequest
+from pipeline.backends.errors import BackendClosed, BackendError, Cancelled, InvalidRequest, ModelError
+
+__all__ = ["TritonBackend"]
+
+_CANCELLED_MEMORY = 4096  # request ids remembered as cancelled (a cancel may come before its generate)
+_SLUICE_ERROR = re.compile(r"sluice\.(\w+): ")
+_SLUICE_ERRORS: dict[str, type[BackendError]] = {
+    cls.__name__: cls for cls in (Cancelled, InvalidRequest, ModelError, BackendClosed)
+}
+# Triton's own words for a request it refuses as malformed (retrying it anywhere will not help).
+_TRITON_REFUSALS = ("unexpected inference input", "missing required input", "data-type", "unexpected shape")
+_EXTENSION_OUTPUTS = ("finish_reason", "prompt_tokens", "completion_tokens")
+
+
+@dataclass(frozen=True)
+class _ModelSchema:
+    """What the model declares: its input and output names and whether it batches (inputs get [1, n])."""
+
+    inputs: frozenset[str]
+    outputs: tuple[str, ...]
+    batched: bool
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> _ModelSchema:
+        config = config.get("config", config)
+        return cls(
+            inputs=frozenset(i["name"] for i in config.get("input", [])),
+            outputs=tuple(o["name"] for o in config.get("output", [])),
+            batched=int(config.get("max_batch_size", 0)) > 0,
+        )
+
+
+class TritonBackend:
+    def __init__(self, url: str, model: str, *, name: str = "triton", timeout_s: float = 60.0) -> None:
+        """`url` is the server's gRPC address (host:port, from the config file only); `model` the name
+        of a decoupled model in its repository; `timeout_s` bounds the wait for each response."""
+        if not url or "://" in url:
+            raise ValueError(f"backend {name}: url must be a gRPC host:port, got {url!r}")
+        self.name = name
+        self._url = url
+        self._model = model
+        self._timeout_s = timeout_s
+        self._client: InferenceServerClient | None = None
+        self._schema: _ModelSchema | None = None
+        self._calls: dict[str, Any] = {}  # request id -> its running gRPC stream
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def resumes(self) -> bool:
+        """Whether a request's `resume_text` is continued after (the model takes it), once the model's
+        config has been read (before that: False)."""
+        return self._schema is not None and "resume_text" in self._schema.inputs
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        rid = request.request_id
+        if rid in self._cancelled:
+            raise Cancelled(f"request {rid} was cancelled")
+        schema = await self._model_schema()
+        payload = {
+            "model_name": self._model,
+            "request_id": rid,  # in Triton's logs and traces
+            "inputs": _inputs(request, schema),
+            "outputs": [InferRequestedOutput(name) for name in ("text_output", *_EXTENSION_OUTPUTS) if name in schema.outputs],
+        }
+        call = self._connected().stream_infer(_once(payload))
+        self._calls[rid] = call
+        responses = 0
+        try:
+            while (result := await self._next(call, rid)) is not None:
+                responses += 1
+                delta = _delta(result)
+                if delta.finish_reason is None and _final(result):  # a model that does not say why it ended
+                    delta = Delta(delta.text, (), _inferred_finish(responses, request), None, responses)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+            if "finish_reason" in schema.outputs:
+                raise ModelError(f"{self._model}: the stream ended without a final response")
+            yield Delta("", (), _inferred_finish(responses, request), None, responses)
+        finally:
+            call.cancel()  # the request's stream ends here, whatever ended the iteration (a no-op once done)
+            self._calls.pop(rid, None)
+
+    async def cancel(self, request_id: str) -> None:
+        self._cancelled[request_id] = None
+        self._cancelled.move_to_end(request_id)
+        while len(self._cancelled) > _CANCELLED_MEMORY:
+            self._cancelled.popitem(last=False)
+        call = self._calls.get(request_id)
+        if call is not None:
+            call.cancel()  # Triton cancels the request; the model sees request.is_cancelled()
+
+    async def aclose(self) -> None:
+        for call in list(self._calls.values()):
+            call.cancel()
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    def _connected(self) -> InferenceServerClient:
+        if self._client is None:  # created in the running loop (a gRPC aio channel belongs to one loop)
+            self._client = InferenceServerClient(self._url)
+        return self._client
+
+    async def _model_schema(self) -> _ModelSchema:
+        if self._schema is None:
+            try:
+                config = await asyncio.wait_for(
+                    self._connected().get_model_config(self._model, as_json=True), self._timeout_s
+                )
+            except InferenceServerException as exc:
+                raise ModelError(f"{self._model} on {self._url}: {exc.message()}") from None
+            except TimeoutError:
+                raise ModelError(f"{self._url} did not answer within {self._timeout_s} s") from None
+            self._schema = _ModelSchema.from_config(config)
+        return self._schema
+
+    async def _next(self, call: Any, rid: str) -> InferResult | None:
+        """The next response of the stream (None once the server closed it), or the error it maps to."""
+        try:
+            result, error = await asyncio.wait_for(anext(call), self._timeout_s)
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if rid in self._cancelled and (task is None or not task.cancelling()):
+                raise Cancelled(f"request {rid} was cancelled") from None  # our cancel, not the task's
+            raise
+        except TimeoutError:
+            raise ModelError(f"{self._model}: no response within {self._timeout_s} s") from None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED and rid in self._cancelled:
+                raise Cancelled(f"request {rid} was cancelled") from None
+            raise ModelError(f"{self._url}: {exc.code().name}: {exc.details()}") from None
+        if error is not None:
+            raise _mapped(error.message())
+        return result
+
+
+async def _once(payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """One request on the stream; the client half-closes after it and the server closes the stream after
+    the model's final response."""
+    yield payload
+
+
+def _inputs(request: GenerationRequest, schema: _ModelSchema) -> list[InferInput]:
+    if bool(request.messages) == (request.prompt is not None):
+        raise InvalidRequest("a request needs exactly one of `messages` (chat) and `prompt` (completion)")
+    if request.messages and "messages" not in schema.inputs:
+        raise InvalidRequest("this Triton model takes a prompt only (it has no `messages` input)")
+    values: dict[str, np.ndarray] = {
+        "text_input": _strings([request.prompt or ""]),
+        "max_tokens": np.array([request.max_tokens], dtype=np.int32),
+        "stream": np.array([True], dtype=np.bool_),
+        "temperature": np.array([request.temperature], dtype=np.float32),
+        "top_p": np.array([request.top_p], dtype=np.float32),
+    }
+    if request.seed is not None:
+        values["random_seed"] = np.array([request.seed & (2**64 - 1)], dtype=np.uint64)
+    if request.stop:
+        values["stop_words"] = _strings(request.stop)
+    if request.messages:
+        values["messages"] = _strings([json.dumps([{"role": m.role, "content": m.content} for m in request.messages])])
+    if request.resume_text:
+        if "resume_text" not in schema.inputs:
+            raise InvalidRequest("this Triton model cannot continue after delivered text (no `resume_text` input)")
+        values["resume_text"] = _strings([request.resume_text])
+    if "tenant" in schema.inputs:
+        values["tenant"] = _strings([request.tenant])
+    inputs = []
+    for name, array in values.items():
+        if name not in schema.inputs:
+            continue  # an optional knob the model does not have (e.g. a model without stop_words)
+        array = array.reshape(1, -1) if schema.batched else array
+        tensor = InferInput(name, list(array.shape), _DATATYPES[array.dtype.kind])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+_DATATYPES = {"O": "BYTES", "i": "INT32", "u": "UINT64", "b": "BOOL", "f": "FP32"}
+
+
+def _strings(values: Sequence[str]) -> np.ndarray:
+    return np.array([v.encode() for v in values], dtype=np.object_)
+
+
+def _delta(result: InferResult) -> Delta:
+    text = "".join(_text(v) for v in result.as_numpy("text_output").reshape(-1))
+    finish = result.as_numpy("finish_reason")
+    if finish is None:
+        return Delta(text, ())
+    reason = "length" if _text(finish.reshape(-1)[0]) == "length" else "stop"
+    return Delta(text, (), reason, _count(result, "prompt_tokens"), _count(result, "completion_tokens"))
+
+
+def _final(result: InferResult) -> bool:
+    """Triton marks the final response of a decoupled model's request (`triton_final_response`)."""
+    flag = result.get_response().parameters.get("triton_final_response")
+    return flag is not None and flag.bool_param
+
+
+def _inferred_finish(responses: int, request: GenerationRequest) -> FinishReason:
+    return "length" if responses >= request.max_tokens else "stop"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _count(result: InferResult, name: str) -> int | None:
+    array = result.as_numpy(name)
+    return None if array is None else int(array.reshape(-1)[0])
+
+
+def _mapped(message: str) -> BackendError:
+    """A stream's error message as the backend error it stands for."""
+    match = _SLUICE_ERROR.search(message)
+    if match is not None and match.group(1) in _SLUICE_ERRORS:
+        return _SLUICE_ERRORS[match.group(1)](message[match.end():])
+    if any(words in message.lower() for words in _TRITON_REFUSALS):
+        return InvalidRequest(message)
+    return ModelError(message)
