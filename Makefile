@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: setup run test test-all chaos bench bench-models clean
+.PHONY: setup run run-triton test test-all chaos bench bench-models clean
 
 setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted .venv-triton/.installed
 
@@ -36,6 +36,11 @@ infra/kafka/lib/.resolved: infra/kafka/pom.xml
 
 run: setup
 	SLUICE_RUN_PARENT=$$PPID bash infra/run.sh  # make's pid: run.sh stops when make is interrupted
+
+# `make run` with the default model served through Triton (sluice_llm) instead of in-process:
+# sluice.toml with its [[backends]] from infra/triton/backends.toml, Triton's gRPC on 127.0.0.1:18001.
+run-triton: setup
+	SLUICE_RUN_PARENT=$$PPID bash infra/triton/run.sh
 
 test: setup
 	$(PY) -m pytest

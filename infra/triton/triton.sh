@@ -25,6 +25,7 @@ site="$venv/lib/python3.11/site-packages"
 setup() {
   if [ -f "$venv/.installed" ] && cmp -s "$lock" "$venv/.installed"; then
     echo "$root" >"$site/sluice-repository.pth"  # the checkout may have moved
+    touch "$venv/.installed"
     return 0  # already built from this lock file
   fi
   test -x "$venv/bin/python" || python3 -m venv "$venv"

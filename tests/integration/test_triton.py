@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from tritonclient.grpc import InferInput
+from transformers import AutoTokenizer
 from tritonclient.grpc.aio import InferenceServerClient
 
 from pipeline.backends.base import Delta, GenerationRequest, Message
@@ -69,8 +70,15 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     text = text.replace('name: "sluice_llm"', 'name: "sluice_llm_faulty"')
     text = re.sub(r'(key: "model_dir"\s*value: \{ string_value: )""', rf'\1"{faulty_weights}"', text)
     (faulty / "config.pbtxt").write_text(text)
+    for name in ("preprocessing", "postprocessing"):  # the TensorRT-LLM ensemble's tokenizer models, on CPU
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").symlink_to(ROOT / "triton_models" / name / "1" / "model.py")
+        text = (ROOT / "triton_models" / name / "config.pbtxt").read_text()
+        text = re.sub(r'(key: "tokenizer_dir"\s*value \{\s*string_value: )"[^"]*"', rf'\1"{MODEL}"', text)
+        (repo / name / "config.pbtxt").write_text(text)
     grpc_port, http_port = _free_port(), _free_port()
-    start = [SCRIPT, "start", state, str(grpc_port), str(http_port), repo, "sluice_llm", "sluice_llm_faulty"]
+    models = ["sluice_llm", "sluice_llm_faulty", "preprocessing", "postprocessing"]
+    start = [SCRIPT, "start", state, str(grpc_port), str(http_port), repo, *models]
     subprocess.run(start, check=True, timeout=180)
     try:
         yield f"127.0.0.1:{grpc_port}", state / "triton.log"
@@ -247,6 +255,51 @@ async def test_stream_false_returns_the_whole_completion_in_one_final_response(t
     assert result.get_response().parameters["triton_final_response"].bool_param
     assert result.as_numpy("text_output").reshape(-1)[0].decode().strip()
     assert result.as_numpy("finish_reason").reshape(-1)[0] in (b"stop", b"length")
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_tensorrt_llm_tokenizer_models_round_trip(triton: tuple[str, Path]) -> None:
+    """preprocessing and postprocessing (triton_models/, the GPU ensemble's Python steps) on the real server
+    with the default model's tokenizer: the chat template, TensorRT-LLM's word-list layout, decoding."""
+    tokenizer = AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
+    chat = [{"role": "user", "content": "Hello there"}]
+    client = InferenceServerClient(triton[0])
+    try:
+        pre = await client.infer("preprocessing", _tensors({
+            "QUERY": np.array([[b""]], dtype=np.object_),
+            "MESSAGES": np.array([[json.dumps(chat).encode()]], dtype=np.object_),
+            "REQUEST_OUTPUT_LEN": np.array([[9]], dtype=np.int32),
+            "STOP_WORDS_DICT": np.array([[b"END", b"Stop here"]], dtype=np.object_),
+        }))
+        ids = pre.as_numpy("INPUT_ID")
+        post = await client.infer("postprocessing", _tensors({
+            "TOKENS_BATCH": ids.reshape(1, 1, -1).astype(np.int32),
+            "SEQUENCE_LENGTH": np.array([[ids.shape[1]]], dtype=np.int32),
+        }))
+    finally:
+        await client.close()
+    expected = [int(t) for t in tokenizer.apply_chat_template(chat, add_generation_prompt=True)]
+    assert ids.reshape(-1).tolist() == expected
+    assert pre.as_numpy("REQUEST_INPUT_LEN").tolist() == [[len(expected)]]
+    assert pre.as_numpy("REQUEST_OUTPUT_LEN").tolist() == [[9]]
+    assert pre.as_numpy("OUT_END_ID").tolist() == [[tokenizer.eos_token_id]]
+    words = [tokenizer("END", add_special_tokens=False)["input_ids"], tokenizer("Stop here", add_special_tokens=False)["input_ids"]]
+    stop = pre.as_numpy("STOP_WORDS_IDS")[0]
+    flat = words[0] + words[1]
+    assert stop[0, : len(flat)].tolist() == flat and stop[1, :2].tolist() == [len(words[0]), len(flat)]
+    assert pre.as_numpy("BAD_WORDS_IDS").tolist() == [[[0], [-1]]]  # none given
+    text = post.as_numpy("OUTPUT").reshape(-1)[0].decode()
+    assert text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def _tensors(values: dict[str, np.ndarray]) -> list[InferInput]:
+    kinds = {"O": "BYTES", "i": "INT32"}
+    inputs = []
+    for name, array in values.items():
+        tensor = InferInput(name, list(array.shape), kinds[array.dtype.kind])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
 
 
 def _raw_inputs(text: str, *, max_tokens: int, stream: bool = True) -> list[InferInput]:
