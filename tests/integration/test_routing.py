@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
@@ -15,17 +17,34 @@ import pytest_asyncio
 from bench.fake_openai import FakeUpstream
 from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
+from pipeline import settings as settings_module
 from pipeline.runner import Runner
 from pipeline.sdk import Client, RequestFailed
 from pipeline.settings import BackendSettings, Settings
-from tests.integration.conftest import _free_port
+from tests.integration.conftest import ROOT, _free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "fake-model"
 
 
+@pytest.fixture(scope="module")
+def own_services() -> Iterator[Settings]:
+    """Kafka and Redis of this module's own: its stages are named like the session stack's (route, emit...),
+    and two deployments with the same consumer groups on one broker would share their partitions."""
+    kafka_port, redis_port = _free_port(), _free_port()
+    state = ROOT / ".state" / f"test-routing-{kafka_port}"
+    shutil.rmtree(state, ignore_errors=True)
+    subprocess.run([ROOT / "infra" / "services.sh", "start", state, str(kafka_port), str(redis_port)], check=True)
+    try:
+        yield settings_module.load(env={"SLUICE_KAFKA_BOOTSTRAP": f"127.0.0.1:{kafka_port}",
+                                        "SLUICE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0"})
+    finally:
+        subprocess.run([ROOT / "infra" / "services.sh", "stop", state], check=True)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def upstreams(settings: Settings) -> AsyncIterator[tuple[Settings, list[FakeUpstream]]]:
+async def upstreams(own_services: Settings) -> AsyncIterator[tuple[Settings, list[FakeUpstream]]]:
+    settings = own_services
     fakes = [FakeUpstream(_free_port()) for _ in range(3)]
     for fake in fakes:
         await fake.__aenter__()
