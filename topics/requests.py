@@ -28,6 +28,18 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int | None = None
 
 
+class PrincipalToken(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the bridge puts on a request in place of the caller's credential (pipeline/gateway/principal.py):
+    who the caller is, signed with the gateway secret over the whole request, valid until its deadline."""
+
+    kind: Literal["key", "jwt"]
+    subject: Annotated[str, msgspec.Meta(max_length=256)]  # key: the key's SHA-256 (never the key); jwt: `sub`
+    expires_at: float  # unix seconds: the request's deadline (or the JWT's expiry, if sooner)
+    mac: Annotated[str, msgspec.Meta(max_length=64)] = ""  # HMAC-SHA256 (hex) over the request with this blank
+    tenant: str | None = None  # jwt: the verified tenant claim; key: None (the key record names it)
+    models: tuple[str, ...] = ()  # jwt: the verified models claim
+
+
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="request.v2", tag_field="kind"):
     """One LLM call. Exactly one of `messages` (chat) and `prompt` (completion) is set."""
 
@@ -44,7 +56,8 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="requ
     task: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_-]{0,31}\Z")] | None = None  # e.g. code, summarization: routing rules match it
     no_cache: bool = False  # never answered from the cache (HTTP `Cache-Control: no-cache`)
     no_store: bool = False  # the answer is not stored in the cache (`Cache-Control: no-store`)
-    api_key: str | None = None  # checked by ingest's authenticator (gateway issue); never logged
+    api_key: str | None = None  # a direct producer's credential, checked by ingest; never logged
+    principal_token: PrincipalToken | None = None  # the bridge's signed principal, in place of `api_key`
     tenant: str = "default"  # a claim only: ingest replaces it with the authenticated principal's tenant
     # Set by the bridge (never by the client): the caller's address and user agent, and an HMAC over
     # them with the gateway's client_info_secret, so ingest can tell them from a Kafka producer's claim.

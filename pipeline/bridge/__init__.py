@@ -3,6 +3,7 @@
     openai_format   OpenAI's JSON to and from sluice's types (pure)
     relay           one request answered over HTTP: SSE or one JSON body, cancelled if the client leaves
     websocket       `/v1/stream`: many requests over one socket
+    credentials     the caller's credential as it goes to Kafka: a signed principal token, never the raw key
     app             the Starlette app and its routes
 
 `serve()` runs the app with uvicorn until `stop` is set; `create_app()` gives the app for any ASGI server.

@@ -32,6 +32,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from pipeline.bridge.credentials import Credentials
 from pipeline.bridge.edges import AllowedHosts, metrics_allowed
 from pipeline.bridge.openai_format import (
     BadRequest,
@@ -83,6 +84,7 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
                 await client.stop()
 
     auth_required = settings.gateway.auth_required
+    credentials = Credentials(settings.gateway)
 
     async def models(request: HttpRequest) -> Response:
         require_credential(request, auth_required)
@@ -92,13 +94,14 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
         await websocket.accept()
         try:
             require_credential(websocket, auth_required)
+            credential = await credentials.resolve(bearer_token(websocket))
         except Unauthorized as exc:
             await websocket.send_json({"type": "error", "id": None, "code": exc.code.value, "message": exc.message})
             await websocket.close(code=1008)
             return
         secret = settings.gateway.client_info_secret
-        await StreamSession(websocket, client, cap, bearer_token(websocket),
-                            lambda request: with_client_info(request, websocket, secret)).run()
+        await StreamSession(websocket, client, cap,
+                            lambda request: credential.apply(with_client_info(request, websocket, secret))).run()
 
     async def metrics(request: HttpRequest) -> Response:
         if not metrics_allowed(request, settings.bridge.metrics_token, auth_required):
@@ -108,8 +111,8 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     routes = [
-        Route("/v1/chat/completions", _completions(client, parse_chat, cap, settings), methods=["POST"]),
-        Route("/v1/completions", _completions(client, parse_completion, cap, settings), methods=["POST"]),
+        Route("/v1/chat/completions", _completions(client, parse_chat, cap, settings, credentials), methods=["POST"]),
+        Route("/v1/completions", _completions(client, parse_completion, cap, settings, credentials), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -122,14 +125,15 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
 
 
-def _completions(client: Client, parse: Parser, cap: int, settings: Settings) -> Endpoint:
+def _completions(client: Client, parse: Parser, cap: int, settings: Settings, credentials: Credentials) -> Endpoint:
     async def endpoint(request: HttpRequest) -> Response:
         require_credential(request, settings.gateway.auth_required)  # before the body is read or validated
+        credential = await credentials.resolve(bearer_token(request))
         parsed = parse(decode_body(await read_capped(request, cap, settings.bridge.body_timeout_s)))
         no_cache, no_store = cache_directives(request.headers.get("cache-control", ""))
-        sdk_request = client.request(**parsed.request_kwargs(), api_key=bearer_token(request), no_cache=no_cache, no_store=no_store,
-                                     task=task_header(request))
-        return RelayResponse(client, with_client_info(sdk_request, request, settings.gateway.client_info_secret), parsed)
+        sdk_request = client.request(**parsed.request_kwargs(), no_cache=no_cache, no_store=no_store, task=task_header(request))
+        sdk_request = with_client_info(sdk_request, request, settings.gateway.client_info_secret)
+        return RelayResponse(client, credential.apply(sdk_request), parsed)  # signed last: the token covers the rest
 
     return endpoint
 
@@ -208,7 +212,7 @@ def require_credential(connection: HTTPConnection, auth_required: bool) -> None:
 
 
 def bearer_token(connection: HTTPConnection) -> str | None:
-    """The API key from `Authorization: Bearer <key>`, passed on for ingest to check; never logged."""
+    """The credential from `Authorization: Bearer <key>`, for credentials.py; never logged."""
     scheme, _, token = connection.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer":
         return None

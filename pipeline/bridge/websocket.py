@@ -38,14 +38,14 @@ class StreamSession:
     """One accepted WebSocket and the requests running on it."""
 
     def __init__(
-        self, websocket: WebSocket, client: Client, max_message_bytes: int, api_key: str | None,
+        self, websocket: WebSocket, client: Client, max_message_bytes: int,
         prepare: Callable[[Request], Request] = lambda request: request,
     ) -> None:
-        """`prepare` adds what the connection knows to each request (the client address, as over HTTP)."""
+        """`prepare` adds what the connection knows to each request (the client address, as over HTTP, and
+        the caller's credential as the bridge passes it on: bridge/credentials.py)."""
         self._ws = websocket
         self._client = client
         self._max_bytes = max_message_bytes
-        self._api_key = api_key
         self._prepare = prepare
         self._running: set[asyncio.Task[None]] = set()
         self._send_lock = asyncio.Lock()
@@ -75,7 +75,7 @@ class StreamSession:
         except BridgeError as exc:
             await self._send({"type": "error", "id": None, "code": exc.code.value, "message": exc.message, "param": exc.param})
             return
-        request = self._prepare(self._client.request(**parsed.request_kwargs(), api_key=self._api_key))
+        request = self._prepare(self._client.request(**parsed.request_kwargs()))
         await self._send({"type": "start", "id": request.id, "model": request.model})
         task = asyncio.create_task(self._serve(request))
         self._running.add(task)

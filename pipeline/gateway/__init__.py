@@ -6,6 +6,8 @@ before admitting a request; emit tells it what a finished request used.
     redis_keys      the Redis KeyStore
     jwt_auth        JWT bearer tokens verified with PyJWT against a JWKS (pinned algorithms, iss, aud, exp, nbf)
     network         CIDR allow/deny lists, geo-block lists, user-agent deny patterns
+    principal       the bridge's principal tokens: a key's hash or a JWT's claims, signed for one request,
+                    sent to Kafka instead of the raw credential
     limits          the Limiter protocol (sliding-window requests and tokens per minute, budgets), memory limiter
     redis_limits    the Redis Limiter: one atomic Lua script per scope (`lua/*.lua`), Redis's clock, hash tags
     gateway         Gateway: authenticate, authorise, check the network rules, admit; charge at the end

@@ -1,6 +1,7 @@
 """Gateway: the decisions ingest asks for before admitting a request, and the charge emit reports.
 
-    authenticate(request)   network rules -> who sent it (API key, JWT, or anonymous)
+    authenticate(request)   network rules -> who sent it (API key, JWT, the bridge's signed principal
+                            token in place of either: principal.py, or anonymous)
     admit(request)  network rules -> authenticate (API key, JWT, or anonymous) -> authorise the model
                     -> tenant network rules -> limits and budgets; returns the request to forward, with
                     the authenticated tenant and key id and without the credential; raises StageError.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pipeline.errors import InfraUnavailable, StageError, Undeliverable
+from pipeline.gateway import principal as principal_token
 from pipeline.gateway.config import GatewaySettings, TenantPolicy
 from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier, looks_like_jwt
@@ -86,6 +88,8 @@ class Gateway:
         ip, user_agent = self._client_info(request)
         if reason := self._network.refusal(ip, user_agent):
             raise StageError(ErrorCode.forbidden, reason)
+        if request.principal_token is not None:
+            return await self._by_token(request)
         return await self._authenticate(request.api_key)
 
     async def admit(self, request: Request, principal: Principal | None = None) -> tuple[Request, Principal]:
@@ -105,7 +109,8 @@ class Gateway:
             raise StageError(ErrorCode.forbidden, reason)
         await self._limit(request, principal, policy, ip)
         forwarded = msgspec.structs.replace(
-            request, api_key=None, tenant=principal.tenant, key_id=principal.key_id, client_attestation=None
+            request, api_key=None, principal_token=None, tenant=principal.tenant, key_id=principal.key_id,
+            client_attestation=None,
         )
         return forwarded, principal
 
@@ -157,10 +162,30 @@ class Gateway:
             raise StageError(ErrorCode.unauthorized, "an API key is required (Authorization: Bearer sk-sluice-...)")
         raise StageError(ErrorCode.unauthorized, INVALID_KEY)
 
+    async def _by_token(self, request: Request) -> Principal:
+        """A request from the bridge, which sent a signed principal instead of the credential
+        (pipeline/gateway/principal.py). A key's hash is then looked up as a key's would be, so a key
+        revoked since the bridge signed is refused; a JWT's claims were verified by the bridge."""
+        token = principal_token.verify(self._settings.client_info_secret, request)
+        if token is None or request.api_key is not None:
+            raise StageError(ErrorCode.unauthorized, "the credentials are not valid")
+        if self._clock() >= token.expires_at:
+            if token.expires_at < request.created_at + request.deadline_s:  # a JWT that expired first
+                raise StageError(ErrorCode.unauthorized, "the token has expired")
+            raise StageError(ErrorCode.deadline_exceeded, "the request's deadline passed before it was admitted")
+        if token.kind == "jwt":
+            if self._jwt is None or not token.tenant:
+                raise StageError(ErrorCode.unauthorized, "the credentials are not valid")
+            scope = Scope("key", "jwt:" + token.subject, billed=True)
+            return Principal("jwt:" + token.subject, token.tenant, None, token.models, scope)
+        return await self._by_hash(token.subject)
+
     async def _by_key(self, raw: str) -> Principal:
         if not well_formed(raw):
             raise StageError(ErrorCode.unauthorized, INVALID_KEY)
-        key_hash = hash_key(raw)
+        return await self._by_hash(hash_key(raw))
+
+    async def _by_hash(self, key_hash: str) -> Principal:
         entry = await self._lookup(key_hash)
         if entry is None or not entry.valid(self._clock()):
             raise StageError(ErrorCode.unauthorized, INVALID_KEY)

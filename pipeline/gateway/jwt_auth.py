@@ -29,6 +29,7 @@ class TokenClaims:
     subject: str
     tenant: str
     models: tuple[str, ...]  # empty: no restriction from the token
+    expires_at: float = 0.0  # `exp`, unix seconds
 
 
 def looks_like_jwt(token: str) -> bool:
@@ -68,7 +69,7 @@ class JwtVerifier:
         models = claims.get(self._settings.models_claim, [])
         if not isinstance(tenant, str) or not tenant or not isinstance(models, list):
             raise InvalidToken(f"the token lacks a valid `{self._settings.tenant_claim}` claim")
-        return TokenClaims(str(claims["sub"]), tenant, tuple(str(m) for m in models))
+        return TokenClaims(str(claims["sub"]), tenant, tuple(str(m) for m in models), float(claims["exp"]))
 
     async def _signing_key(self, token: str, kid: object) -> object:
         if self._keys is not None:

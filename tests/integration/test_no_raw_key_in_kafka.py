@@ -1,0 +1,84 @@
+"""No raw credential persists in Kafka (issue 14, item 3): after requests through the bridge (HTTP and
+WebSocket) with a real key, no record of any topic and no file of the broker's log directory holds the
+key; what reached `llm.requests` is the key's hash under the bridge's signature."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import websockets
+from aiokafka.admin import AIOKafkaAdminClient
+
+from pipeline import kafka
+from pipeline.gateway.keys import PREFIX, hash_key
+from pipeline.settings import Settings
+from tests.integration.conftest import STATE
+from tests.integration.gateway_fixtures import SECURE_REQUESTS, SecureBridge, secure_bridge
+from topics import codec
+from topics.requests import Request
+
+__all__ = ["secure_bridge"]  # fixtures
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def through_the_bridge(bridge: SecureBridge, key: str) -> None:
+    body = {"model": bridge.settings.models[0], "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}
+    headers = {"authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=bridge.url, timeout=120) as http:
+        response = await http.post("/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        completion = {"model": body["model"], "prompt": "Hello", "max_tokens": 2}
+        assert (await http.post("/v1/completions", json=completion, headers=headers)).status_code == 200
+    async with websockets.connect(bridge.url.replace("http://", "ws://") + "/v1/stream", additional_headers=headers) as ws:
+        await ws.send(json.dumps(body))
+        event = json.loads(await asyncio.wait_for(ws.recv(), 120))
+        while event["type"] not in ("done", "error"):
+            event = json.loads(await asyncio.wait_for(ws.recv(), 120))
+        assert event["type"] == "done", event
+
+
+async def every_record(settings: Settings) -> dict[str, list[bytes]]:
+    """Every record (key and value) of every topic, internal ones included, from the start of each partition."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap, client_id="raw-key-admin")
+    await admin.start()
+    try:
+        topics = tuple(sorted(await admin.list_topics()))
+    finally:
+        await admin.close()
+    consumer = await kafka.broadcast_consumer(settings, topics, "raw-key-reader", from_start=True)
+    records: dict[str, list[bytes]] = {t: [] for t in topics}
+    try:
+        ends = await consumer.end_offsets(list(consumer.assignment()))
+        deadline = time.monotonic() + 60
+        while any([await consumer.position(tp) < end for tp, end in ends.items()]):
+            assert time.monotonic() < deadline, "could not read every topic to its end in 60 s"
+            for tp, batch in (await consumer.getmany(timeout_ms=200, max_records=5000)).items():
+                records[tp.topic].extend((r.key or b"") + b"|" + (r.value or b"") for r in batch)
+    finally:
+        await consumer.stop()
+    return records
+
+
+async def test_no_raw_key_in_any_topic_or_segment_file(secure_bridge: SecureBridge) -> None:
+    key, record = await secure_bridge.keys.create("acme")
+    await through_the_bridge(secure_bridge, key)
+    secret = key[len(PREFIX) :].encode()  # the key's random part: what makes it a credential
+
+    records = await every_record(secure_bridge.settings)
+    assert {SECURE_REQUESTS, "llm.admitted", "llm.tokens", "llm.usage", "llm.dlq"} <= set(records)
+    assert [topic for topic, values in records.items() if any(secret in v for v in values)] == []
+    sent = [codec.decode(v.split(b"|", 1)[1], Request) for v in records[SECURE_REQUESTS] if hash_key(key).encode() in v]
+    assert len(sent) == 3, "the bridge's three requests should be on the request topic, under the key's hash"
+    assert all(r.api_key is None and r.principal_token is not None and r.principal_token.kind == "key" for r in sent)
+    assert sum(record.key_id.encode() in v for v in records["llm.admitted"]) == 3  # ingest admitted them as that key
+
+    log_dir = STATE / "kafka-data"
+    files = [f for f in log_dir.rglob("*") if f.is_file()]
+    request_segments = [f for f in files if f.parent.name.startswith(SECURE_REQUESTS + "-") and f.suffix == ".log"]
+    assert request_segments, f"no segment of {SECURE_REQUESTS} under {log_dir}"
+    assert any(hash_key(key).encode() in f.read_bytes() for f in request_segments)  # the grep sees what was written
+    assert [str(f) for f in files if secret in f.read_bytes()] == []

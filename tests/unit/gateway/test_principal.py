@@ -1,0 +1,133 @@
+"""Principal tokens: the bridge's signed stand-in for a credential, and what ingest's gateway makes of it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jwt
+import msgspec
+import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from pipeline.bridge.credentials import Credentials
+from pipeline.bridge.openai_format import Unauthorized
+from pipeline.errors import StageError
+from pipeline.gateway.config import GatewaySettings, JwtSettings
+from pipeline.gateway.gateway import Gateway
+from pipeline.gateway.jwt_auth import JwtVerifier
+from pipeline.gateway.keys import PREFIX, MemoryKeyStore, hash_key
+from pipeline.gateway.limits import MemoryLimiter
+from pipeline.gateway.principal import sign
+from tests.unit.gateway.helpers import Rig, rig
+from tests.unit.gateway.test_jwt import AUD, ISS, rsa_key, token
+from tests.unit.helpers import request
+from topics import codec
+from topics.errors import ErrorCode
+from topics.requests import ChatMessage, Request
+
+__all__ = ["rsa_key"]  # fixture
+pytestmark = pytest.mark.asyncio
+SECRET = "unit-gateway-secret"
+
+
+def signed(r: Rig, raw_key: str, rid: str = "r1", secret: str = SECRET, **overrides: object) -> Request:
+    """What the bridge sends for `raw_key`, through the wire (encoded and decoded) as ingest reads it."""
+    req = request(rid, api_key=raw_key, created_at=r.clock.now, deadline_s=60.0, **overrides)
+    token = sign(secret, req, "key", hash_key(raw_key), req.created_at + req.deadline_s)
+    return codec.decode(codec.encode(token), Request)
+
+
+async def code_of(r: Rig, req: Request) -> ErrorCode:
+    with pytest.raises(StageError) as caught:
+        await r.gateway.admit(req)
+    return caught.value.code
+
+
+async def test_a_signed_key_hash_is_admitted_and_the_raw_key_is_not_on_the_wire() -> None:
+    r = rig(client_info_secret=SECRET)
+    raw, record = await r.keys.create("acme")
+    req = signed(r, raw)
+    assert req.api_key is None and raw.encode() not in codec.encode(req) and raw[len(PREFIX) :].encode() not in codec.encode(req)
+    forwarded, principal = await r.gateway.admit(req)
+    assert principal.name == "key:" + record.key_id and forwarded.tenant == "acme"
+    assert forwarded.principal_token is None and forwarded.api_key is None
+
+
+async def test_a_token_for_one_request_does_not_authenticate_another() -> None:
+    r = rig(client_info_secret=SECRET)
+    raw, _ = await r.keys.create("acme")
+    token = signed(r, raw).principal_token
+    other = msgspec.structs.replace(signed(r, raw), messages=(ChatMessage(role="user", content="something else"),))
+    assert await code_of(r, other) is ErrorCode.unauthorized  # same token, other content
+    assert await code_of(r, msgspec.structs.replace(signed(r, raw, "r2"), principal_token=token)) is ErrorCode.unauthorized
+    moved = msgspec.structs.replace(signed(r, raw), reply_to="llm.responses.elsewhere")
+    assert await code_of(r, moved) is ErrorCode.unauthorized
+
+
+async def test_a_hash_alone_or_under_another_secret_is_refused() -> None:
+    r = rig(client_info_secret=SECRET)
+    raw, _ = await r.keys.create("acme")
+    forged = signed(r, raw, secret="not-the-gateway-secret")
+    assert await code_of(r, forged) is ErrorCode.unauthorized
+    token = signed(r, raw).principal_token
+    assert token is not None
+    unsigned = msgspec.structs.replace(signed(r, raw), principal_token=msgspec.structs.replace(token, mac=""))
+    assert await code_of(r, unsigned) is ErrorCode.unauthorized
+    both = msgspec.structs.replace(signed(r, raw), api_key=raw)  # a token and a key: neither is taken
+    assert await code_of(r, both) is ErrorCode.unauthorized
+    no_secret = rig()  # an ingest without the secret cannot check a token, so it accepts none
+    raw2, _ = await no_secret.keys.create("acme")
+    assert await code_of(no_secret, signed(no_secret, raw2)) is ErrorCode.unauthorized
+
+
+async def test_an_expired_token_or_a_revoked_key_is_refused() -> None:
+    r = rig(client_info_secret=SECRET)
+    raw, record = await r.keys.create("acme")
+    late = signed(r, raw)
+    r.clock.now += 61
+    assert await code_of(r, late) is ErrorCode.deadline_exceeded
+    revoked = signed(r, raw, "r3")
+    await r.keys.revoke(record.key_id)
+    assert await code_of(r, revoked) is ErrorCode.unauthorized  # ingest looks the hash up: revocation bites
+
+
+async def test_a_jwt_principal_is_taken_only_with_jwt_enabled() -> None:
+    r = rig(client_info_secret=SECRET)  # JWT not enabled here
+    req = request(created_at=r.clock.now, deadline_s=60.0)
+    token = sign(SECRET, req, "jwt", "svc-1", r.clock.now + 30, tenant="acme", models=())
+    assert await code_of(r, token) is ErrorCode.unauthorized
+
+
+async def test_the_bridge_never_forwards_a_foreign_credential() -> None:
+    req = request(created_at=1.0)
+    open_bridge = Credentials(GatewaySettings(auth_required=False, client_info_secret=SECRET))
+    for foreign in ("unused", "sk-proj-" + "x" * 40, None):
+        assert (await open_bridge.resolve(foreign)).apply(req).api_key is None
+    closed = Credentials(GatewaySettings(auth_required=True, client_info_secret=SECRET))
+    for refused in ("unused", PREFIX + "' OR '1'='1", None):
+        with pytest.raises(Unauthorized):
+            await closed.resolve(refused)
+    key = PREFIX + "A" * 43
+    sent = (await closed.resolve(key)).apply(req)
+    assert sent.api_key is None and sent.principal_token is not None and sent.principal_token.subject == hash_key(key)
+    demo = Credentials(GatewaySettings(auth_required=False))  # no secret: the key goes on for ingest to check
+    assert (await demo.resolve(key)).apply(req).api_key == key
+
+
+async def test_the_bridge_verifies_a_jwt_and_sends_its_claims_signed(rsa_key: rsa.RSAPrivateKey, tmp_path: Path) -> None:
+    jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(rsa_key.public_key()))
+    (tmp_path / "jwks.json").write_text(json.dumps({"keys": [{**jwk, "kid": "k1", "use": "sig", "alg": "RS256"}]}))
+    jwt_settings = JwtSettings(enabled=True, issuer=ISS, audience=AUD, jwks_file=str(tmp_path / "jwks.json"))
+    settings = GatewaySettings(auth_required=True, jwt=jwt_settings, client_info_secret=SECRET)
+    raw = token(rsa_key, models=["m1"])
+    sent = (await Credentials(settings).resolve(raw)).apply(request(deadline_s=600.0))
+    wire = codec.encode(sent)
+    assert raw.encode() not in wire and raw.split(".")[2].encode() not in wire  # neither the token nor its signature
+    assert sent.principal_token is not None and sent.principal_token.expires_at <= time.time() + 61  # the JWT's exp
+    gateway = Gateway(settings, MemoryKeyStore(), MemoryLimiter(60.0), JwtVerifier(jwt_settings, tmp_path))
+    principal = await gateway.authenticate(codec.decode(wire, Request))
+    assert principal.name == "jwt:svc-1" and principal.tenant == "acme" and principal.models == ("m1",)
+    with pytest.raises(Unauthorized):
+        await Credentials(settings).resolve(token(rsa_key, exp=int(time.time()) - 120))
