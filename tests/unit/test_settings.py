@@ -36,7 +36,7 @@ def test_a_top_level_replies_list_takes_effect(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ('[bridge]\nreplies = ["bridge"]\n', "`bridge.replies` is not a key of [bridge] (allowed: host, port, reply_name)"),
+    ('[bridge]\nreplies = ["bridge"]\n', "`bridge.replies` is not a key of [bridge] (allowed: host, port, reply_name, "),
     ("typo = 1\n", "`typo` is not a key of the top level (allowed: kafka, redis,"),
     ("[gateway.tenants.acme]\nrpmm = 3\n", "`gateway.tenants.acme.rpmm` is not a key of [gateway.tenants.acme] (allowed: rpm, tpm,"),
     ('[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\nbase = "x"\n', "`backends[0].base` is not a key of [backends[0]]"),
