@@ -3,6 +3,8 @@
 #   infra/services.sh start STATE_DIR KAFKA_PORT REDIS_PORT
 #   infra/services.sh stop STATE_DIR
 # Everything started is recorded by pid in STATE_DIR and stopped by pid, nothing else.
+# SLUICE_KAFKA_SECURE=1 / SLUICE_REDIS_SECURE=1 start each in its secure profile (kafka/start.sh,
+# redis/start.sh); infra/run.sh sets both for SLUICE_SECURE=1.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 

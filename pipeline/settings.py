@@ -42,7 +42,11 @@ class KafkaSettings:
 
 @dataclass(frozen=True)
 class RedisSettings:
-    url: str = "redis://127.0.0.1:16379/0"
+    url: str = "redis://127.0.0.1:16379/0"  # a password in it (redis://user:pw@host) is used, and masked
+    # An ACL user (the secure profile's `sluice`) and its password: from SLUICE_REDIS_USER and
+    # SLUICE_REDIS_PASSWORD (infra/run.sh reads it from the mode-600 file), never from an argument.
+    username: str = ""
+    password: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,10 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
     if "SLUICE_KAFKA_BOOTSTRAP" in env:
         settings = replace(settings, kafka=replace(settings.kafka, bootstrap=env["SLUICE_KAFKA_BOOTSTRAP"]))
     if "SLUICE_REDIS_URL" in env:
-        settings = replace(settings, redis=RedisSettings(url=env["SLUICE_REDIS_URL"]))
+        settings = replace(settings, redis=replace(settings.redis, url=env["SLUICE_REDIS_URL"]))
+    if "SLUICE_REDIS_USER" in env or "SLUICE_REDIS_PASSWORD" in env:
+        settings = replace(settings, redis=replace(settings.redis, username=env.get("SLUICE_REDIS_USER", settings.redis.username),
+                                                   password=env.get("SLUICE_REDIS_PASSWORD", settings.redis.password)))
     if "SLUICE_PROFILE" in env:
         settings = replace(settings, profile=env["SLUICE_PROFILE"])
     if "SLUICE_BRIDGE_PORT" in env:

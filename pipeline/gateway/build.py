@@ -18,11 +18,13 @@ from pipeline.settings import REPO_ROOT, Settings
 def redis_client(settings: Settings) -> Redis:
     """A client that fails fast (short timeouts, one immediate retry): the gateway decides what Redis being
     away means. The retry is for a pooled connection that died with a Redis restart: it reconnects at
-    once. Every script is idempotent per request id, so a retried command never counts twice."""
+    once. Every script is idempotent per request id, so a retried command never counts twice. In the
+    secure profile it authenticates as an ACL user (settings.redis: username, password)."""
     timeout = settings.gateway.redis_timeout_s
+    credentials = {"username": settings.redis.username or None, "password": settings.redis.password or None}
     return Redis.from_url(
         settings.redis.url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1),
-        health_check_interval=0,
+        health_check_interval=0, **{k: v for k, v in credentials.items() if v},  # a user or password in the URL wins
     )
 
 
