@@ -2,8 +2,12 @@
 # `make run`: starts Kafka and Redis (ports from sluice.toml), creates the topics, and runs every stage
 # and the bridge in the foreground. Ctrl-C, or SIGINT/SIGTERM to this script or to `make`, stops all of
 # it, by pid. SLUICE_RUN_STATE moves the state directory (default .state/run).
-# SLUICE_KAFKA_SECURE=1 make run: the broker's secure profile (SASL/SCRAM and ACLs; a state dir keeps
-# the profile it was first formatted with, so `make clean` first when switching).
+# SLUICE_SECURE=1 make run: the secure profile, i.e. SLUICE_KAFKA_SECURE=1 (the broker with SASL/SCRAM and
+# ACLs; a state dir keeps the profile it was first formatted with, so `make clean` first when switching)
+# and SLUICE_REDIS_SECURE=1 (Redis with ACL users and passwords), either of which also works alone.
+# Secrets reach sluice's processes in the environment, read from mode-600 files, never as arguments; the
+# gateway secret (the bridge's signatures: client information, principal tokens) is SLUICE_GATEWAY_SECRET
+# or else one made once in STATE/gateway.secret.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -42,8 +46,25 @@ if [ -n "${SLUICE_RUN_PARENT:-}" ]; then  # set by the Makefile to make's pid
   watch_make "$SLUICE_RUN_PARENT" &
   watcher=$!
 fi
+if [ "${SLUICE_SECURE:-0}" = 1 ]; then
+  export SLUICE_KAFKA_SECURE=1 SLUICE_REDIS_SECURE=1
+fi
 infra/services.sh start "$state" "$kafka_port" "$redis_port"
 echo "Kafka on 127.0.0.1:$kafka_port, Redis on 127.0.0.1:$redis_port (logs in $state)"
+if [ "${SLUICE_REDIS_SECURE:-0}" = 1 ]; then  # sluice's processes are Redis's ACL user `sluice`
+  export SLUICE_REDIS_USER=sluice SLUICE_REDIS_PASSWORD
+  SLUICE_REDIS_PASSWORD=$(cat "$state/redis-sluice.password")
+  echo "Redis: ACL users only (the operator's: admin, password in $state/redis-admin.password)"
+fi
+if [ -z "${SLUICE_GATEWAY_SECRET:-}" ]; then
+  if [ ! -s "$state/gateway.secret" ]; then
+    secret_tmp=$(umask 077; mktemp "$state/gateway.secret.XXXXXX")
+    head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$secret_tmp"
+    mv -f "$secret_tmp" "$state/gateway.secret"
+  fi
+  export SLUICE_GATEWAY_SECRET
+  SLUICE_GATEWAY_SECRET=$(cat "$state/gateway.secret")
+fi
 if [ "${SLUICE_KAFKA_SECURE:-0}" = 1 ]; then  # the secure profile: sluice's stages connect as the super user
   export SLUICE_KAFKA_USER=admin SLUICE_KAFKA_PASSWORD
   SLUICE_KAFKA_PASSWORD=$(cat "$state/kafka-admin.password")
