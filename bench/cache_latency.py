@@ -42,7 +42,7 @@ PAIRS = [  # (asked first, its paraphrase): a semantic hit at the default thresh
     ("How do I reset my password?", "How can I reset my password?"),
     ("What is the capital of France?", "What's the capital of France?"),
     ("How do I boil an egg?", "How should I boil an egg?"),
-    ("Give me a synonym for happy.", "Give me a synonym for the word happy."),
+    ("What is a good name for a cat?", "What's a good name for a cat?"),
     ("How do I make a cup of tea?", "How can I make a cup of tea?"),
 ]
 
@@ -56,11 +56,14 @@ async def fill(settings: Settings, tenant: str, model: str, n: int) -> None:
     now = time.time()
     try:
         for i, vector in enumerate(vectors):
+            last = i == n - 1
             entry = Entry(key=f"bench/{i}", tenant=tenant, model=model, context=f"filler-{i % 50}", chunks=("x",),
                           finish_reason="stop", prompt_tokens=1, completion_tokens=1, stored_at=now, expires_at=now + 3600,
                           vector=from_vector(vector))
-            await producer.send(registry.CACHE_ENTRIES, codec.encode(entry), key=entry.key.encode())
-        await producer.send_and_wait(registry.CACHE_ENTRIES, b"", key=b"bench/flush")
+            if last:
+                await producer.send_and_wait(registry.CACHE_ENTRIES, codec.encode(entry), key=entry.key.encode())
+            else:
+                await producer.send(registry.CACHE_ENTRIES, codec.encode(entry), key=entry.key.encode(), headers=[])
     finally:
         await producer.stop()
 
