@@ -48,9 +48,11 @@ class GuardStage:
         self.name, self.topics = name, topics
         self._settings = settings.guard
         self._context = context if context is not None else ContextLimit.from_settings(settings.backends, settings.model_cache)
-        # A batch holds at most a PII slice and an injection window (they run on two threads at once)
-        # and a short prompt's piece: a request arriving behind a large one waits for that much work.
-        budget = PII_SLICE + SEGMENT_CHARS + 2 * 300
+        # A batch holds one piece of a long text (a PII slice or an injection window), or short prompts
+        # up to that much work: a request arriving behind a large one waits for one piece, not for it.
+        # (A budget of a slice, a window and a short prompt measured 267 ms p50 for a small request
+        # behind 4 x 32 KB; one piece keeps it under the 100 ms target. Bulk throughput pays.)
+        budget = max(PII_SLICE, SEGMENT_CHARS)
         self._batcher: Batcher[Piece, PieceVerdict] = Batcher(guard.run, cost=Piece.cost, max_cost=budget)
 
     def sanitise(self, request: Request, verdicts: list[TextVerdict]) -> Request:
