@@ -70,7 +70,8 @@ start() {
       --allow-metrics false --log-verbose 0 --exit-timeout-secs 5 \
       >"$state/triton.log" 2>&1 &
   echo $! >"$state/triton.pid"
-  for _ in $(seq 1 1200); do  # up to 120 s: loading the model takes a few seconds on 2 cores
+  local deadline=$((SECONDS + 300))  # loading takes ~30 s on 2 idle cores, minutes on busy ones
+  while [ "$SECONDS" -lt "$deadline" ]; do
     if ready "$http_port" "${models[@]}"; then return 0; fi
     if ! kill -0 "$(cat "$state/triton.pid")" 2>/dev/null; then
       echo "triton: the server exited; the end of $state/triton.log:" >&2
@@ -79,7 +80,8 @@ start() {
     fi
     sleep 0.1
   done
-  echo "triton: not ready after 120 s (log: $state/triton.log)" >&2
+  echo "triton: not ready after 300 s (log: $state/triton.log); stopping it" >&2
+  stop "$state"
   exit 1
 }
 

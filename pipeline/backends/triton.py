@@ -10,7 +10,8 @@ declares it. sluice_llm's extensions:
     messages            chat messages as JSON, the chat template applied by the model (a model without
                         this input takes a `prompt` only)
     resume_text         the completion text already delivered: the model continues after it (sluice_llm
-                        re-tokenises it and samples as if it had generated it; see `resumes`)
+                        re-tokenises it and samples as if it had generated it, `max_tokens` counting those
+                        tokens too, as the local backend's resume does; see `resumes`)
     tenant              prefix-cache isolation
     finish_reason, prompt_tokens, completion_tokens   on the final response; from a model without them the
                         ending is inferred at the response Triton marks final (`triton_final_response`) or

@@ -79,8 +79,8 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     grpc_port, http_port = _free_port(), _free_port()
     models = ["sluice_llm", "sluice_llm_faulty", "preprocessing", "postprocessing"]
     start = [SCRIPT, "start", state, str(grpc_port), str(http_port), repo, *models]
-    subprocess.run(start, check=True, timeout=180)
     try:
+        subprocess.run(start, check=True, timeout=360)
         yield f"127.0.0.1:{grpc_port}", state / "triton.log"
     finally:
         subprocess.run([SCRIPT, "stop", state], check=True, timeout=60)
