@@ -29,13 +29,13 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 def _question() -> list[dict[str, str]]:
     # Unique per run: the services (and Redis' entries) may outlive a test session.
-    return [{"role": "user", "content": f"Spell the word 'river' backwards (run {uuid.uuid4().hex[:8]})."}]
+    return [{"role": "user", "content": f"Name a fruit that is red. My order number is {uuid.uuid4().int % 10**8}."}]
 
 
 async def _sse(http: httpx.AsyncClient, body: dict[str, object], headers: dict[str, str] | None = None) -> tuple[str, list[str]]:
     """(x-sluice-cache, the data lines with the per-response id and timestamp blanked)."""
     async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers or {}) as response:
-        assert response.status_code == 200
+        assert response.status_code == 200, (await response.aread()).decode()
         lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
         tier = response.headers["x-sluice-cache"]
     blanked = [re.sub(r'"id":"[^"]+"|"created":\d+', "", line) for line in lines]
