@@ -102,6 +102,7 @@ async def broadcast_consumer(
 def topic_specs(settings: Settings) -> list[TopicSpec]:
     return all_topics(
         pools=settings.pools,
+        unsplit=settings.unsplit_pools,
         replies=settings.replies,
         partitions=settings.kafka.partitions,
     )

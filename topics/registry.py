@@ -65,8 +65,11 @@ def is_reply_topic(topic: str) -> bool:
 _STREAM = "chunk.v2 | done.v2 | error.v2"
 
 
-def all_topics(*, pools: tuple[str, ...], replies: tuple[str, ...], partitions: int) -> list[TopicSpec]:
-    """The topics for a deployment with these backend pools and reply topic names."""
+def all_topics(
+    *, pools: tuple[str, ...], replies: tuple[str, ...], partitions: int, unsplit: frozenset[str] = frozenset(),
+) -> list[TopicSpec]:
+    """The topics for a deployment with these backend pools (those in `unsplit` have no prefill/decode
+    hop: one generation stage reads their routed topic) and reply topic names."""
     day = {"retention.ms": str(DAY_MS)}
     hour = {"retention.ms": str(3600 * 1000)}
     specs = [
@@ -86,6 +89,6 @@ def all_topics(*, pools: tuple[str, ...], replies: tuple[str, ...], partitions: 
         TopicSpec(USAGE, partitions, "usage.v2", {"retention.ms": str(30 * DAY_MS)}),
     ]
     specs += [TopicSpec(routed_topic(p), partitions, "routed.v2", hour) for p in pools]
-    specs += [TopicSpec(prefilled_topic(p), partitions, "prefilled.v2", hour) for p in pools]
+    specs += [TopicSpec(prefilled_topic(p), partitions, "prefilled.v2", hour) for p in pools if p not in unsplit]
     specs += [TopicSpec(reply_topic(r), partitions, _STREAM, hour) for r in replies]
     return specs
