@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import time
 import uuid
 from dataclasses import replace
-from pathlib import Path
 
 import httpx
 import numpy as np
 
+from bench.services import own_services
 from bench.stats import row
 from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
@@ -37,7 +36,6 @@ from pipeline.settings import Settings
 from topics import codec, registry
 from topics.cache import Entry
 
-ROOT = Path(__file__).resolve().parent.parent
 PAIRS = [  # (asked first, its paraphrase): a semantic hit at the default threshold
     ("How do I reset my password?", "How can I reset my password?"),
     ("What is the capital of France?", "What's the capital of France?"),
@@ -127,19 +125,12 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=10_000)
     parser.add_argument("--without-guards", action="store_true")
     args = parser.parse_args()
-    state = ROOT / ".state" / "bench-cache"
-    env = {"SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:49292", "SLUICE_REDIS_URL": "redis://127.0.0.1:46579/0", "SLUICE_BRIDGE_PORT": "48480"}
-    settings = settings_module.load(env=env)
-    if args.without_guards:
-        profile = ("ingest", "cache", "route", "prefill", "decode", "emit")
-        settings = replace(settings, profiles={**settings.profiles, "cached": profile}, profile="cached")
-    subprocess.run(["rm", "-rf", str(state)], check=True)
-    subprocess.run([ROOT / "infra" / "services.sh", "start", state, "49292", "46579"], check=True)
-    try:
+    with own_services("bench-cache", 49292, 46579) as env:
+        settings = settings_module.load(env={**env, "SLUICE_BRIDGE_PORT": "48480"})
+        if args.without_guards:
+            profile = ("ingest", "cache", "route", "prefill", "decode", "emit")
+            settings = replace(settings, profiles={**settings.profiles, "cached": profile}, profile="cached")
         asyncio.run(measure(settings, args))
-    finally:
-        subprocess.run([ROOT / "infra" / "services.sh", "stop", state], check=True)
-
 
 if __name__ == "__main__":
     main()

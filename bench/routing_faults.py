@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import subprocess
 import time
-from pathlib import Path
 
 from bench.fake_openai import FakeUpstream
+from bench.services import own_services
 from bench.stats import row
 from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
@@ -29,7 +28,6 @@ from pipeline.settings import BackendSettings, Settings
 from topics import codec, registry
 from topics.health import BackendHealth
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"
 EXPECTED = "w0 w1 w2 w3 w4 w5 w6 w7 "
 
@@ -120,16 +118,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=40.0)
     parser.add_argument("--phase-s", type=float, default=10.0)
     args = parser.parse_args()
-    state = ROOT / ".state" / "bench-routing"
-    env = {"SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:49392", "SLUICE_REDIS_URL": "redis://127.0.0.1:46679/0"}
-    settings = settings_module.load(env=env)
-    subprocess.run(["rm", "-rf", str(state)], check=True)
-    subprocess.run([ROOT / "infra" / "services.sh", "start", state, "49392", "46679"], check=True)
-    try:
-        asyncio.run(measure(settings, args))
-    finally:
-        subprocess.run([ROOT / "infra" / "services.sh", "stop", state], check=True)
-
+    with own_services("bench-routing", 49392, 46679) as env:
+        asyncio.run(measure(settings_module.load(env=env), args))
 
 if __name__ == "__main__":
     main()

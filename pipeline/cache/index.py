@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 from usearch.index import Index
 
+from pipeline import metrics
 from pipeline.cache.traps import Salient, conflicts
 from pipeline.guard.embedder import DIMS
 from topics.cache import Entry, Purge
@@ -58,7 +59,6 @@ class SemanticIndex:
         self._purged: dict[tuple[str, str | None], float] = {}  # (tenant, model or None) -> purged up to
         self._max = max_per_tenant
         self._next_id = 1
-        self.traps = 0  # candidates refused by the trap check (a metric)
 
     def __len__(self) -> int:
         return sum(len(t.entries) for t in self._tenants.values())
@@ -89,7 +89,7 @@ class SemanticIndex:
             if entry.model != model or entry.context != context:
                 continue
             if conflicts(salient, _salient.decode(entry.salient)):
-                self.traps += 1
+                metrics.CACHE_LOOKUPS.labels("trap").inc()  # a near neighbour the check refused
                 continue
             return Found(entry, similarity)
         return None

@@ -52,7 +52,8 @@ class RouteStage:
 
     def choose(self, admitted: Admitted) -> Route:
         request = admitted.request
-        rule = next((r for r in self._routing.rules if _matches(r, request, admitted.tenant)), None)
+        prefix = _prefix(request)
+        rule = next((r for r in self._routing.rules if _matches(r, request, admitted.tenant, len(prefix))), None)
         names = list(rule.backends) if rule is not None else self._by_model.get(request.model, [])
         if not names:
             raise StageError(ErrorCode.not_found, "no backend serves this model")
@@ -63,7 +64,7 @@ class RouteStage:
         now = time.time()
         members = {n: self.health.member(n, now) for n in names}
         objective = rule.ttft_p95_ms if rule is not None else 0.0
-        ordered = choose(names, members, _prefix(request), self._routing, objective, self._rng)
+        ordered = choose(names, members, prefix, self._routing, objective, self._rng)
         first = self._backends[ordered[0]]
         return Route(backend=first.name, pool=first.pool, fallbacks=tuple(ordered[1:]))
 
@@ -89,8 +90,7 @@ def _last_turn(request: Request) -> str:
     return request.prompt if request.prompt is not None else (request.messages[-1].content if request.messages else "")
 
 
-def _matches(rule: RouteRule, request: Request, tenant: str) -> bool:
-    chars = len(_prefix(request))
+def _matches(rule: RouteRule, request: Request, tenant: str, chars: int) -> bool:
     checks = (
         not rule.models or request.model in rule.models,
         not rule.tasks or request.task in rule.tasks,
