@@ -33,5 +33,5 @@ async def _main(settings: Settings, stop: asyncio.Event) -> None:
 
 def run_embedded(settings: Settings) -> None:
     serve.configure_logging()
-    tracing.install()
+    tracing.install(settings.observability)
     serve.run_until_signal(lambda stop: _main(settings, stop))

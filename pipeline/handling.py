@@ -56,11 +56,7 @@ class Handling:
     ) -> str:
         """Handles one record to its end; returns the outcome (a metric label). `before`, for ordered
         stages: the previous message's task, which a retry of this one waits for."""
-        ctx = tracing.extract(record.headers)
-        with tracing.tracer.start_as_current_span(self.stage.name, context=ctx, kind=trace.SpanKind.CONSUMER) as span:
-            span.set_attribute("messaging.destination", record.topic)
-            span.set_attribute("messaging.kafka.offset", record.offset)
-            span.set_attribute("payload.bytes", len(record.value or b""))
+        with tracing.consume_span(record, self.stage.name) as span:
             outcome = await self._handle_record(record, span, handed_over, before)
             span.set_attribute("outcome", outcome)
         return outcome
@@ -152,7 +148,7 @@ class Handling:
 
     async def _send(self, out: Out) -> asyncio.Future[Any]:
         metrics.PRODUCED.labels(self.stage.name, out.topic).inc()
-        return await self._producer.send(out.topic, codec.encode(out.value), key=out.key.encode(), headers=tracing.inject())
+        return await self._producer.send(out.topic, codec.encode(out.value), key=out.key.encode(), headers=tracing.publish(out.topic))
 
     async def _send_surely(self, out: Out) -> None:
         """Produces `out` and waits for its acknowledgement, through a broker outage (with backoff)."""

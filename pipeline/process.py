@@ -23,6 +23,6 @@ async def run_stages(names: list[str] | None, settings: Settings, stop: asyncio.
 
 def run_worker(*names: str) -> None:
     serve.configure_logging()
-    tracing.install()
     settings = settings_module.load()
+    tracing.install(settings.observability)
     serve.run_until_signal(lambda stop: run_stages(list(names), settings, stop))

@@ -30,6 +30,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 
 from pipeline import kafka
+from pipeline.observability.watch import RequestWatch
 from pipeline.producing import Producer
 from pipeline.sequencing import Sequencer
 from pipeline.stage import address_of
@@ -101,8 +102,9 @@ class Stream:
         order = Sequencer()
         deadline = time.monotonic() + self.request.deadline_s + GRACE_S
         finished = False
+        watch = RequestWatch(self.request)  # the trace's root span; time to first token and between chunks
         try:
-            await self._client._produce(self.request)
+            await self._client._produce(self.request, watch.headers())
             while True:
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
@@ -110,9 +112,11 @@ class Stream:
                 event = await asyncio.wait_for(self._queue.get(), timeout)
                 if isinstance(event, Chunk):
                     for chunk in order.accept(event):
+                        watch.chunk()
                         yield chunk
                     continue
                 finished = True
+                watch.finish(event)
                 if order.gap() or (isinstance(event, Done) and event.chunks > order.next_seq):
                     raise RequestFailed(_incomplete(event, order.next_seq))
                 if isinstance(event, Failed):
@@ -120,6 +124,7 @@ class Stream:
                 self.done = event
                 return
         finally:
+            watch.finish(None)
             self._client._forget(self.id)
             if not finished:  # the caller stopped early: let decode stop too
                 await self._client.cancel(self.pipeline_id or self.id)
@@ -224,9 +229,9 @@ class Client:
         cancel = Cancel(id=request_id, reason=reason, at=time.time())
         await self._producer.send_and_wait(registry.CONTROL, codec.encode(cancel), key=request_id.encode())
 
-    async def _produce(self, request: Request) -> None:
+    async def _produce(self, request: Request, headers: list[tuple[str, bytes]] | None = None) -> None:
         assert self._producer is not None, "start() the client first"
-        await self._producer.send_and_wait(registry.REQUESTS, codec.encode(request), key=request.id.encode())
+        await self._producer.send_and_wait(registry.REQUESTS, codec.encode(request), key=request.id.encode(), headers=headers)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -17,6 +17,7 @@ import msgspec
 from pipeline.cache.config import CacheSettings
 from pipeline.gateway.config import GatewaySettings
 from pipeline.guard.config import GuardSettings
+from pipeline.observability.config import ObservabilitySettings
 from pipeline.routing.config import RoutingSettings
 from pipeline.strict import describe, unknown_keys
 from pipeline.topology import check_profile
@@ -137,6 +138,7 @@ class Settings:
         return tuple(dict.fromkeys(b.pool for b in self.backends))
 
     @property
+    observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
     def unsplit_pools(self) -> frozenset[str]:
         """Pools whose backends cannot split prefill from decode: one generation stage serves each."""
         return frozenset(b.pool for b in self.backends if not b.splits)
@@ -212,6 +214,8 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
         raise SettingsError(f"{path}: " + "; ".join(unknown))
     try:
         settings = msgspec.convert(raw, Settings, strict=True)
+        if problems := self.observability.problems():
+            raise SettingsError("; ".join(problems))
     except msgspec.ValidationError as exc:
         raise SettingsError(f"{path}: {_shape_error(str(exc))}") from None
     if "SLUICE_KAFKA_BOOTSTRAP" in env:
@@ -246,6 +250,8 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
 
 
 def _shape_error(message: str) -> str:
+    if "SLUICE_OTLP_ENDPOINT" in env:
+        settings = replace(settings, observability=replace(settings.observability, otlp_endpoint=env["SLUICE_OTLP_ENDPOINT"]))
     """msgspec's "Expected `int`, got `str` - at `$.kafka.partitions`" as "`kafka.partitions`: expected ..."."""
     problem, sep, where = message.rpartition(" - at `")
     if not sep:

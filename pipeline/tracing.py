@@ -1,14 +1,35 @@
-"""W3C trace context carried in Kafka headers, and the tracer the runner uses. Spans carry ids,
-sizes and outcomes, never prompt text or credentials."""
+"""One trace per request across every Kafka hop: W3C trace context in Kafka headers, the spans the
+runner makes around each record and each produce, and the exporter. Spans carry ids, sizes, offsets and
+outcomes, never prompt text, credentials or a tenant's name.
+
+    client (SDK / bridge)   "chat <model>" (CLIENT; under the bridge's SERVER span) -> "send llm.requests" (PRODUCER)
+    every stage             "<stage>" (CONSUMER: messaging.* and messaging.kafka.* attributes)
+                              -> "send <topic>" (PRODUCER) for each message it produces, whose headers carry
+                                 the trace to the next stage
+
+Spans follow OpenTelemetry's messaging conventions (`messaging.system`, `messaging.operation.type`,
+`messaging.destination.name`, `messaging.consumer.group.name`, `messaging.destination.partition.id`,
+`messaging.kafka.offset`, `messaging.message.body.size`). Sampling is parent-based: a client decides
+(`observability.sample_ratio`) and every stage follows the `traceparent` flag it received, so a trace is
+kept whole or not at all. Export is batched in a background thread (BatchSpanProcessor) over OTLP/HTTP;
+a full queue drops spans, it never slows a stage.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from opentelemetry import context, propagate, trace
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+from pipeline import metrics
+from pipeline.observability.config import ObservabilitySettings
 
 Headers = Sequence[tuple[str, bytes]]
 
@@ -16,13 +37,25 @@ tracer = trace.get_tracer("sluice")
 
 MAX_HEADER_BYTES = 512  # a traceparent is 55 bytes; W3C lets tracestate reach 512 characters
 _TRACE_KEYS = frozenset({"traceparent", "tracestate"})
+CONSUMER, PRODUCER = trace.SpanKind.CONSUMER, trace.SpanKind.PRODUCER
 
 
-def install(exporter: SpanExporter | None = None) -> TracerProvider:
-    """Sets an SDK tracer provider (once per process); spans are exported only if an exporter is given."""
-    provider = TracerProvider()
+def install(settings: ObservabilitySettings | None = None, exporter: SpanExporter | None = None) -> TracerProvider:
+    """Sets the process's tracer provider (once per process: OpenTelemetry ignores a second one and says
+    so). Spans are exported in batches to `exporter`, else to `settings.otlp_endpoint` over OTLP/HTTP,
+    else nowhere (they are still made, so trace context still flows to processes that do export)."""
+    settings = settings or ObservabilitySettings()
+    sampler = ParentBased(TraceIdRatioBased(settings.sample_ratio))
+    provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}), sampler=sampler)
+    if exporter is None and settings.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=settings.otlp_endpoint, timeout=settings.otlp_timeout_s)
     if exporter is not None:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        provider.add_span_processor(BatchSpanProcessor(
+            exporter, max_queue_size=settings.export_queue, max_export_batch_size=settings.export_batch,
+            schedule_delay_millis=settings.export_delay_ms,
+        ))
     trace.set_tracer_provider(provider)
     return provider
 
@@ -47,8 +80,44 @@ def extract(headers: Iterable[Any] | None) -> context.Context:
         return context.get_current()
 
 
-def inject() -> list[tuple[str, bytes]]:
-    """Headers for the current span's context."""
+def inject(ctx: context.Context | None = None) -> list[tuple[str, bytes]]:
+    """Headers for `ctx` (default: the current span's context)."""
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    propagate.inject(carrier, context=ctx)
     return [(k, v.encode("latin-1")) for k, v in carrier.items()]
+
+
+@contextlib.contextmanager
+def consume_span(record: Any, group: str) -> Iterator[trace.Span]:
+    """The CONSUMER span of one record at stage `group` (the stage's name: its consumer group and span
+    name), continuing the trace its headers carry; also observes the record's queue time (from its
+    produce timestamp to now, when the stage starts on it)."""
+    timestamp = getattr(record, "timestamp", None)
+    if isinstance(timestamp, int) and timestamp > 0:
+        metrics.QUEUE_SECONDS.labels(group).observe(max(0.0, time.time() - timestamp / 1000.0))
+    attributes = {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.destination.name": record.topic,
+        "messaging.consumer.group.name": group,
+        "messaging.destination.partition.id": str(record.partition),
+        "messaging.kafka.offset": record.offset,
+        "messaging.message.body.size": len(record.value or b""),
+    }
+    with tracer.start_as_current_span(group, context=extract(record.headers), kind=CONSUMER, attributes=attributes) as span:
+        yield span
+
+
+def publish(topic: str, parent: context.Context | None = None) -> list[tuple[str, bytes]]:
+    """A PRODUCER span for one message to `topic` (a child of `parent`, default the current span) and the
+    headers that carry it to the message's consumer. The span covers handing the message to the producer;
+    the broker's acknowledgement is the consumer span's queue time."""
+    span = tracer.start_span(f"send {topic}", context=parent, kind=PRODUCER, attributes={
+        "messaging.system": "kafka", "messaging.operation.type": "send", "messaging.operation.name": "send",
+        "messaging.destination.name": topic,
+    })
+    try:
+        return inject(trace.set_span_in_context(span, parent))
+    finally:
+        span.end()

@@ -51,6 +51,7 @@ from pipeline.bridge.openai_format import (
 from pipeline.bridge.relay import RelayResponse
 from pipeline.bridge.websocket import StreamSession
 from pipeline.gateway.network import attest
+from pipeline.observability.http import TraceRequests
 from pipeline.sdk import Client
 from pipeline.settings import LimitSettings, Settings
 from topics.errors import ErrorCode
@@ -120,7 +121,7 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
     ]
     handlers = {BridgeError: _bridge_error, HTTPException: _http_error, Exception: _internal_error}
     hosts = settings.gateway.allowed_hosts
-    middleware = [Middleware(HeaderLimit, limit=MAX_HEADER_BYTES)]
+    middleware = [Middleware(HeaderLimit, limit=MAX_HEADER_BYTES), Middleware(TraceRequests)]
     middleware += [Middleware(AllowedHosts, hosts=hosts)] if hosts else []
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
 
