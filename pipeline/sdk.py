@@ -13,7 +13,8 @@ fanned out to the waiting request by the client's id (the pipeline namespaces it
 the first namespaced id seen for a request is the only one accepted after it). Redelivered chunks are
 dropped by sequence number and early ones held until the gap fills, so each caller sees 0..n-1 once
 and in order, then exactly one terminal event; a terminal event that arrives with a gap open ends the
-stream with `stream_incomplete` rather than a text with a hole.
+stream with `stream_incomplete` rather than a text with a hole. A sluice API key is never sent: each
+request is signed with a pair derived from it (pipeline/gateway/principal.py, docs/security.md).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 
 from pipeline import kafka
+from pipeline.gateway.keys import well_formed
+from pipeline.gateway.principal import sign_with_key
 from pipeline.observability.watch import RequestWatch
 from pipeline.producing import Producer
 from pipeline.sequencing import Sequencer
@@ -189,11 +192,14 @@ class Client:
         no_cache: bool = False,
         no_store: bool = False,
         task: str | None = None,
+        priority: str = "interactive",  # or "batch": the engine's lower lane (what `sluice batch` sends)
         **sampling: object,
     ) -> Request:
         """A validated request (msgspec.ValidationError names the bad field) with a fresh id. `no_cache`:
         never answered from the cache; `no_store`: its answer is not stored in it; `task` (code,
-        summarization, ...): what routing rules may match on."""
+        summarization, ...): what routing rules may match on. A sluice `api_key` never goes to Kafka: the
+        request carries the key's hash and a signature with the key's own pair instead (sign_with_key);
+        anything else given as `api_key` (a JWT) is sent for ingest to check."""
         fields = {
             "id": uuid.uuid4().hex,
             "reply_to": self.reply_topic,
@@ -208,8 +214,10 @@ class Client:
             "no_cache": no_cache,
             "no_store": no_store,
             "task": task,
+            "priority": priority,
         }
-        return msgspec.convert(fields, Request)
+        request = msgspec.convert(fields, Request)
+        return sign_with_key(api_key, request) if api_key is not None and well_formed(api_key) else request
 
     def stream(self, request: Request | None = None, **kwargs: object) -> Stream:
         """A stream for `request` (or one built from kwargs as in `request()`); produced when iterated."""

@@ -29,13 +29,15 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class PrincipalToken(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What the bridge puts on a request in place of the caller's credential (pipeline/gateway/principal.py):
-    who the caller is, signed with the gateway secret over the whole request, valid until its deadline."""
+    """What a request carries in place of the caller's credential (pipeline/gateway/principal.py): who the
+    caller is, signed over the whole request (by the bridge with the gateway secret, or by a direct
+    producer with its key's own pair), valid until its deadline."""
 
-    kind: Literal["key", "jwt"]
-    subject: Annotated[str, msgspec.Meta(max_length=256)]  # key: the key's SHA-256 (never the key); jwt: `sub`
+    kind: Literal["key", "jwt", "signed_key"]  # signed_key: a direct producer signed with its key's own pair
+    subject: Annotated[str, msgspec.Meta(max_length=256)]  # key, signed_key: the key's SHA-256 (never the key); jwt: `sub`
     expires_at: float  # unix seconds: the request's deadline (or the JWT's expiry, if sooner)
-    mac: Annotated[str, msgspec.Meta(max_length=64)] = ""  # HMAC-SHA256 (hex) over the request with this blank
+    # over the request with this blank: HMAC-SHA256 (hex) with the gateway secret; signed_key: Ed25519 (hex)
+    mac: Annotated[str, msgspec.Meta(max_length=128)] = ""
     tenant: str | None = None  # jwt: the verified tenant claim; key: None (the key record names it)
     models: tuple[str, ...] = ()  # jwt: the verified models claim
 
@@ -57,7 +59,7 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="requ
     no_cache: bool = False  # never answered from the cache (HTTP `Cache-Control: no-cache`)
     no_store: bool = False  # the answer is not stored in the cache (`Cache-Control: no-store`)
     api_key: str | None = None  # a direct producer's credential, checked by ingest; never logged
-    principal_token: PrincipalToken | None = None  # the bridge's signed principal, in place of `api_key`
+    principal_token: PrincipalToken | None = None  # a signed principal, in place of `api_key`
     tenant: str = "default"  # a claim only: ingest replaces it with the authenticated principal's tenant
     # Set by the bridge (never by the client): the caller's address and user agent, and an HMAC over
     # them with the gateway's client_info_secret, so ingest can tell them from a Kafka producer's claim.

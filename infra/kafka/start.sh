@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Starts a single-node Kafka (KRaft) on 127.0.0.1 in the background and waits until it accepts
 # connections. Usage: infra/kafka/start.sh STATE_DIR PORT [--secure]  (or SLUICE_KAFKA_SECURE=1)
-# Writes STATE_DIR/kafka.pid and STATE_DIR/kafka.log; formats storage once (re-runs are safe).
+# Writes STATE_DIR/kafka.pid and STATE_DIR/kafka.log; formats storage once (re-runs are safe). Every
+# directory and file it or the broker makes is private (umask 077): the segments hold prompts and answers.
 # --secure: SASL/SCRAM listeners and ACLs (secure.properties.in). The super user `admin` gets a random
 # password, created once in STATE_DIR/kafka-admin.password (mode 600) and added at format time (from a
 # mode-600 argument file, never on a command line); server.properties is mode 600 from its creation;
@@ -14,12 +15,17 @@ secure=${SLUICE_KAFKA_SECURE:-0}
 [ "${3:-}" = "--secure" ] && secure=1
 controller_port=$((port + 1))
 data="$state/kafka-data"
-mkdir -p "$state" "$data"
 [ -d "$here/lib" ] || { echo "Kafka jars missing: run 'make setup' first" >&2; exit 1; }
 
-# server.properties holds the super user's password in the secure profile: it is written whole to a
-# private temporary file (umask 077, so mode 600 from its creation) and renamed into place.
+# Everything this script and the broker write is private to this user (umask 077, in every profile):
+# the segment files hold every prompt and answer, and in the secure profile server.properties holds
+# the super user's password (written whole to a private temporary file and renamed into place). The
+# broker inherits the umask, so its directories are 700 and its files 600 from their creation; a data
+# directory left by an older start (made under umask 022) is made private once.
 umask 077
+mkdir -p "$state" "$data"
+chmod 700 "$state"
+[ -z "$(find "$data" -perm /077 -print -quit)" ] || chmod -R go= "$data"
 properties=$(mktemp "$state/server.properties.XXXXXX")
 sed -e "s|@PORT@|$port|g" -e "s|@CONTROLLER_PORT@|$controller_port|g" -e "s|@DATA@|$data|g" \
   "$here/server.properties.in" >"$properties"
@@ -33,7 +39,6 @@ if [ "$secure" = 1 ]; then
   scram="SCRAM-SHA-256=[name=admin,password=$admin_password]"
 fi
 mv -f "$properties" "$state/server.properties"
-umask 022
 
 java_opts=(-Xms256m -Xmx512m -server -XX:+UseG1GC -XX:MaxGCPauseMillis=20
   -XX:InitiatingHeapOccupancyPercent=35 -XX:+ExplicitGCInvokesConcurrent -Djava.awt.headless=true
@@ -44,7 +49,7 @@ if [ ! -f "$data/meta.properties" ]; then
   cluster_id=$(java -cp "$cp" "-Dlog4j2.configurationFile=$here/log4j2.yaml" kafka.tools.StorageTool random-uuid)
   # The main class and its arguments go in a java @file (mode 600, removed after): the admin password is
   # never on a command line, where every local user can read it in `ps`.
-  format_args=$(umask 077; mktemp "$state/format.args.XXXXXX")
+  format_args=$(mktemp "$state/format.args.XXXXXX")
   printf 'kafka.tools.StorageTool format -t %s -c "%s" --ignore-formatted\n' "$cluster_id" "$state/server.properties" >"$format_args"
   [ -z "$scram" ] || printf -- '--add-scram "%s"\n' "$scram" >>"$format_args"
   java -cp "$cp" "-Dlog4j2.configurationFile=$here/log4j2.yaml" "@$format_args" >/dev/null || { rm -f "$format_args"; exit 1; }

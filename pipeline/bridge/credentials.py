@@ -7,8 +7,8 @@
 With the gateway secret set (SLUICE_GATEWAY_SECRET, as in the secure profile), no raw credential leaves
 the bridge: a `sk-sluice-` key becomes its SHA-256 and a JWT its verified claims, in a principal token
 signed for that one request (pipeline/gateway/principal.py), which ingest verifies and, for a key, looks
-up in the key store. Without the secret (the embedded demo) a key or JWT is forwarded for ingest to
-check, as a direct Kafka producer's is.
+up in the key store. Without the secret (the embedded demo) a key is signed with its own derived pair,
+as the SDK signs (principal.sign_with_key), and a JWT is forwarded for ingest to check.
 
 Anything else (`unused`, or an OpenAI key the `openai` client picked up from its environment) is never
 forwarded: it is refused where auth is required and dropped (anonymous) where it is not, which is what
@@ -28,7 +28,7 @@ from pipeline.gateway.config import GatewaySettings
 from pipeline.gateway.gateway import INVALID_KEY
 from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier, looks_like_jwt
 from pipeline.gateway.keys import PREFIX, hash_key, well_formed
-from pipeline.gateway.principal import sign
+from pipeline.gateway.principal import sign, sign_with_key
 from pipeline.settings import REPO_ROOT
 from topics.requests import Request
 
@@ -39,7 +39,7 @@ class Credential:
 
     secret: str
     kind: Literal["key", "jwt"] | None = None
-    raw: str | None = None  # forwarded only when there is no secret to sign with
+    raw: str | None = None  # a JWT is forwarded only when there is no secret to sign with
     subject: str = ""  # key: its SHA-256; jwt: `sub`
     tenant: str | None = None
     models: tuple[str, ...] = ()
@@ -48,6 +48,8 @@ class Credential:
     def apply(self, request: Request) -> Request:
         if self.kind is None:
             return msgspec.structs.replace(request, api_key=None)
+        if not self.secret and self.kind == "key" and self.raw is not None:
+            return sign_with_key(self.raw, request)  # as the SDK does: the key's own pair signs
         if not self.secret:
             return msgspec.structs.replace(request, api_key=self.raw)
         expires_at = min(request.created_at + request.deadline_s, self.expires_at)

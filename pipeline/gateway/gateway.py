@@ -1,7 +1,7 @@
 """Gateway: the decisions ingest asks for before admitting a request, and the charge emit reports.
 
-    authenticate(request)   network rules -> who sent it (API key, JWT, the bridge's signed principal
-                            token in place of either: principal.py, or anonymous)
+    authenticate(request)   network rules -> who sent it (API key, JWT, a signed principal token in
+                            place of either, from the bridge or the SDK: principal.py, or anonymous)
     admit(request)  network rules -> authenticate (API key, JWT, or anonymous) -> authorise the model
                     -> tenant network rules -> limits and budgets; returns the request to forward, with
                     the authenticated tenant and key id and without the credential; raises StageError.
@@ -45,6 +45,7 @@ CACHE_ENTRIES = 10_000
 STALE_LIMIT_S = 300.0  # with Redis away, a cached key lookup this old is still used
 TICKET_GRACE_S = 60.0
 INVALID_KEY = "the API key is not valid"
+SIGNED_LIFETIME_S = 3600.0  # state.ttl_s: how long ingest remembers a request it admitted
 
 
 @dataclass(frozen=True)
@@ -163,16 +164,17 @@ class Gateway:
         raise StageError(ErrorCode.unauthorized, INVALID_KEY)
 
     async def _by_token(self, request: Request) -> Principal:
-        """A request from the bridge, which sent a signed principal instead of the credential
-        (pipeline/gateway/principal.py). A key's hash is then looked up as a key's would be, so a key
-        revoked since the bridge signed is refused; a JWT's claims were verified by the bridge."""
+        """A request with a signed principal instead of the credential (pipeline/gateway/principal.py):
+        from the bridge (HMAC with the gateway secret) or a direct producer (signed with its key's own
+        pair). A key's hash is looked up as a key's would be, so a key revoked since the request was
+        signed is refused; a JWT's claims were verified by the bridge."""
+        token = request.principal_token
+        if token is not None and token.kind == "signed_key":
+            return await self._by_signature(request)
         token = principal_token.verify(self._settings.client_info_secret, request)
         if token is None or request.api_key is not None:
             raise StageError(ErrorCode.unauthorized, "the credentials are not valid")
-        if self._clock() >= token.expires_at:
-            if token.expires_at < request.created_at + request.deadline_s:  # a JWT that expired first
-                raise StageError(ErrorCode.unauthorized, "the token has expired")
-            raise StageError(ErrorCode.deadline_exceeded, "the request's deadline passed before it was admitted")
+        self._check_expiry(request, token.expires_at)
         if token.kind == "jwt":
             if self._jwt is None or not token.tenant:
                 raise StageError(ErrorCode.unauthorized, "the credentials are not valid")
@@ -180,13 +182,39 @@ class Gateway:
             return Principal("jwt:" + token.subject, token.tenant, None, token.models, scope)
         return await self._by_hash(token.subject)
 
+    async def _by_signature(self, request: Request) -> Principal:
+        """A direct producer's request signed with its key's own pair: the key's hash is looked up, and the
+        signature checked with the public half the record keeps for that hash. A signature is good for
+        this request only, until its deadline, and at most SIGNED_LIFETIME_S ahead: ingest remembers a
+        request (so that the same bytes sent again are a redelivery) for about that long."""
+        token = request.principal_token
+        assert token is not None
+        if request.api_key is not None:
+            raise StageError(ErrorCode.unauthorized, "the credentials are not valid")
+        self._check_expiry(request, token.expires_at)
+        if token.expires_at - self._clock() > SIGNED_LIFETIME_S:
+            raise StageError(ErrorCode.invalid_request, f"a signed request's deadline may be at most {SIGNED_LIFETIME_S:.0f} s away")
+        entry = await self._lookup(token.subject)
+        verify_key = entry.record.verify_keys.get(token.subject, "") if entry is not None else ""
+        if entry is None or not verify_key or not principal_token.verify_signature(verify_key, request):
+            raise StageError(ErrorCode.unauthorized, INVALID_KEY)
+        return self._by_entry(entry)
+
+    def _check_expiry(self, request: Request, expires_at: float) -> None:
+        if self._clock() >= expires_at:
+            if expires_at < request.created_at + request.deadline_s:  # a JWT that expired first
+                raise StageError(ErrorCode.unauthorized, "the token has expired")
+            raise StageError(ErrorCode.deadline_exceeded, "the request's deadline passed before it was admitted")
+
     async def _by_key(self, raw: str) -> Principal:
         if not well_formed(raw):
             raise StageError(ErrorCode.unauthorized, INVALID_KEY)
         return await self._by_hash(hash_key(raw))
 
     async def _by_hash(self, key_hash: str) -> Principal:
-        entry = await self._lookup(key_hash)
+        return self._by_entry(await self._lookup(key_hash))
+
+    def _by_entry(self, entry: KeyEntry | None) -> Principal:
         if entry is None or not entry.valid(self._clock()):
             raise StageError(ErrorCode.unauthorized, INVALID_KEY)
         r = entry.record

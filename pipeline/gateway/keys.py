@@ -3,7 +3,9 @@
 A key's *record* (public id, tenant, models, limits, budget) is what the store keeps, once per hash
 that may use it. `rotate` adds a new hash to a record and lets the old one expire after an overlap;
 `revoke` removes every hash. Lookup is by hash only, so a malformed or guessed key costs one hash and
-one read, and the raw key never leaves the caller.
+one read, and the raw key never leaves the caller. Each hash also has the public half of an Ed25519
+pair derived from its key (`verify_key_of`): direct Kafka producers sign their requests with the private
+half instead of sending the key (pipeline/gateway/principal.py).
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 PREFIX = "sk-sluice-"
 RANDOM_BYTES = 32  # 256 bits; the issue asks for at least 128
 MAX_KEY_CHARS = 128  # anything longer is refused before it is hashed
+SIGNING_LABEL = b"sluice-request-signing-v1"
 
 
 class KeyRecord(msgspec.Struct, frozen=True):
@@ -35,6 +40,9 @@ class KeyRecord(msgspec.Struct, frozen=True):
     revoked: bool = False
     hint: str = ""  # the key's last four characters, to tell keys apart in `keys list`
     hashes: dict[str, float] = {}  # hash -> unix time it stops working (0: never)
+    # hash -> the public half (hex) of the Ed25519 pair derived from that key, with which a direct Kafka
+    # producer signs its requests instead of sending the key (principal.py); not a credential
+    verify_keys: dict[str, str] = {}
 
 
 class KeyEntry(msgspec.Struct, frozen=True):
@@ -57,6 +65,18 @@ def new_key_id() -> str:
 
 def hash_key(raw: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def signing_key(raw: str) -> Ed25519PrivateKey:
+    """The Ed25519 key a holder of `raw` signs requests with: its seed is an HMAC of a fixed label under
+    the key, so only the key's holder can make it, and neither its public half nor the key's hash
+    (what the store and the wire hold) gives the key or the seed back."""
+    return Ed25519PrivateKey.from_private_bytes(hmac.new(raw.encode(), SIGNING_LABEL, hashlib.sha256).digest())
+
+
+def verify_key_of(raw: str) -> str:
+    """The public half of `signing_key(raw)`, hex: what the key store keeps to check signatures."""
+    return signing_key(raw).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
 
 
 def well_formed(raw: str) -> bool:
@@ -134,6 +154,7 @@ class KeyManager:
         record = KeyRecord(
             key_id=new_key_id(), tenant=tenant, models=models, rpm=rpm, tpm=tpm, budget=budget,
             created_at=self._clock(), hint=raw[-4:], hashes={hash_key(raw): 0.0},
+            verify_keys={hash_key(raw): verify_key_of(raw)},
         )
         await self._store.save(record)
         return raw, record
@@ -146,13 +167,15 @@ class KeyManager:
         hashes = {h: (min(t, until) if t else until) for h, t in record.hashes.items() if not t or t > now}
         raw = new_key()
         hashes[hash_key(raw)] = 0.0
-        rotated = msgspec.structs.replace(record, hashes=hashes, hint=raw[-4:])
+        verify_keys = {h: v for h, v in record.verify_keys.items() if h in hashes}
+        verify_keys[hash_key(raw)] = verify_key_of(raw)
+        rotated = msgspec.structs.replace(record, hashes=hashes, verify_keys=verify_keys, hint=raw[-4:])
         await self._store.save(rotated)
         return raw, rotated
 
     async def revoke(self, key_id: str) -> KeyRecord:
         record = await self._live(key_id)
-        revoked = msgspec.structs.replace(record, revoked=True, hashes={})
+        revoked = msgspec.structs.replace(record, revoked=True, hashes={}, verify_keys={})
         await self._store.save(revoked)
         for key_hash in record.hashes:
             await self._store.forget_hash(key_hash)

@@ -42,13 +42,14 @@ class RedisKeyStore:
         return self._entry.decode(raw) if raw else None
 
     async def save(self, record: KeyRecord) -> None:
-        slim = msgspec.structs.replace(record, hashes={})  # an entry need not list the other hashes
+        slim = msgspec.structs.replace(record, hashes={}, verify_keys={})  # an entry lists only its own hash's
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.set(_record_key(record.key_id), msgspec.json.encode(record))
                 pipe.sadd(IDS, record.key_id)
                 for key_hash, not_after in record.hashes.items():
-                    entry = msgspec.json.encode(KeyEntry(slim, not_after))
+                    own = {key_hash: record.verify_keys[key_hash]} if key_hash in record.verify_keys else {}
+                    entry = msgspec.json.encode(KeyEntry(msgspec.structs.replace(slim, verify_keys=own), not_after))
                     if not_after:
                         pipe.set(_hash_key(key_hash), entry, pxat=int(not_after * 1000))
                     else:

@@ -60,9 +60,10 @@ class SecureClient(Client):
 
     requests_topic = SECURE_REQUESTS
 
-    async def _produce(self, request: Request) -> None:
+    async def _produce(self, request: Request, headers: list[tuple[str, bytes]] | None = None) -> None:
         assert self._producer is not None
-        await self._producer.send_and_wait(self.requests_topic, codec.encode(request), key=request.id.encode())
+        extra = {"headers": headers} if headers else {}  # trace context, where the SDK sends one
+        await self._producer.send_and_wait(self.requests_topic, codec.encode(request), key=request.id.encode(), **extra)
 
 
 @dataclass(frozen=True)

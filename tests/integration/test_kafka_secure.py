@@ -86,6 +86,7 @@ async def test_the_brokers_secrets_are_private_files_and_never_arguments(secure_
     state = secure_broker.admin_password_file.parent
     for name in ("server.properties", "kafka-admin.password"):
         assert (state / name).stat().st_mode & 0o777 == 0o600, name
+    assert state.stat().st_mode & 0o777 == (state / "kafka-data").stat().st_mode & 0o777 == 0o700
     assert secure_broker.admin_password in (state / "server.properties").read_text()
     assert not list(state.glob("format.args*")) and not list(state.glob("server.properties.*"))
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):

@@ -15,14 +15,15 @@ from pipeline.bridge.credentials import Credentials
 from pipeline.bridge.openai_format import Unauthorized
 from pipeline.errors import StageError
 from pipeline.gateway.config import GatewaySettings, JwtSettings
-from pipeline.gateway.gateway import Gateway
+from pipeline.gateway.gateway import SIGNED_LIFETIME_S, Gateway
 from pipeline.gateway.jwt_auth import JwtVerifier
-from pipeline.gateway.keys import PREFIX, MemoryKeyStore, hash_key
+from pipeline.gateway.keys import PREFIX, KeyManager, MemoryKeyStore, hash_key, verify_key_of
 from pipeline.gateway.limits import MemoryLimiter
-from pipeline.gateway.principal import sign
+from pipeline.gateway.principal import sign, sign_with_key
+from pipeline.sdk import Client
 from tests.unit.gateway.helpers import Rig, rig
 from tests.unit.gateway.test_jwt import AUD, ISS, rsa_key, token
-from tests.unit.helpers import request
+from tests.unit.helpers import SETTINGS, request
 from topics import codec
 from topics.errors import ErrorCode
 from topics.requests import ChatMessage, Request
@@ -112,8 +113,9 @@ async def test_the_bridge_never_forwards_a_foreign_credential() -> None:
     key = PREFIX + "A" * 43
     sent = (await closed.resolve(key)).apply(req)
     assert sent.api_key is None and sent.principal_token is not None and sent.principal_token.subject == hash_key(key)
-    demo = Credentials(GatewaySettings(auth_required=False))  # no secret: the key goes on for ingest to check
-    assert (await demo.resolve(key)).apply(req).api_key == key
+    demo = Credentials(GatewaySettings(auth_required=False))  # no secret: signed with the key's own pair, as the SDK does
+    sent = (await demo.resolve(key)).apply(req)
+    assert sent.api_key is None and sent.principal_token is not None and sent.principal_token.kind == "signed_key"
 
 
 async def test_the_bridge_verifies_a_jwt_and_sends_its_claims_signed(rsa_key: rsa.RSAPrivateKey, tmp_path: Path) -> None:
@@ -131,3 +133,72 @@ async def test_the_bridge_verifies_a_jwt_and_sends_its_claims_signed(rsa_key: rs
     assert principal.name == "jwt:svc-1" and principal.tenant == "acme" and principal.models == ("m1",)
     with pytest.raises(Unauthorized):
         await Credentials(settings).resolve(token(rsa_key, exp=int(time.time()) - 120))
+
+
+def sdk_signed(r: Rig, raw_key: str, rid: str = "s1", **overrides: object) -> Request:
+    """What the SDK sends for `raw_key` (at the rig's time), through the wire as ingest reads it."""
+    req = request(rid, **{"created_at": r.clock.now, "deadline_s": 60.0, **overrides})
+    return codec.decode(codec.encode(sign_with_key(raw_key, req)), Request)
+
+
+async def test_the_sdk_signs_with_its_keys_own_pair_and_never_sends_the_key() -> None:
+    r = rig()  # a direct producer's signature needs no gateway secret
+    raw, record = await r.keys.create("acme")
+    req = Client(SETTINGS).request(prompt="hi", api_key=raw)
+    wire = codec.encode(req)
+    assert req.api_key is None and raw[len(PREFIX) :].encode() not in wire
+    token = req.principal_token
+    assert token is not None and token.kind == "signed_key" and token.subject == hash_key(raw)
+    assert token.expires_at == req.created_at + req.deadline_s
+    assert record.verify_keys == {hash_key(raw): verify_key_of(raw)}  # the store keeps only the public half
+    _, principal = await r.gateway.admit(sdk_signed(r, raw))
+    assert principal.name == "key:" + record.key_id
+    jwt_like = Client(SETTINGS).request(prompt="hi", api_key="a.b.c")  # not a sluice key: sent for ingest to check
+    assert jwt_like.api_key == "a.b.c" and jwt_like.principal_token is None
+
+
+async def test_an_sdk_signature_holds_for_its_own_request_and_key_only() -> None:
+    r = rig(client_info_secret=SECRET)
+    raw, _ = await r.keys.create("acme")
+    other_raw, _ = await r.keys.create("acme")
+    good = sdk_signed(r, raw)
+    changed = msgspec.structs.replace(good, messages=(ChatMessage(role="user", content="something else"),))
+    assert await code_of(r, changed) is ErrorCode.unauthorized
+    assert await code_of(r, msgspec.structs.replace(good, reply_to="llm.responses.elsewhere")) is ErrorCode.unauthorized
+    token = good.principal_token
+    assert token is not None
+    theirs = sdk_signed(r, other_raw).principal_token  # another key's valid signature, this key's hash
+    assert theirs is not None
+    assert await code_of(r, msgspec.structs.replace(good, principal_token=msgspec.structs.replace(token, mac=theirs.mac))) is ErrorCode.unauthorized
+    assert await code_of(r, msgspec.structs.replace(good, principal_token=msgspec.structs.replace(token, mac=""))) is ErrorCode.unauthorized
+    assert await code_of(r, msgspec.structs.replace(good, principal_token=msgspec.structs.replace(token, mac="zz" * 64))) is ErrorCode.unauthorized
+    assert await code_of(r, msgspec.structs.replace(good, api_key=raw)) is ErrorCode.unauthorized
+    # An HMAC under the gateway secret is not a signature of the key's pair, whatever its kind says.
+    hmac_signed = sign(SECRET, request("h1", created_at=r.clock.now, deadline_s=60.0), "key", hash_key(raw), r.clock.now + 60)
+    relabelled = msgspec.structs.replace(hmac_signed.principal_token, kind="signed_key")
+    assert await code_of(r, msgspec.structs.replace(hmac_signed, principal_token=relabelled)) is ErrorCode.unauthorized
+    await r.gateway.admit(good)
+
+
+async def test_an_sdk_signature_is_refused_once_expired_too_long_lived_revoked_or_for_an_old_record() -> None:
+    r = rig()
+    raw, record = await r.keys.create("acme")
+    late = sdk_signed(r, raw)
+    r.clock.now += 61
+    assert await code_of(r, late) is ErrorCode.deadline_exceeded
+    assert await code_of(r, sdk_signed(r, raw, "s2", deadline_s=2 * SIGNED_LIFETIME_S)) is ErrorCode.invalid_request
+    new, _ = await r.keys.rotate(record.key_id, overlap_s=10)
+    await r.gateway.admit(sdk_signed(r, raw, "s3"))  # within the overlap
+    await r.gateway.admit(sdk_signed(r, new, "s4"))
+    r.clock.now += 11
+    assert await code_of(r, sdk_signed(r, raw, "s5")) is ErrorCode.unauthorized
+    revoked = sdk_signed(r, new, "s6")
+    await r.keys.revoke(record.key_id)
+    assert await code_of(r, revoked) is ErrorCode.unauthorized
+    store = MemoryKeyStore(r.clock)  # a record made before keys had a signing pair: its key must be rotated
+    old = Gateway(GatewaySettings(auth_required=True, key_cache_s=0.0), store, MemoryLimiter(60.0, r.clock), clock=r.clock)
+    legacy_raw, legacy = await KeyManager(store, rotate_overlap_s=0, clock=r.clock).create("acme")
+    await store.save(msgspec.structs.replace(legacy, verify_keys={}))
+    with pytest.raises(StageError) as caught:
+        await old.admit(sdk_signed(r, legacy_raw, "s7"))
+    assert caught.value.code is ErrorCode.unauthorized
