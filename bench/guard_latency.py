@@ -25,9 +25,10 @@ from pipeline.guard.loader import InputGuard, TextCheck, output_guard
 from pipeline.settings import Settings
 from pipeline.stages.guard import GuardStage
 from pipeline.stages.postguard import PostguardStage
-from topics.envelope import Envelope
+from pipeline.topology import Topics, graph
+from topics.hops import Admitted, request_key
 from topics.requests import ChatMessage, Request
-from topics.stream import Chunk, Done, Usage
+from topics.stream import Chunk, Done, FinishReason, Usage
 
 SENTENCES = [
     "Can you explain how the event loop works in Node.js and why it matters for servers?",
@@ -64,22 +65,26 @@ def prompts(n: int, rng: random.Random) -> list[str]:
     return out
 
 
-def envelope(i: int, text: str) -> Envelope:
-    request = Request(id=f"b{i}", reply_to="llm.responses.sdk", model="m", created_at=time.time(), messages=(ChatMessage("user", text),))
-    return Envelope(request=request, principal="default", admitted_at=time.time())
+def topics_of(settings: Settings, kind: str) -> Topics:
+    return {n.kind: n for n in graph(settings.stages, settings.pools)}[kind].topics
+
+
+def admitted(i: int, text: str, model: str) -> Admitted:
+    request = Request(id=f"b{i}", reply_to="llm.responses.sdk", model=model, created_at=time.time(), messages=(ChatMessage("user", text),))
+    return Admitted(id=request_key("default", request.id), request=request, tenant="default", principal="default", admitted_at=time.time())
 
 
 async def input_guard(n: int, rng: random.Random) -> list[str]:
     settings = Settings()
     guard = InputGuard(settings.guard, settings.model_cache)
-    stage = GuardStage(settings, guard)
+    stage = GuardStage(settings, guard, topics_of(settings, "guard"))
     texts = prompts(n, rng)
     for i, t in enumerate(texts[:20]):  # warm-up: first calls allocate and compile
-        await run(stage, envelope(i, t))
+        await run(stage, admitted(i, t, settings.models[0]))
     handler, pii, injection, refused = [], [], [], 0
     for i, t in enumerate(texts):
         started = time.perf_counter()
-        refused += not await run(stage, envelope(i, t))
+        refused += not await run(stage, admitted(i, t, settings.models[0]))
         handler.append((time.perf_counter() - started) * 1000)
         started = time.perf_counter()
         guard.pii.analyze([t])
@@ -90,10 +95,10 @@ async def input_guard(n: int, rng: random.Random) -> list[str]:
     _ = guard.check([[TextCheck(t, True)] for t in texts[:16]])
     print(f"input guard refused {refused} of {len(texts)} benign prompts")
     return [row("input guard: guard stage handler (PII + injection)", handler), row("  PII alone (Presidio + spaCy NER)", pii),
-            row("  injection alone (MiniLM int8 + LR + patterns)", injection)]
+            row("  injection alone (MiniLM int8 + MLP head + patterns)", injection)]
 
 
-async def run(stage: GuardStage, message: Envelope) -> bool:
+async def run(stage: GuardStage, message: Admitted) -> bool:
     """Whether the stage passed the request (a refusal is a StageError, counted, not a crash)."""
     try:
         [out async for out in stage.handle(message)]
@@ -104,16 +109,17 @@ async def run(stage: GuardStage, message: Envelope) -> bool:
 
 async def postguard(chunks: int) -> list[str]:
     settings = GuardSettings()
-    stage = PostguardStage(settings, output_guard(settings))
+    stage = PostguardStage(settings, output_guard(settings), topics_of(Settings(), "postguard"))
     words = [w + " " for w in ANSWER.split()]
     per_chunk, rid, sent = [], 0, 0
     while sent < chunks:
         rid += 1
         for seq, word in enumerate(words):
             started = time.perf_counter()
-            [out async for out in stage.handle(Chunk(id=f"p{rid}", reply_to="llm.responses.sdk", seq=seq, text=word))]
+            [out async for out in stage.handle(Chunk(id=f"p{rid}", reply_to="llm.responses.sdk", seq=seq, text=word, tenant="default"))]
             per_chunk.append((time.perf_counter() - started) * 1000)
-        done = Done(id=f"p{rid}", reply_to="llm.responses.sdk", chunks=len(words), digest="", finish_reason="stop", usage=Usage())
+        done = Done(id=f"p{rid}", reply_to="llm.responses.sdk", chunks=len(words), digest="", finish_reason=FinishReason.stop,
+                    usage=Usage(), tenant="default", model="m", created_at=time.time())
         [out async for out in stage.handle(done)]
         sent += len(words)
     return [row(f"postguard per chunk (holdback {settings.holdback_tokens})", per_chunk[len(words):])]
