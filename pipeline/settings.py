@@ -14,6 +14,7 @@ from typing import Literal
 
 import msgspec
 
+from pipeline.batch.config import BatchSettings
 from pipeline.cache.config import CacheSettings
 from pipeline.gateway.config import GatewaySettings
 from pipeline.guard.config import GuardSettings
@@ -128,6 +129,7 @@ class Settings:
     guard: GuardSettings = field(default_factory=GuardSettings)
     cache: CacheSettings = field(default_factory=CacheSettings)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
+    batch: BatchSettings = field(default_factory=BatchSettings)
 
     @property
     def reply_topics(self) -> frozenset[str]:
@@ -198,6 +200,8 @@ class Settings:
         if problems := self.cache.problems():
             raise SettingsError("; ".join(problems))
         if problems := self.routing.problems(frozenset(names)):
+            raise SettingsError("; ".join(problems))
+        if problems := self.batch.problems():
             raise SettingsError("; ".join(problems))
         return self
 

@@ -73,19 +73,23 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
     """The bridge on `client`. With `owns_client` the app's lifespan starts and stops the client;
     otherwise the caller does, around the app's whole life."""
     cap = body_cap(settings.limits)
+    from pipeline.bridge.batches import BatchApi  # here: pipeline.batch imports openai_format, i.e. this package
+
+    credentials = Credentials(settings.gateway)
+    batches = BatchApi(settings, client, credentials)  # /v1/files, /v1/batches and the job worker (batches.py)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if owns_client:
             await client.start()
         try:
-            yield
+            async with batches.running():
+                yield
         finally:
             if owns_client:
                 await client.stop()
 
     auth_required = settings.gateway.auth_required
-    credentials = Credentials(settings.gateway)
 
     async def models(request: HttpRequest) -> Response:
         require_credential(request, auth_required)
@@ -118,6 +122,7 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         WebSocketRoute("/v1/stream", stream),
+        *batches.routes(),
     ]
     handlers = {BridgeError: _bridge_error, HTTPException: _http_error, Exception: _internal_error}
     hosts = settings.gateway.allowed_hosts

@@ -1,0 +1,37 @@
+"""`[batch]` in sluice.toml: where batch files live, their limits, and how fast a job feeds the pipeline.
+
+Read once by `pipeline.settings.load()` and validated there (`problems()`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    enabled: bool = True  # the bridge serves /v1/files and /v1/batches and runs jobs
+    dir: str = ".state/batch"  # input and output files (relative to the repository root); one machine's disk
+    max_file_bytes: int = 200 * 1024 * 1024  # OpenAI's limit on a batch input file
+    max_lines: int = 50_000  # OpenAI's limit on requests per batch
+    max_in_flight: int = 32  # lines of one job in the pipeline at once (at least the engine's max_batch)
+    admission_rps: float = 50.0  # lines started per second per job; 0: as fast as max_in_flight allows
+    line_deadline_s: float = 900.0  # each line's request deadline: batch work waits behind interactive work
+    max_attempts: int = 4  # a line that fails with a retriable error (429, 503, 504...) is tried this often
+    lease_s: float = 6.0  # a worker holds a job this long between renewals; a dead worker's job moves after it
+    completion_window_s: float = 24 * 3600.0  # "24h", the only window OpenAI accepts
+    keep_s: float = 30 * 24 * 3600.0  # a finished job's record stays this long (its files until deleted)
+    run_in_bridge: bool = True  # the bridge process also runs jobs (`sluice batch worker` runs them alone)
+
+    def problems(self) -> list[str]:
+        found = []
+        for name in ("max_file_bytes", "max_lines", "max_in_flight", "max_attempts"):
+            if getattr(self, name) < 1:
+                found.append(f"batch.{name} must be at least 1")
+        for name in ("line_deadline_s", "lease_s", "completion_window_s", "keep_s"):
+            if getattr(self, name) <= 0:
+                found.append(f"batch.{name} must be positive")
+        if self.admission_rps < 0:
+            found.append("batch.admission_rps must not be negative (0: no rate limit)")
+        if not self.dir:
+            found.append("batch.dir must name a directory")
+        return found

@@ -1,0 +1,149 @@
+"""Where batch jobs and their progress live: the JobStore protocol and its in-memory twin.
+
+    jobs        create, get, update (compare-and-set on the status), list per tenant (newest first, paged)
+    workers     active (the ids of unfinished jobs), lease and release (one worker drives a job at a time)
+    progress    record (one line's outcome, once: the first record of a key wins and counts), recorded_keys,
+                results, counts, forget_results (after the output files are written)
+
+The Redis implementation (redis_store.py, Lua in lua/) is the one that runs; this one has the same
+semantics for unit tests and one process. A job's progress is what makes it resumable: a worker that
+takes a job over reads `recorded_keys` and runs only the other lines, and `record` refusing a second
+outcome for a key is what keeps one output line per `custom_id` when a line in flight ran twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection
+from typing import Protocol
+
+from pipeline.batch.records import TERMINAL, Batch, Counts, Recorded, Status
+
+
+class JobStore(Protocol):
+    async def create(self, batch: Batch) -> None: ...
+
+    async def get(self, batch_id: str) -> Batch | None: ...
+
+    async def update(self, batch: Batch, expect: Collection[Status]) -> bool:
+        """Stores `batch` only if the stored status is one of `expect`; True when it did. A terminal
+        status ends the job: it leaves `active` and its record expires after `keep_s`."""
+
+    async def list(self, tenant: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
+        """The tenant's jobs, newest first, starting after the id `after`; and whether more follow."""
+
+    async def active(self) -> list[str]: ...
+
+    async def deactivate(self, batch_id: str) -> None: ...
+
+    async def lease(self, batch_id: str, owner: str, ttl_s: float) -> bool:
+        """Takes or renews the job's lease for `owner`; False while another owner holds it."""
+
+    async def release(self, batch_id: str, owner: str) -> None: ...
+
+    async def record(self, batch_id: str, key: str, outcome: Recorded) -> bool:
+        """Records the outcome of the line `key` unless one is recorded or the job has ended; True when this
+        call recorded it."""
+
+    async def recorded_keys(self, batch_id: str) -> set[str]: ...
+
+    async def results(self, batch_id: str) -> list[Recorded]: ...
+
+    async def counts(self, batch_id: str) -> Counts: ...
+
+    async def forget_results(self, batch_id: str) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class MemoryJobStore:
+    """JobStore in this process's memory. Atomic because no method awaits."""
+
+    def __init__(self, *, keep_s: float = 30 * 24 * 3600.0, clock: Callable[[], float] = time.time) -> None:
+        self._keep_s = keep_s
+        self._clock = clock
+        self._jobs: dict[str, tuple[Batch, float]] = {}  # id -> (record, expires at; inf while active), oldest first
+        self._active: set[str] = set()
+        self._leases: dict[str, tuple[str, float]] = {}
+        self._results: dict[str, dict[str, Recorded]] = {}
+        self._counts: dict[str, Counts] = {}
+
+    async def create(self, batch: Batch) -> None:
+        self._jobs[batch.id] = (batch, float("inf"))
+        self._active.add(batch.id)
+
+    async def get(self, batch_id: str) -> Batch | None:
+        entry = self._jobs.get(batch_id)
+        if entry is None or entry[1] <= self._clock():
+            return None
+        return entry[0]
+
+    async def update(self, batch: Batch, expect: Collection[Status]) -> bool:
+        current = await self.get(batch.id)
+        if current is None or current.status not in expect:
+            return False
+        expires = self._clock() + self._keep_s if batch.status in TERMINAL else float("inf")
+        self._jobs[batch.id] = (batch, expires)
+        return True
+
+    async def list(self, tenant: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
+        now = self._clock()
+        mine = [b for b, expires in reversed(self._jobs.values()) if b.tenant == tenant and expires > now]
+        start = 0
+        if after is not None:
+            ids = [b.id for b in mine]
+            start = ids.index(after) + 1 if after in ids else len(mine)
+        page = mine[start : start + limit]
+        return page, start + limit < len(mine)
+
+    async def active(self) -> list[str]:
+        return sorted(self._active)
+
+    async def deactivate(self, batch_id: str) -> None:
+        self._active.discard(batch_id)
+
+    async def lease(self, batch_id: str, owner: str, ttl_s: float) -> bool:
+        now = self._clock()
+        holder = self._leases.get(batch_id)
+        if holder is not None and holder[0] != owner and holder[1] > now:
+            return False
+        self._leases[batch_id] = (owner, now + ttl_s)
+        return True
+
+    async def release(self, batch_id: str, owner: str) -> None:
+        holder = self._leases.get(batch_id)
+        if holder is not None and holder[0] == owner:
+            del self._leases[batch_id]
+
+    async def record(self, batch_id: str, key: str, outcome: Recorded) -> bool:
+        batch = await self.get(batch_id)
+        if batch is None or batch.status in TERMINAL:
+            return False
+        results = self._results.setdefault(batch_id, {})
+        if key in results:
+            return False
+        results[key] = outcome
+        counts = self._counts.get(batch_id, Counts())
+        if outcome.ok:
+            self._counts[batch_id] = Counts(0, counts.completed + 1, counts.failed)
+        else:
+            self._counts[batch_id] = Counts(0, counts.completed, counts.failed + 1)
+        return True
+
+    async def recorded_keys(self, batch_id: str) -> set[str]:
+        return set(self._results.get(batch_id, {}))
+
+    async def results(self, batch_id: str) -> list[Recorded]:
+        return list(self._results.get(batch_id, {}).values())
+
+    async def counts(self, batch_id: str) -> Counts:
+        return self._counts.get(batch_id, Counts())
+
+    async def forget_results(self, batch_id: str) -> None:
+        self._results.pop(batch_id, None)
+
+    async def aclose(self) -> None:
+        pass
+
+
+__all__ = ["JobStore", "MemoryJobStore"]

@@ -1,0 +1,272 @@
+"""The batch worker: finds unfinished jobs, leases one at a time per job, and drives each to its end.
+
+    validating   parse the input file; refused lines are recorded at once (error file, with line numbers);
+                 -> in_progress (request_counts.total set), or failed if the file cannot be read
+    in_progress  run every line not yet recorded (feeder.py), recording each outcome once (store.record)
+                 -> finalizing when all are recorded; the job's expiry -> finalizing (ending: expired)
+    cancelling   (set by the API) stop feeding, cancel the lines in flight, record the rest as
+                 `batch_cancelled`, finalize -> cancelled
+    finalizing   write the output and error files (ids fixed by the batch id) -> completed / expired
+
+Every step is driven by what the store holds, never by what the process remembers, so any worker can
+take a job over at any step: a worker that dies loses its lease after `lease_s` and the next one parses
+the file again and runs only the lines without an outcome (those in flight at the crash run again;
+their first outcome is the one kept). A worker that loses its lease (paused past it) stops feeding;
+the outcomes it still records are first-wins like any other, and finalize writes the same files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import msgspec
+
+from pipeline.batch.config import BatchSettings
+from pipeline.batch.execute import Executor, rejected, unrun
+from pipeline.batch.feeder import Admission, feed
+from pipeline.batch.files import FileStore
+from pipeline.batch.records import TERMINAL, Batch, BatchError, Recorded, Status, derived_file_id
+from pipeline.batch.store import JobStore
+from pipeline.batch.validation import Line, parse_input
+from pipeline.errors import InfraUnavailable
+
+log = logging.getLogger(__name__)
+POLL_S = 1.0  # how often a worker looks for jobs, and a driven job for a cancellation
+RETRY_S = 1.0  # Redis away: wait this long between tries
+
+
+class BatchWorker:
+    def __init__(
+        self, settings: BatchSettings, store: JobStore, files: FileStore, executor_for: Callable[[Batch], Executor],
+        *, owner: str | None = None, clock: Callable[[], float] = time.time, poll_s: float = POLL_S,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.files = files
+        self.executor_for = executor_for
+        self.owner = owner or "worker-" + uuid.uuid4().hex[:12]
+        self.admission = Admission(settings.max_in_flight, settings.admission_rps)
+        self._clock = clock
+        self._poll_s = poll_s
+        self._driving: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Looks for jobs every `poll_s` until `stop` is set; then lets go of its jobs (they move to
+        another worker after their lease, or to this one when it starts again)."""
+        try:
+            while not stop.is_set():
+                try:
+                    await self.scan(stop)
+                except InfraUnavailable as exc:
+                    log.warning("batch worker: %s; retrying", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self._poll_s)
+        finally:
+            for task in self._driving.values():
+                task.cancel()
+            await asyncio.gather(*self._driving.values(), return_exceptions=True)
+
+    async def scan(self, stop: asyncio.Event) -> None:
+        for batch_id in await self.store.active():
+            if batch_id in self._driving:
+                continue
+            if not await self.store.lease(batch_id, self.owner, self.settings.lease_s):
+                continue
+            task = asyncio.create_task(self._drive_leased(batch_id, stop), name=f"batch {batch_id}")
+            self._driving[batch_id] = task
+            task.add_done_callback(lambda t, b=batch_id: self._driving.pop(b, None))
+
+    async def _drive_leased(self, batch_id: str, stop: asyncio.Event) -> None:
+        halt = asyncio.Event()  # the worker stops, or the lease is lost
+        keeper = asyncio.create_task(self._keep_lease(batch_id, halt))
+        relay = asyncio.create_task(_relay(stop, halt))
+        try:
+            await self.drive(batch_id, halt)
+        except InfraUnavailable as exc:
+            log.warning("batch %s: %s; another scan resumes it", batch_id, exc)
+        except Exception:
+            log.exception("batch %s: the worker failed; another scan resumes it", batch_id)
+            await asyncio.sleep(self._poll_s)
+        finally:
+            for task in (keeper, relay):
+                task.cancel()
+            await asyncio.gather(keeper, relay, return_exceptions=True)
+            with contextlib.suppress(InfraUnavailable):
+                await self.store.release(batch_id, self.owner)
+
+    async def _keep_lease(self, batch_id: str, lost: asyncio.Event) -> None:
+        while True:
+            await asyncio.sleep(self.settings.lease_s / 3)
+            try:
+                held = await self.store.lease(batch_id, self.owner, self.settings.lease_s)
+            except InfraUnavailable:
+                continue  # the store is away for everyone: nobody else can take it either
+            if not held:
+                log.warning("batch %s: lease lost to another worker; stopping here", batch_id)
+                lost.set()
+                return
+
+    async def drive(self, batch_id: str, stop: asyncio.Event) -> None:
+        """One job from its current status to its end (or until `stop`)."""
+        batch = await self.store.get(batch_id)
+        if batch is None or batch.status in TERMINAL:
+            await self.store.deactivate(batch_id)
+            return
+        lines: list[Line] | None = None
+        if batch.status is Status.validating:
+            batch, lines = await self._validate(batch)
+            if batch is None:
+                return
+        if batch.status is Status.in_progress:
+            batch, lines = await self._execute(batch, lines, stop)
+            if batch is None:
+                return
+        if batch.status is Status.cancelling:
+            await self._record_unrun(batch, lines, "batch_cancelled", "the batch was cancelled before this line ran")
+        if batch.status in (Status.finalizing, Status.cancelling):
+            await self._finalize(batch)
+
+    async def _validate(self, batch: Batch) -> tuple[Batch | None, list[Line] | None]:
+        parsed = await self._parse(batch)
+        if parsed is None:
+            error = BatchError("invalid_file", "the input file can no longer be read")
+            failed = msgspec.structs.replace(batch, status=Status.failed, failed_at=self._now(), errors=(error,))
+            if await self.store.update(failed, {Status.validating}):
+                await self.store.deactivate(batch.id)
+            return None, None
+        lines, refused = parsed
+        for line in refused:
+            await self.store.record(batch.id, line.key, rejected(batch.id, line))
+        started = msgspec.structs.replace(batch, status=Status.in_progress, in_progress_at=self._now(),
+                                          total=len(lines) + len(refused))
+        if not await self.store.update(started, {Status.validating}):
+            return await self.store.get(batch.id), lines  # cancelled meanwhile: go on from what is stored
+        return started, lines
+
+    async def _execute(self, batch: Batch, lines: list[Line] | None, stop: asyncio.Event) -> tuple[Batch | None, list[Line] | None]:
+        if lines is None:
+            parsed = await self._parse(batch)
+            lines = parsed[0] if parsed is not None else []
+        done = await self.store.recorded_keys(batch.id)
+        pending = [line for line in lines if line.key not in done]
+        if pending:
+            log.info("batch %s: %d of %d lines to run", batch.id, len(pending), batch.total)
+        executor = self.executor_for(batch)
+
+        async def run(line: Line) -> None:
+            await self._record(batch.id, line.key, await executor.run(line), stop)
+
+        watcher = asyncio.create_task(self._watch(batch, stop))
+        try:
+            finished = await feed(pending, run, self.admission, stop)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        current = await self.store.get(batch.id)
+        if current is None or current.status is not Status.in_progress:
+            return current, lines  # cancelling (or finished by another worker)
+        expired = not finished and self._clock() >= batch.expires_at
+        if expired:
+            await self._record_unrun(current, lines, "batch_expired", "the batch expired before this line ran")
+        elif not finished:
+            return None, lines
+        ending = Status.expired if expired else None
+        finalizing = msgspec.structs.replace(current, status=Status.finalizing, finalizing_at=self._now(), ending=ending)
+        if not await self.store.update(finalizing, {Status.in_progress}):
+            return await self.store.get(batch.id), lines
+        return finalizing, lines
+
+    async def _watch(self, batch: Batch, halt: asyncio.Event) -> None:
+        """Sets `halt` when the job is cancelled (by the API) or expires: feeding stops, and what the
+        store then says decides what follows."""
+        while not halt.is_set():
+            await asyncio.sleep(self._poll_s)
+            if self._clock() >= batch.expires_at:
+                halt.set()
+                return
+            try:
+                current = await self.store.get(batch.id)
+            except InfraUnavailable:
+                continue
+            if current is None or current.status is not Status.in_progress:
+                halt.set()
+                return
+
+    async def _record(self, batch_id: str, key: str, outcome: Recorded, stop: asyncio.Event) -> None:
+        """Records an outcome, waiting out Redis; given up only when the worker stops (the line runs again)."""
+        while True:
+            try:
+                await self.store.record(batch_id, key, outcome)
+                return
+            except InfraUnavailable:
+                if stop.is_set():
+                    raise
+                await asyncio.sleep(RETRY_S)
+
+    async def _record_unrun(self, batch: Batch, lines: list[Line] | None, code: str, message: str) -> None:
+        if lines is None:
+            parsed = await self._parse(batch)
+            lines = parsed[0] if parsed is not None else []
+        done = await self.store.recorded_keys(batch.id)
+        for line in lines:
+            if line.key not in done:
+                await self.store.record(batch.id, line.key, unrun(batch.id, line, code, message))
+
+    async def _finalize(self, batch: Batch) -> None:
+        results = sorted(await self.store.results(batch.id), key=lambda r: r.line)
+        good = [r.text for r in results if r.ok]
+        bad = [r.text for r in results if not r.ok]
+        output_id = error_id = None
+        if good:
+            output_id = derived_file_id(batch.id, "output")
+            await asyncio.to_thread(self.files.write_output, output_id, batch.tenant, f"{batch.id}_output.jsonl", good)
+        if bad:
+            error_id = derived_file_id(batch.id, "error")
+            await asyncio.to_thread(self.files.write_output, error_id, batch.tenant, f"{batch.id}_error.jsonl", bad)
+        errors = batch.errors
+        if bad and not good:  # every line failed: say so where a client looks, not only in the error file
+            message = f"every one of the {len(bad)} requests failed; their errors are in error_file_id {error_id}"
+            errors = (*errors, BatchError("all_requests_failed", message))
+        now = self._now()
+        if batch.status is Status.cancelling:
+            end = msgspec.structs.replace(batch, status=Status.cancelled, cancelled_at=now)
+        elif batch.ending is Status.expired:
+            end = msgspec.structs.replace(batch, status=Status.expired, expired_at=now)
+        else:
+            end = msgspec.structs.replace(batch, status=Status.completed, completed_at=now)
+        end = msgspec.structs.replace(end, output_file_id=output_id, error_file_id=error_id, errors=errors, ending=None)
+        if await self.store.update(end, {batch.status}):
+            await self.store.forget_results(batch.id)
+            await self.store.deactivate(batch.id)
+            log.info("batch %s: %s, %d lines out, %d with errors", batch.id, end.status.value, len(good), len(bad))
+
+    async def _parse(self, batch: Batch) -> tuple[list[Line], list] | None:
+        """The input file's lines (in a thread), or None when the file is gone or unreadable."""
+        try:
+            record = self.files.get(batch.tenant, batch.input_file_id)
+            path = self.files.path(record)
+        except Exception:  # NotFound: the file was deleted under the job
+            return None
+
+        def read() -> tuple[list[Line], list]:
+            with path.open("rb") as f:
+                return parse_input(f, batch.endpoint)
+
+        try:
+            return await asyncio.to_thread(read)
+        except OSError:
+            return None
+
+    def _now(self) -> int:
+        return int(self._clock())
+
+
+async def _relay(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()

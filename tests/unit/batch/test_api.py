@@ -1,0 +1,154 @@
+"""The Files and Batch endpoints with the official `openai` client (only base_url changed), on the
+in-memory job store and a fake pipeline client: the whole lifecycle, paging, cancel, errors, and
+tenant isolation (another tenant's files and batches are 404)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import HTTPConnection
+from starlette.responses import JSONResponse, Response
+from starlette.testclient import TestClient
+
+from pipeline.batch.store import MemoryJobStore
+from pipeline.bridge.batches import BatchApi
+from pipeline.bridge.credentials import Credentials
+from pipeline.bridge.openai_format import BridgeError
+from pipeline.gateway.keys import KeyRecord, MemoryKeyStore, hash_key, new_key
+from pipeline.settings import Settings
+from tests.unit.batch.fakes import FakeCompleter
+from tests.unit.batch.helpers import jsonl
+
+KEYS = {"acme": new_key(), "globex": new_key()}
+
+
+async def _bridge_error(request: HTTPConnection, exc: Exception) -> Response:
+    assert isinstance(exc, BridgeError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Iterator[tuple[TestClient, FakeCompleter, BatchApi]]:
+    base = Settings()
+    settings = dataclasses.replace(
+        base, gateway=dataclasses.replace(base.gateway, auth_required=True, client_info_secret="test-secret"),
+        batch=dataclasses.replace(base.batch, dir=str(tmp_path / "batch"), max_lines=100, max_file_bytes=100_000,
+                                  admission_rps=0.0, lease_s=2.0),
+    )
+    keys = MemoryKeyStore()
+    completer = FakeCompleter()
+    api = BatchApi(settings, completer, Credentials(settings.gateway), store=MemoryJobStore(), keys=keys)  # type: ignore[arg-type]
+    app = Starlette(routes=api.routes(), lifespan=lambda app: api.running(), exception_handlers={BridgeError: _bridge_error})
+    with TestClient(app) as http:
+        for tenant, key in KEYS.items():
+            http.portal.call(keys.save, KeyRecord(key_id="key_" + tenant, tenant=tenant, hashes={hash_key(key): 0.0}))
+        yield http, completer, api
+
+
+def client(http: TestClient, tenant: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=KEYS[tenant], http_client=http, max_retries=0)
+
+
+def wait_for(oa: openai.OpenAI, batch_id: str, statuses: set[str]) -> openai.types.Batch:
+    for _ in range(500):
+        batch = oa.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        time.sleep(0.01)
+    raise AssertionError(f"batch {batch_id} is still {batch.status}")
+
+
+def test_the_official_client_runs_a_batch_end_to_end(app) -> None:  # type: ignore[no-untyped-def]
+    http, completer, _ = app
+    oa = client(http, "acme")
+    uploaded = oa.files.create(file=("in.jsonl", jsonl(["a", "b", "c"])), purpose="batch")
+    assert uploaded.id.startswith("file-") and uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(["a", "b", "c"]))
+    assert oa.files.retrieve(uploaded.id).filename == "in.jsonl"
+    assert oa.files.content(uploaded.id).content == jsonl(["a", "b", "c"])
+    batch = oa.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata={"job": "nightly"})
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    assert batch.expires_at == batch.created_at + 24 * 3600
+    done = wait_for(oa, batch.id, {"completed"})
+    assert done.request_counts is not None and (done.request_counts.total, done.request_counts.completed) == (3, 3)
+    assert done.output_file_id and done.error_file_id is None and done.in_progress_at and done.completed_at
+    lines = oa.files.content(done.output_file_id).text.splitlines()
+    out = [json.loads(x) for x in lines]
+    assert [o["custom_id"] for o in out] == ["c0", "c1", "c2"]
+    assert out[1]["response"]["body"]["choices"][0]["message"]["content"] == "answer to b"
+    assert sorted(completer.runs) == ["a", "b", "c"]
+    signed = completer.requests[0]
+    assert signed.api_key is None and signed.principal_token is not None  # signed as its owner, no raw key
+    assert signed.principal_token.subject == hash_key(KEYS["acme"]) and signed.priority.value == "batch"
+
+
+def test_listing_is_newest_first_and_pages_with_after(app) -> None:  # type: ignore[no-untyped-def]
+    http, _, _ = app
+    oa = client(http, "acme")
+    file_id = oa.files.create(file=("in.jsonl", jsonl(["a"])), purpose="batch").id
+    ids = [oa.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id
+           for _ in range(5)]
+    first = oa.batches.list(limit=2)
+    assert len(first.data) == 2 and first.has_more
+    every = [b.id for b in oa.batches.list(limit=2)]  # the client follows `after` from page to page
+    assert every == ids[::-1]
+    assert client(http, "globex").batches.list().data == []
+
+
+def test_another_tenant_gets_404_for_files_and_batches(app) -> None:  # type: ignore[no-untyped-def]
+    http, _, _ = app
+    acme, globex = client(http, "acme"), client(http, "globex")
+    file_id = acme.files.create(file=("in.jsonl", jsonl(["a"])), purpose="batch").id
+    batch_id = acme.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id
+    for call in (lambda: globex.files.retrieve(file_id), lambda: globex.files.content(file_id),
+                 lambda: globex.batches.retrieve(batch_id), lambda: globex.batches.cancel(batch_id),
+                 lambda: globex.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert acme.batches.retrieve(batch_id).id == batch_id
+
+
+def test_cancel_ends_a_running_batch_cancelled(app) -> None:  # type: ignore[no-untyped-def]
+    http, completer, _ = app
+    completer.gate = http.portal.call(asyncio.Event)  # every line waits: the job is mid-way when cancelled
+    oa = client(http, "acme")
+    file_id = oa.files.create(file=("in.jsonl", jsonl([f"q{i}" for i in range(50)])), purpose="batch").id
+    batch = oa.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for(oa, batch.id, {"in_progress"})
+    cancelling = oa.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    done = wait_for(oa, batch.id, {"cancelled"})
+    assert done.cancelled_at and done.request_counts is not None and done.request_counts.failed == 50
+    with pytest.raises(openai.APIStatusError) as caught:
+        oa.batches.cancel(batch.id)
+    assert caught.value.status_code == 409
+
+
+def test_bad_uploads_and_batch_requests_are_refused_with_openai_errors(app) -> None:  # type: ignore[no-untyped-def]
+    http, _, _ = app
+    oa = client(http, "acme")
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        oa.files.create(file=("in.jsonl", b""), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        oa.files.create(file=("in.jsonl", jsonl(["a"])), purpose="fine-tune")
+    with pytest.raises(openai.APIStatusError) as caught:
+        oa.files.create(file=("in.jsonl", b"{}\n" * 40_000), purpose="batch")
+    assert caught.value.status_code == 413
+    file_id = oa.files.create(file=("in.jsonl", jsonl(["a"])), purpose="batch").id
+    with pytest.raises(openai.BadRequestError, match="endpoint"):
+        oa.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        oa.batches.create(input_file_id="file-" + "0" * 24, endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        oa.batches.retrieve("batch_../../x")
+    anonymous = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.batches.list()

@@ -1,0 +1,197 @@
+"""The job lifecycle on the in-memory store: validation errors with line numbers, outputs once per
+custom_id, a job that fails every line says so, resume without re-running finished lines, cancel,
+expiry, and bounded admission."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from pipeline.batch.records import Recorded, Status
+from tests.unit.batch.fakes import FakeCompleter
+from tests.unit.batch.helpers import CHAT, Harness, jsonl
+from topics.errors import ErrorCode
+
+pytestmark = pytest.mark.asyncio
+
+
+async def run_until(harness: Harness, batch_id: str, statuses: set[Status], **worker: object) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(harness.worker(**worker).run(stop))  # type: ignore[arg-type]
+    try:
+        for _ in range(500):
+            batch = await harness.store.get(batch_id)
+            if batch is not None and batch.status in statuses:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"batch still {batch.status if batch else None}")
+    finally:
+        stop.set()
+        await task
+
+
+async def test_a_job_runs_every_line_once_and_writes_output_in_line_order(tmp_path: Path) -> None:
+    harness = Harness(tmp_path)
+    batch = await harness.submit(jsonl([f"q{i}" for i in range(20)]))
+    await run_until(harness, batch.id, {Status.completed})
+    done = await harness.finished(batch.id)
+    assert done.error_file_id is None and done.total == 20 and done.completed_at and done.in_progress_at
+    out = harness.lines(done.output_file_id)
+    assert [o["custom_id"] for o in out] == [f"c{i}" for i in range(20)]
+    first = out[0]
+    assert first["error"] is None and first["response"]["status_code"] == 200
+    assert first["response"]["body"]["choices"][0]["message"]["content"] == "answer to q0"
+    assert first["id"] == "batch_req_" + first["response"]["request_id"]
+    assert set(harness.client.runs.values()) == {1}
+    assert all(r.priority.value == "batch" for r in harness.client.requests)
+    counts = await harness.store.counts(batch.id)
+    assert (counts.completed, counts.failed) == (20, 0)
+    assert await harness.store.active() == []
+
+
+async def test_refused_lines_are_in_the_error_file_with_their_line_numbers(tmp_path: Path) -> None:
+    harness = Harness(tmp_path)
+    good = jsonl(["a", "b"])
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    bad = [b"{oops", json.dumps({"custom_id": "c0", "url": CHAT, "body": body}).encode(),
+           json.dumps({"custom_id": "u", "url": "/v1/embeddings", "body": body}).encode(),
+           json.dumps({"custom_id": "v", "url": CHAT, "body": {"model": "m"}}).encode()]
+    batch = await harness.submit(good + b"\n".join(bad) + b"\n")
+    await run_until(harness, batch.id, {Status.completed})
+    done = await harness.finished(batch.id)
+    assert done.total == 6
+    errors = harness.lines(done.error_file_id)
+    assert [(e["error"]["line"], e["error"]["code"]) for e in errors] == [
+        (3, "invalid_json"), (4, "duplicate_custom_id"), (5, "invalid_url"), (6, "invalid_body")]
+    assert all(e["response"] is None for e in errors)
+    assert [o["custom_id"] for o in harness.lines(done.output_file_id)] == ["c0", "c1"]
+
+
+async def test_failed_requests_go_to_the_error_file_with_their_status_and_an_all_failed_job_says_so(tmp_path: Path) -> None:
+    client = FakeCompleter(fail={"a": ErrorCode.content_filter, "b": ErrorCode.not_found})
+    harness = Harness(tmp_path, client)
+    batch = await harness.submit(jsonl(["a", "b"]))
+    await run_until(harness, batch.id, {Status.completed})
+    done = await harness.finished(batch.id)
+    assert done.output_file_id is None
+    errors = harness.lines(done.error_file_id)
+    assert [e["response"]["status_code"] for e in errors] == [400, 404]
+    assert errors[0]["response"]["body"]["error"]["code"] == "content_filter"
+    assert [e.code for e in done.errors] == ["all_requests_failed"]  # visible on the batch object
+    shown = done.to_openai(await harness.store.counts(batch.id))
+    assert shown["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    assert shown["errors"]["data"][0]["code"] == "all_requests_failed"
+
+
+async def test_a_retriable_failure_is_tried_again_then_recorded(tmp_path: Path) -> None:
+    client = FakeCompleter(fail={"busy": ErrorCode.rate_limited})
+    harness = Harness(tmp_path, client)
+    batch = await harness.submit(jsonl(["busy", "fine"]))
+    await run_until(harness, batch.id, {Status.completed})
+    assert client.runs["busy"] == 2 and client.runs["fine"] == 1  # max_attempts = 2
+    done = await harness.finished(batch.id)
+    assert [e["response"]["status_code"] for e in harness.lines(done.error_file_id)] == [429]
+
+
+async def test_a_restarted_worker_runs_only_the_lines_without_an_outcome(tmp_path: Path) -> None:
+    first = FakeCompleter(delay_s=0.005)
+    harness = Harness(tmp_path, first, max_in_flight=3)
+    batch = await harness.submit(jsonl([f"q{i}" for i in range(40)]))
+    stop = asyncio.Event()
+    task = asyncio.create_task(harness.worker().run(stop))
+    while (await harness.store.counts(batch.id)).completed < 15:
+        await asyncio.sleep(0.005)
+    stop.set()  # the worker stops mid-job, as a killed one would: its lines in flight are not recorded
+    await task
+    recorded = await harness.store.recorded_keys(batch.id)
+    assert 15 <= len(recorded) < 40
+    second = FakeCompleter()
+    await run_until(harness, batch.id, {Status.completed}, client=second)
+    done = await harness.finished(batch.id)
+    out = harness.lines(done.output_file_id)
+    assert [o["custom_id"] for o in out] == [f"c{i}" for i in range(40)]  # one line per custom_id
+    rerun = set(second.runs)
+    assert not rerun & {f"q{k[1:]}" for k in recorded}  # nothing finished ran again
+    assert len(rerun) == 40 - len(recorded)
+    assert sum(first.runs.values()) - len(recorded) <= 3  # what the first left unrecorded was in flight
+
+
+async def test_an_outcome_recorded_first_wins_and_a_late_one_after_the_end_is_refused(tmp_path: Path) -> None:
+    harness = Harness(tmp_path)
+    batch = await harness.submit(jsonl(["x", "y"]))
+    earlier = Recorded(1, True, b'{"custom_id": "c0", "from": "the worker that was killed"}')
+    assert await harness.store.record(batch.id, "c0", earlier)  # its answer landed before it died
+    await harness.worker().drive(batch.id, asyncio.Event())
+    assert harness.client.runs == {"y": 1}
+    assert not await harness.store.record(batch.id, "c1", Recorded(2, True, b"{}"))  # a paused worker, too late
+    done = await harness.finished(batch.id)
+    out = harness.lines(done.output_file_id)
+    assert [o["custom_id"] for o in out] == ["c0", "c1"] and out[0]["from"] == "the worker that was killed"
+
+
+async def test_cancel_mid_job_keeps_what_finished_and_reports_the_rest(tmp_path: Path) -> None:
+    client = FakeCompleter()
+    client.gate = asyncio.Event()
+    harness = Harness(tmp_path, client, max_in_flight=2)
+    batch = await harness.submit(jsonl([f"q{i}" for i in range(10)]))
+    stop = asyncio.Event()
+    task = asyncio.create_task(harness.worker().run(stop))
+    while client.in_flight < 2:
+        await asyncio.sleep(0.005)
+    current = await harness.finished(batch.id)
+    assert await harness.store.update(msgspec.structs.replace(current, status=Status.cancelling, cancelling_at=1),
+                                      {Status.in_progress})
+    for _ in range(500):
+        if (await harness.finished(batch.id)).status is Status.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    stop.set()
+    await task
+    done = await harness.finished(batch.id)
+    assert done.status is Status.cancelled and done.cancelled_at
+    errors = harness.lines(done.error_file_id)
+    assert len(errors) == 10 and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert sum(client.finished.values()) == 0
+
+
+async def test_an_expired_job_ends_expired_with_the_rest_reported(tmp_path: Path) -> None:
+    client = FakeCompleter()
+    client.gate = asyncio.Event()
+    harness = Harness(tmp_path, client, max_in_flight=1)
+    batch = await harness.submit(jsonl(["a", "b"]), expires_in=0)
+    await run_until(harness, batch.id, {Status.expired})
+    done = await harness.finished(batch.id)
+    assert done.expired_at and [e["error"]["code"] for e in harness.lines(done.error_file_id)] == ["batch_expired"] * 2
+
+
+async def test_admission_bounds_the_lines_in_flight(tmp_path: Path) -> None:
+    client = FakeCompleter(delay_s=0.01)
+    harness = Harness(tmp_path, client, max_in_flight=3)
+    batch = await harness.submit(jsonl([f"q{i}" for i in range(30)]))
+    await run_until(harness, batch.id, {Status.completed})
+    assert client.most_in_flight == 3
+
+
+async def test_a_second_worker_does_not_drive_a_leased_job(tmp_path: Path) -> None:
+    harness = Harness(tmp_path)
+    batch = await harness.submit(jsonl(["a"]))
+    assert await harness.store.lease(batch.id, "someone-else", 60)
+    stop = asyncio.Event()
+    task = asyncio.create_task(harness.worker().run(stop))
+    await asyncio.sleep(0.1)
+    stop.set()
+    await task
+    assert (await harness.finished(batch.id)).status is Status.validating and not harness.client.runs
+
+
+async def test_a_job_whose_input_file_is_gone_fails(tmp_path: Path) -> None:
+    harness = Harness(tmp_path)
+    batch = await harness.submit(jsonl(["a"]))
+    harness.files.delete("t", batch.input_file_id)
+    await run_until(harness, batch.id, {Status.failed})
+    done = await harness.finished(batch.id)
+    assert done.failed_at and done.errors[0].code == "invalid_file"
