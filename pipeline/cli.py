@@ -8,6 +8,7 @@
     sluice keys create|rotate|revoke|list   API keys (pipeline/gateway/keys_cli.py)
     sluice cache purge --tenant T [--model M]   forget cached answers (pipeline/cache/purge_cli.py)
     sluice config check        validate the configuration and print it as it takes effect, secrets masked
+    sluice batch submit|status|cancel|results|list|run|worker   batch jobs (pipeline/batch/cli.py)
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--api-key", default=None, help="an API key from `sluice keys create`")
     config = sub.add_parser("config", help="check the configuration")
     config.add_argument("action", choices=["check"])
+    from pipeline.batch import cli as batch_cli
     from pipeline.cache import purge_cli
     from pipeline.gateway import keys_cli
 
     keys_cli.add_parser(sub)
     purge_cli.add_parser(sub)
+    batch_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "config":
         return _config_check()
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(keys_cli.run(settings, args))
     if args.command == "cache":
         return asyncio.run(purge_cli.run(settings, args))
+    if args.command == "batch":
+        return asyncio.run(batch_cli.run(settings, args))
     if args.command == "topics":
         return asyncio.run(_topics(settings, args.action))
     return asyncio.run(_ask(settings, args))

@@ -35,11 +35,13 @@ class FileStore:
         self.max_lines = max_lines
         self._decode = msgspec.json.Decoder(FileRecord)
 
-    def upload(self, tenant: str, filename: str, source: BinaryIO) -> FileRecord:
+    def upload(self, tenant: str, filename: str, source: BinaryIO, *, file_id: str | None = None) -> FileRecord:
         """A batch input file from `source` (blocking: call it in a thread). Refused when it is over the
-        size or line limit, empty, not UTF-8, or has no line that is a JSON object."""
+        size or line limit, empty, not UTF-8, or has no line that is a JSON object. `file_id`: one
+        sluice derived itself (`sluice batch run` names a file by its content); else a new one."""
         self.root.mkdir(parents=True, exist_ok=True)
-        file_id = new_file_id()
+        file_id = file_id or new_file_id()
+        assert valid_file_id(file_id), file_id
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
         try:
             with os.fdopen(fd, "wb") as out:

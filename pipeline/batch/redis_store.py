@@ -78,12 +78,13 @@ class RedisJobStore:
             except NoScriptError:  # Redis restarted and lost its script cache
                 return await cast(Any, self._redis.eval(script.text, len(keys), *keys, *args))
 
-    async def create(self, batch: Batch) -> None:
+    async def create(self, batch: Batch, *, listed: bool = True) -> None:
         with _reachable():
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.hset(_key(batch.id, "job"), mapping={"status": batch.status.value, "record": msgspec.msgpack.encode(batch)})
-                pipe.zadd(_tenant_key(batch.tenant), {batch.id: time.time()})  # finer than created_at: newest first
-                pipe.sadd(ACTIVE, batch.id)
+                if listed:
+                    pipe.zadd(_tenant_key(batch.tenant), {batch.id: time.time()})  # finer than created_at: newest first
+                    pipe.sadd(ACTIVE, batch.id)
                 await pipe.execute()
 
     async def get(self, batch_id: str) -> Batch | None:

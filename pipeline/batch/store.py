@@ -21,7 +21,9 @@ from pipeline.batch.records import TERMINAL, Batch, Counts, Recorded, Status
 
 
 class JobStore(Protocol):
-    async def create(self, batch: Batch) -> None: ...
+    async def create(self, batch: Batch, *, listed: bool = True) -> None:
+        """Stores a new job; `listed`: in its tenant's list and `active` (for the bridge's workers). A
+        direct job (`sluice batch run`) is not: only the process that runs it drives it."""
 
     async def get(self, batch_id: str) -> Batch | None: ...
 
@@ -64,13 +66,17 @@ class MemoryJobStore:
         self._clock = clock
         self._jobs: dict[str, tuple[Batch, float]] = {}  # id -> (record, expires at; inf while active), oldest first
         self._active: set[str] = set()
+        self._unlisted: set[str] = set()
         self._leases: dict[str, tuple[str, float]] = {}
         self._results: dict[str, dict[str, Recorded]] = {}
         self._counts: dict[str, Counts] = {}
 
-    async def create(self, batch: Batch) -> None:
+    async def create(self, batch: Batch, *, listed: bool = True) -> None:
         self._jobs[batch.id] = (batch, float("inf"))
-        self._active.add(batch.id)
+        if listed:
+            self._active.add(batch.id)
+        else:
+            self._unlisted.add(batch.id)
 
     async def get(self, batch_id: str) -> Batch | None:
         entry = self._jobs.get(batch_id)
@@ -88,7 +94,8 @@ class MemoryJobStore:
 
     async def list(self, tenant: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
         now = self._clock()
-        mine = [b for b, expires in reversed(self._jobs.values()) if b.tenant == tenant and expires > now]
+        mine = [b for b, expires in reversed(self._jobs.values())
+                if b.tenant == tenant and expires > now and b.id not in self._unlisted]
         start = 0
         if after is not None:
             ids = [b.id for b in mine]

@@ -81,6 +81,16 @@ class BatchWorker:
             self._driving[batch_id] = task
             task.add_done_callback(lambda t, b=batch_id: self._driving.pop(b, None))
 
+    async def drive_one(self, batch_id: str, stop: asyncio.Event) -> None:
+        """Drives one job (`sluice batch run`): waits for its lease (a run of the same job elsewhere, or
+        the lease of one that was killed, runs out after `lease_s`), then drives it to its end or `stop`."""
+        while not await self.store.lease(batch_id, self.owner, self.settings.lease_s):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._poll_s)
+            if stop.is_set():
+                return
+        await self._drive_leased(batch_id, stop)
+
     async def _drive_leased(self, batch_id: str, stop: asyncio.Event) -> None:
         halt = asyncio.Event()  # the worker stops, or the lease is lost
         keeper = asyncio.create_task(self._keep_lease(batch_id, halt))

@@ -38,10 +38,10 @@ from starlette.routing import Route
 
 from pipeline.batch.config import BatchSettings
 from pipeline.batch.errors import BatchError, Conflict, Invalid, NotFound, TooLarge
-from pipeline.batch.execute import Executor
 from pipeline.batch.files import FileStore
 from pipeline.batch.records import ENDPOINTS, TERMINAL, Batch, Signer, Status, new_batch_id, valid_batch_id
 from pipeline.batch.redis_store import RedisJobStore
+from pipeline.batch.service import executor_factory, file_store
 from pipeline.batch.store import JobStore
 from pipeline.batch.worker import BatchWorker
 from pipeline.bridge.credentials import Credential, Credentials
@@ -50,12 +50,10 @@ from pipeline.gateway.build import redis_client
 from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.gateway import INVALID_KEY
 from pipeline.gateway.keys import KeyStore
-from pipeline.gateway.principal import sign
 from pipeline.gateway.redis_keys import RedisKeyStore
 from pipeline.sdk import Client
-from pipeline.settings import REPO_ROOT, Settings
+from pipeline.settings import Settings
 from topics.errors import ErrorCode
-from topics.requests import Request
 
 log = logging.getLogger(__name__)
 MAX_LIST = 100
@@ -67,34 +65,6 @@ Handler = Callable[[HttpRequest], Awaitable[Response]]
 class Owner:
     tenant: str
     signer: Signer | None  # None: anonymous
-
-
-def batch_dir(settings: Settings) -> FileStore:
-    root = REPO_ROOT / settings.batch.dir  # an absolute `dir` stays as it is
-    return FileStore(root, max_bytes=settings.batch.max_file_bytes, max_lines=settings.batch.max_lines)
-
-
-def signer_for(secret: str) -> Callable[[Batch], Callable[[Request], Request]]:
-    """How a job's requests are signed as its owner (pipeline/gateway/principal.py)."""
-
-    def for_batch(batch: Batch) -> Callable[[Request], Request]:
-        owner = batch.signer
-
-        def apply(request: Request) -> Request:
-            if owner is None:
-                return msgspec.structs.replace(request, api_key=None)
-            expires_at = request.created_at + request.deadline_s
-            return sign(secret, request, owner.kind, owner.subject, expires_at, tenant=owner.tenant, models=owner.models)
-
-        return apply
-
-    return for_batch
-
-
-def executor_factory(settings: Settings, client: Client) -> Callable[[Batch], Executor]:
-    signer = signer_for(settings.gateway.client_info_secret)
-    b = settings.batch
-    return lambda batch: Executor(client, signer(batch), deadline_s=b.line_deadline_s, max_attempts=b.max_attempts)
 
 
 class BatchApi:
@@ -109,7 +79,7 @@ class BatchApi:
             self._redis = redis_client(settings)
         self.store: JobStore = store or RedisJobStore(self._redis, keep_s=self.config.keep_s)  # type: ignore[arg-type]
         self._keys: KeyStore = keys or RedisKeyStore(self._redis)  # type: ignore[arg-type]
-        self.files = files or batch_dir(settings)
+        self.files = files or file_store(settings)
 
     def routes(self) -> list[Route]:
         if not self.config.enabled:
@@ -298,4 +268,4 @@ async def _capped(stream: AsyncGenerator[bytes, None], cap: int) -> AsyncGenerat
         yield piece
 
 
-__all__ = ["BatchApi", "Owner", "batch_dir", "executor_factory", "owner_of", "signer_for"]
+__all__ = ["BatchApi", "Owner", "owner_of"]
