@@ -4,7 +4,7 @@ PIP := .venv/bin/pip
 
 .PHONY: setup run run-triton test test-all chaos bench bench-models train-guard clean
 
-setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted .venv-triton/.installed
+setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted .venv-triton/.installed .observe-installed
 
 .venv/.installed: requirements.lock.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -22,6 +22,12 @@ infra/kafka/lib/.resolved: infra/kafka/pom.xml
 
 .redis-installed:
 	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
+	touch $@
+
+# Debian's prometheus (the server, and promtool that the tests lint /metrics and the alert rules with) and
+# chromium (the dashboard test's headless browser).
+.observe-installed:
+	command -v promtool >/dev/null && command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q prometheus chromium)
 	touch $@
 
 .cache/models/.converted: .venv/.installed pipeline/models.py pipeline/guard/minilm_onnx.py

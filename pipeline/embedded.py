@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pipeline import kafka, serve, tracing
+from pipeline import kafka, serve
+from pipeline.observability import setup as observability
 from pipeline.process import run_stages
 from pipeline.settings import Settings
 
@@ -33,5 +34,5 @@ async def _main(settings: Settings, stop: asyncio.Event) -> None:
 
 def run_embedded(settings: Settings) -> None:
     serve.configure_logging()
-    tracing.install(settings.observability)
+    observability.install(settings)
     serve.run_until_signal(lambda stop: _main(settings, stop))

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 
-from pipeline import assemble, serve, tracing
+from pipeline import assemble, serve
 from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
+from pipeline.observability import setup as observability
 from pipeline.settings import Settings
 
 
@@ -24,5 +25,5 @@ async def run_stages(names: list[str] | None, settings: Settings, stop: asyncio.
 def run_worker(*names: str) -> None:
     serve.configure_logging()
     settings = settings_module.load()
-    tracing.install(settings.observability)
+    observability.install(settings, serve_metrics=True)
     serve.run_until_signal(lambda stop: run_stages(list(names), settings, stop))

@@ -23,6 +23,7 @@ from aiokafka.structs import ConsumerRecord
 
 from pipeline import kafka, metrics
 from pipeline.handling import Handling
+from pipeline.observability.lag import LagWatch
 from pipeline.offsets import OffsetTracker
 from pipeline.producing import Producer
 from pipeline.settings import Settings
@@ -66,6 +67,7 @@ class Runner:
         self._last_commit = 0.0
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once the consumer has its partitions
+        self._lag = LagWatch(stage.name, settings.observability.lag_interval_s)  # sluice_consumer_lag
 
     async def run(self, stop: asyncio.Event) -> None:
         self._producer = Producer(self.settings, self.client_id)
@@ -120,6 +122,7 @@ class Runner:
                     tracker.start(record.offset)
                     self._spawn(tp, record, handling)
             metrics.IN_FLIGHT.labels(self.stage.name).set(len(self._tasks))
+            self._lag.observe(self._consumer)
             if time.monotonic() - self._last_commit >= COMMIT_INTERVAL_S and (self._committing is None or self._committing.done()):
                 # In the background: a commit waits on the group coordinator (milliseconds), polling must not.
                 self._last_commit = time.monotonic()

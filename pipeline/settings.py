@@ -129,6 +129,7 @@ class Settings:
     guard: GuardSettings = field(default_factory=GuardSettings)
     cache: CacheSettings = field(default_factory=CacheSettings)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
+    observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
     batch: BatchSettings = field(default_factory=BatchSettings)
 
     @property
@@ -140,7 +141,6 @@ class Settings:
         return tuple(dict.fromkeys(b.pool for b in self.backends))
 
     @property
-    observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
     def unsplit_pools(self) -> frozenset[str]:
         """Pools whose backends cannot split prefill from decode: one generation stage serves each."""
         return frozenset(b.pool for b in self.backends if not b.splits)
@@ -201,6 +201,8 @@ class Settings:
             raise SettingsError("; ".join(problems))
         if problems := self.routing.problems(frozenset(names)):
             raise SettingsError("; ".join(problems))
+        if problems := self.observability.problems():
+            raise SettingsError("; ".join(problems))
         if problems := self.batch.problems():
             raise SettingsError("; ".join(problems))
         return self
@@ -218,8 +220,6 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
         raise SettingsError(f"{path}: " + "; ".join(unknown))
     try:
         settings = msgspec.convert(raw, Settings, strict=True)
-        if problems := self.observability.problems():
-            raise SettingsError("; ".join(problems))
     except msgspec.ValidationError as exc:
         raise SettingsError(f"{path}: {_shape_error(str(exc))}") from None
     if "SLUICE_KAFKA_BOOTSTRAP" in env:
@@ -239,6 +239,13 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
         settings = replace(settings, bridge=replace(settings.bridge, port=port))
     if "SLUICE_METRICS_TOKEN" in env:
         settings = replace(settings, bridge=replace(settings.bridge, metrics_token=env["SLUICE_METRICS_TOKEN"]))
+    if "SLUICE_OTLP_ENDPOINT" in env:
+        settings = replace(settings, observability=replace(settings.observability, otlp_endpoint=env["SLUICE_OTLP_ENDPOINT"]))
+    if "SLUICE_METRICS_PORT" in env:  # one per `sluice worker` process on a host
+        try:
+            settings = replace(settings, observability=replace(settings.observability, metrics_port=int(env["SLUICE_METRICS_PORT"])))
+        except ValueError:
+            raise SettingsError("SLUICE_METRICS_PORT must be an integer") from None
     gateway = settings.gateway
     if "SLUICE_KAFKA_USER" in env or "SLUICE_KAFKA_PASSWORD" in env:
         # Credentials in the environment mean the secure profile: SASL, unless the file names SASL_SSL.
@@ -254,8 +261,6 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Sett
 
 
 def _shape_error(message: str) -> str:
-    if "SLUICE_OTLP_ENDPOINT" in env:
-        settings = replace(settings, observability=replace(settings.observability, otlp_endpoint=env["SLUICE_OTLP_ENDPOINT"]))
     """msgspec's "Expected `int`, got `str` - at `$.kafka.partitions`" as "`kafka.partitions`: expected ..."."""
     problem, sep, where = message.rpartition(" - at `")
     if not sep:

@@ -60,6 +60,7 @@ class Done(msgspec.Struct, frozen=True, omit_defaults=True, tag="done.v2", tag_f
     timings: dict[str, float] = {}  # stage -> ms; emit adds "total" (created_at to terminal)
     cache: CacheTier | None = None  # which tier answered; None: generated
     ticket: Ticket | None = None  # a miss the cache may store: emit stores the answer under it (topics.cache)
+    cost: float = 0.0  # set by emit: what the request is billed at the configured prices (gateway.prices)
 
 
 class RateLimit(msgspec.Struct, frozen=True):
@@ -86,6 +87,7 @@ class Failed(msgspec.Struct, frozen=True, tag="error.v2", tag_field="kind"):
     timings: dict[str, float] = {}
     retry_after_s: float | None = None
     rate_limit: RateLimit | None = None  # set when code is rate_limited
+    cost: float = 0.0  # set by emit: what the tokens used before the error are billed
 
 
 StreamEvent = Chunk | Done | Failed

@@ -15,3 +15,5 @@ class UsageRecord(msgspec.Struct, frozen=True, tag="usage.v2", tag_field="kind")
     total_ms: float
     timings: dict[str, float]
     at: float
+    cost: float = 0.0  # at the configured prices (gateway.prices), in their currency units
+    cache: str | None = None  # the cache tier that answered ("exact", "semantic"); None: generated

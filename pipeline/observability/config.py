@@ -21,6 +21,8 @@ class ObservabilitySettings:
     export_delay_ms: int = 1000  # how often the batch processor exports
     metrics_port: int = 0  # `sluice worker` processes serve /metrics on this port (0: none; the bridge serves its own)
     lag_interval_s: float = 5.0  # how often consumer lag is read from each stage's consumer
+    # Tenants named in metric labels besides [gateway.tenants.*] and the anonymous tenant; any other is "other"
+    tenant_labels: tuple[str, ...] = ()
 
     def problems(self) -> list[str]:
         found = []

@@ -33,6 +33,7 @@ import msgspec
 
 from pipeline.cache.exact import ExactTier
 from pipeline.errors import InfraUnavailable, Undeliverable
+from pipeline.observability import costs
 from pipeline.sequencing import Sequencer
 from pipeline.settings import Settings
 from pipeline.stage import Out, Stopwatch, address_of
@@ -85,6 +86,10 @@ class EmitStage:
         self._answers = answers  # the cache's exact tier, written when an answer may be stored
         self._store = store if store is not None else MemoryStateStore()
         self._meter = meter
+        self._prices = settings.gateway.prices
+        self._models = frozenset(settings.models)
+        self._tenant_label = costs.TenantLabels(frozenset((*settings.gateway.tenants, settings.gateway.anonymous_tenant,
+                                                           *settings.observability.tenant_labels)))
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
         self._carried: dict[str, list[Chunk]] = {}  # chunks held behind a gap when a request was reset
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
@@ -131,6 +136,8 @@ class EmitStage:
             raise InfraUnavailable("taken over by another emit worker")
         sent.finished = True
         terminal = self._terminal(message, sent, clock)
+        terminal = costs.priced(terminal, self._prices, self._billed(terminal).usage)
+        costs.observe(terminal, self._tenant_label(terminal.tenant), self._models)
         yield Out(message.reply_to, rid, terminal, acked=self._write(rid, sent, {"terminal": b"1"}))
         if await self._store.claim(rid, "usage", b"1"):
             yield Out(self.topics.usage, terminal.tenant or "anonymous", self._usage(terminal))
@@ -206,7 +213,8 @@ class EmitStage:
         return UsageRecord(
             id=message.id, tenant=message.tenant, model=message.model, outcome=outcome,
             prompt_tokens=message.usage.prompt_tokens, completion_tokens=message.usage.completion_tokens,
-            total_ms=total, timings=message.timings, at=now,
+            total_ms=total, timings=message.timings, at=now, cost=message.cost,
+            cache=message.cache.value if isinstance(message, Done) and message.cache is not None else None,
         )
 
     async def _hold(self, rid: str, sent: _Sent, chunk: Chunk) -> None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 
 from pipeline.errors import StageError
+from pipeline.observability import collectors
 from pipeline.routing.choose import choose
 from pipeline.routing.config import RouteRule
 from pipeline.routing.health import HealthView
@@ -45,6 +46,7 @@ class RouteStage:
         self._routing = settings.routing
         self._prices = settings.gateway.prices
         self.health = HealthView(settings.routing)
+        collectors.watch_health(self.health, tuple(self._backends))  # sluice_backend_ejected at /metrics
         self._rng = rng or random.Random()
 
     async def on_table(self, record: BackendHealth) -> None:
