@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: setup run run-triton test test-all chaos bench bench-models train-guard clean
+.PHONY: setup run run-observe run-triton test test-all chaos bench bench-models train-guard clean
 
 setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted .venv-triton/.installed .observe-installed
 
@@ -42,6 +42,17 @@ infra/kafka/lib/.resolved: infra/kafka/pom.xml
 
 run: setup
 	SLUICE_RUN_PARENT=$$PPID bash infra/run.sh  # make's pid: run.sh stops when make is interrupted
+
+# `make run` with the trace UI (Arize Phoenix, 127.0.0.1:6006) receiving every span, and Prometheus
+# (127.0.0.1:9090) scraping sluice and evaluating infra/prometheus/rules (infra/observe.sh).
+run-observe: setup .venv-phoenix/.installed
+	SLUICE_OBSERVE=1 SLUICE_RUN_PARENT=$$PPID bash infra/run.sh
+
+# Phoenix in its own environment (its ~140 packages are not sluice's pins); about 850 MB, only for run-observe.
+.venv-phoenix/.installed: infra/phoenix/requirements.lock.txt
+	test -x .venv-phoenix/bin/python || python3 -m venv .venv-phoenix
+	.venv-phoenix/bin/pip install -q -r infra/phoenix/requirements.lock.txt
+	touch $@
 
 # `make run` with the default model served through Triton (sluice_llm) instead of in-process:
 # sluice.toml with its [[backends]] from infra/triton/backends.toml, Triton's gRPC on 127.0.0.1:18001.

@@ -2,6 +2,7 @@
 # `make run`: starts Kafka and Redis (ports from sluice.toml), creates the topics, and runs every stage
 # and the bridge in the foreground. Ctrl-C, or SIGINT/SIGTERM to this script or to `make`, stops all of
 # it, by pid. SLUICE_RUN_STATE moves the state directory (default .state/run).
+# SLUICE_OBSERVE=1 (make run-observe): also Phoenix (traces) and Prometheus (metrics, alerts), infra/observe.sh.
 # SLUICE_SECURE=1 make run: the secure profile, i.e. SLUICE_KAFKA_SECURE=1 (the broker with SASL/SCRAM and
 # ACLs; a state dir keeps the profile it was first formatted with, so `make clean` first when switching)
 # and SLUICE_REDIS_SECURE=1 (Redis with ACL users and passwords), either of which also works alone.
@@ -23,6 +24,7 @@ cleanup() {
   [ -n "$watcher" ] && kill "$watcher" 2>/dev/null || true
   [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true  # its status must not skip the rest
   infra/services.sh stop "$state"
+  if [ "${SLUICE_OBSERVE:-0}" = 1 ]; then infra/observe.sh stop "$state"; fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -51,6 +53,11 @@ if [ "${SLUICE_SECURE:-0}" = 1 ]; then
 fi
 infra/services.sh start "$state" "$kafka_port" "$redis_port"
 echo "Kafka on 127.0.0.1:$kafka_port, Redis on 127.0.0.1:$redis_port (logs in $state)"
+if [ "${SLUICE_OBSERVE:-0}" = 1 ]; then  # make run-observe: the trace UI and Prometheus (infra/observe.sh)
+  infra/observe.sh start "$state"
+  export SLUICE_OTLP_ENDPOINT=${SLUICE_OTLP_ENDPOINT:-http://127.0.0.1:${SLUICE_PHOENIX_PORT:-6006}/v1/traces}
+  echo "Traces: Phoenix on http://127.0.0.1:${SLUICE_PHOENIX_PORT:-6006}; Prometheus on http://127.0.0.1:${SLUICE_PROMETHEUS_PORT:-9090} (alerts: /alerts); dashboard: http://127.0.0.1:8080/dashboard"
+fi
 if [ "${SLUICE_REDIS_SECURE:-0}" = 1 ]; then  # sluice's processes are Redis's ACL user `sluice`
   export SLUICE_REDIS_USER=sluice SLUICE_REDIS_PASSWORD
   SLUICE_REDIS_PASSWORD=$(cat "$state/redis-sluice.password")

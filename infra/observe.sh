@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The observability services of `make run-observe`: Arize Phoenix (the trace UI, receiving OTLP over HTTP)
+# and Prometheus (infra/prometheus/prometheus.yml: scrapes sluice, evaluates the alert rules).
+#   infra/observe.sh start STATE_DIR      Phoenix on 127.0.0.1:$SLUICE_PHOENIX_PORT (6006), Prometheus on :$SLUICE_PROMETHEUS_PORT (9090)
+#   infra/observe.sh stop STATE_DIR
+# Both bind 127.0.0.1 only; each is recorded by pid in STATE_DIR and stopped by pid.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+phoenix_port=${SLUICE_PHOENIX_PORT:-6006}
+prometheus_port=${SLUICE_PROMETHEUS_PORT:-9090}
+
+wait_http() {  # wait_http URL NAME LOG SECONDS
+  for _ in $(seq 1 $(($4 * 2))); do
+    curl -fs -o /dev/null "$1" && return 0
+    sleep 0.5
+  done
+  echo "$2 did not answer at $1 within $4 s; see $3" >&2
+  return 1
+}
+
+case ${1:-} in
+  start)
+    mkdir -p "$2/phoenix" "$2/prometheus"; state=$(cd "$2" && pwd)
+    PHOENIX_WORKING_DIR="$state/phoenix" PHOENIX_HOST=127.0.0.1 PHOENIX_PORT="$phoenix_port" \
+      PHOENIX_GRPC_PORT=$((phoenix_port + 1)) PHOENIX_TELEMETRY_ENABLED=false \
+      nohup "$root/.venv-phoenix/bin/phoenix" serve >"$state/phoenix.log" 2>&1 &
+    echo $! >"$state/phoenix.pid"
+    prometheus --config.file="$root/infra/prometheus/prometheus.yml" --storage.tsdb.path="$state/prometheus" \
+      --web.listen-address="127.0.0.1:$prometheus_port" --web.enable-lifecycle >"$state/prometheus.log" 2>&1 &
+    echo $! >"$state/prometheus.pid"
+    wait_http "http://127.0.0.1:$prometheus_port/-/ready" Prometheus "$state/prometheus.log" 30
+    wait_http "http://127.0.0.1:$phoenix_port/" Phoenix "$state/phoenix.log" 120  # first start migrates its database
+    ;;
+  stop)
+    mkdir -p "$2"; state=$(cd "$2" && pwd)
+    for name in prometheus phoenix; do
+      file="$state/$name.pid"
+      [ -f "$file" ] || continue
+      pid=$(cat "$file")
+      if kill -0 "$pid" 2>/dev/null; then
+        kill -TERM "$pid" 2>/dev/null || true
+        for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$pid" 2>/dev/null || true
+      fi
+      rm -f "$file"
+    done
+    ;;
+  *)
+    echo "usage: $0 start STATE_DIR | stop STATE_DIR" >&2
+    exit 2
+    ;;
+esac
