@@ -1,0 +1,140 @@
+"""One suite for both JobStores: the in-memory one (unit tests) and the Redis one (what runs), so both keep
+the same semantics: compare-and-set on the status, outcomes recorded once and counted once, none after
+the job ended, leases, paged listing per tenant, unlisted direct jobs. Then what only Redis shows: TTLs
+on an ended job's keys, scripts reloaded after Redis lost them, and InfraUnavailable when it is away."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+import pytest_asyncio
+from redis.asyncio import Redis
+
+from pipeline.batch.records import Batch, Recorded, Status, new_batch_id
+from pipeline.batch.redis_store import RedisJobStore
+from pipeline.batch.store import JobStore, MemoryJobStore
+from pipeline.errors import InfraUnavailable
+from pipeline.settings import Settings
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def client(url: str) -> Redis:
+    return Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+
+
+@pytest_asyncio.fixture(params=["memory", "redis"], loop_scope="session")
+async def store(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[JobStore]:
+    backing: JobStore = MemoryJobStore(keep_s=60) if request.param == "memory" else RedisJobStore(client(settings.redis.url), keep_s=60)
+    yield backing
+    await backing.aclose()
+
+
+def job(tenant: str | None = None) -> Batch:
+    now = int(time.time())
+    return Batch(new_batch_id(), tenant or "t-" + uuid.uuid4().hex[:8], "file-" + "0" * 24, "/v1/chat/completions", now, now + 60)
+
+
+async def test_create_get_and_compare_and_set_on_the_status(store: JobStore) -> None:
+    batch = job()
+    assert await store.get(batch.id) is None
+    await store.create(batch)
+    assert await store.get(batch.id) == batch and batch.id in await store.active()
+    running = msgspec.structs.replace(batch, status=Status.in_progress, total=3)
+    assert await store.update(running, {Status.validating})
+    assert not await store.update(msgspec.structs.replace(running, status=Status.failed), {Status.validating})
+    assert await store.get(batch.id) == running
+    await store.deactivate(batch.id)
+    assert batch.id not in await store.active()
+
+
+async def test_an_outcome_is_recorded_and_counted_once(store: JobStore) -> None:
+    batch = job()
+    await store.create(batch)
+    assert await store.record(batch.id, "a", Recorded(1, True, b"first"))
+    assert not await store.record(batch.id, "a", Recorded(1, False, b"second"))
+    assert await store.record(batch.id, "#2", Recorded(2, False, b"refused"))
+    counts = await store.counts(batch.id)
+    assert (counts.completed, counts.failed) == (1, 1)
+    assert await store.recorded_keys(batch.id) == {"a", "#2"}
+    assert sorted(r.text for r in await store.results(batch.id)) == [b"first", b"refused"]
+
+
+async def test_no_outcome_is_recorded_after_the_job_ended(store: JobStore) -> None:
+    batch = job()
+    await store.create(batch)
+    assert await store.update(msgspec.structs.replace(batch, status=Status.completed), {Status.validating})
+    assert not await store.record(batch.id, "late", Recorded(1, True, b"x"))
+    assert not await store.record(new_batch_id(), "nobody", Recorded(1, True, b"x"))  # no such job
+    assert (await store.counts(batch.id)).completed == 0
+
+
+async def test_a_lease_is_held_by_one_owner_until_it_runs_out_or_is_released(store: JobStore) -> None:
+    batch_id = new_batch_id()
+    assert await store.lease(batch_id, "w1", 0.3)
+    assert await store.lease(batch_id, "w1", 0.3)  # renewed
+    assert not await store.lease(batch_id, "w2", 0.3)
+    await store.release(batch_id, "w2")  # not the holder: nothing happens
+    assert not await store.lease(batch_id, "w2", 0.3)
+    await asyncio.sleep(0.4)
+    assert await store.lease(batch_id, "w2", 0.3)
+    await store.release(batch_id, "w2")
+    assert await store.lease(batch_id, "w3", 0.3)
+
+
+async def test_listing_is_per_tenant_newest_first_and_paged(store: JobStore) -> None:
+    tenant = "t-" + uuid.uuid4().hex[:8]
+    made = []
+    for _ in range(5):
+        made.append(job(tenant))
+        await store.create(made[-1])
+    await store.create(job())  # another tenant's
+    await store.create(job(tenant), listed=False)  # a direct job: not listed
+    first, more = await store.list(tenant, None, 2)
+    assert [b.id for b in first] == [made[4].id, made[3].id] and more
+    rest, more = await store.list(tenant, first[-1].id, 10)
+    assert [b.id for b in rest] == [made[2].id, made[1].id, made[0].id] and not more
+
+
+async def test_an_ended_jobs_keys_expire_and_a_running_ones_do_not(settings: Settings) -> None:
+    redis = client(settings.redis.url)
+    store = RedisJobStore(client(settings.redis.url), keep_s=30)
+    try:
+        batch = job()
+        await store.create(batch)
+        await store.record(batch.id, "a", Recorded(1, True, b"x"))
+        keys = [f"sluice:batch:{{{batch.id}}}:{part}" for part in ("job", "out", "counts")]
+        assert [await redis.pttl(k) for k in keys] == [-1, -1, -1]  # durable while it runs
+        await store.update(msgspec.structs.replace(batch, status=Status.completed), {Status.validating})
+        ttls = [await redis.pttl(k) for k in keys]
+        assert all(0 < ttl <= 30_000 for ttl in ttls), ttls
+    finally:
+        await store.aclose()
+        await redis.aclose()
+
+
+async def test_scripts_are_loaded_again_after_redis_lost_them(settings: Settings) -> None:
+    redis = client(settings.redis.url)
+    store = RedisJobStore(client(settings.redis.url))
+    try:
+        batch = job()
+        await store.create(batch)
+        await redis.script_flush()
+        assert await store.record(batch.id, "a", Recorded(1, True, b"x"))
+    finally:
+        await store.aclose()
+        await redis.aclose()
+
+
+async def test_redis_away_is_infra_unavailable() -> None:
+    store = RedisJobStore(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2))
+    with pytest.raises(InfraUnavailable):
+        await store.get(new_batch_id())
+    with pytest.raises(InfraUnavailable):
+        await store.record(new_batch_id(), "a", Recorded(1, True, b"x"))
+    await store.aclose()
