@@ -231,7 +231,9 @@ async def _direct(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _worker(settings: Settings) -> int:
     from pipeline.batch.service import run_worker
+    from pipeline.serve import configure_logging
 
+    configure_logging()
     await run_worker(settings)
     return 0
 

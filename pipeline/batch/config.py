@@ -13,7 +13,9 @@ class BatchSettings:
     dir: str = ".state/batch"  # input and output files (relative to the repository root); one machine's disk
     max_file_bytes: int = 200 * 1024 * 1024  # OpenAI's limit on a batch input file
     max_lines: int = 50_000  # OpenAI's limit on requests per batch
-    max_in_flight: int = 32  # lines of one job in the pipeline at once (at least the engine's max_batch)
+    # lines in the pipeline at once, per worker: below the engine's max_batch (16), so an interactive request
+    # finds a free slot at once instead of waiting for a batch sequence to finish (docs/backfill.md)
+    max_in_flight: int = 12
     admission_rps: float = 50.0  # lines started per second per job; 0: as fast as max_in_flight allows
     line_deadline_s: float = 900.0  # each line's request deadline: batch work waits behind interactive work
     max_attempts: int = 4  # a line that fails with a retriable error (429, 503, 504...) is tried this often

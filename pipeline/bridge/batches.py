@@ -2,6 +2,7 @@
 
     POST /v1/files                  upload a batch input file (multipart, purpose "batch"); size and line limits
     GET  /v1/files/{id}             the file object
+    DELETE /v1/files/{id}           delete it (a job still reading it then fails)
     GET  /v1/files/{id}/content     its bytes (input, output or error file)
     POST /v1/batches                a job over an uploaded file: {input_file_id, endpoint, completion_window, metadata}
     GET  /v1/batches                the caller's jobs, newest first (`after`, `limit`)
@@ -87,6 +88,7 @@ class BatchApi:
         return [
             Route("/v1/files", _answering(self.upload), methods=["POST"]),
             Route("/v1/files/{file_id}", _answering(self.file), methods=["GET"]),
+            Route("/v1/files/{file_id}", _answering(self.delete), methods=["DELETE"]),
             Route("/v1/files/{file_id}/content", _answering(self.content), methods=["GET"]),
             Route("/v1/batches", _answering(self.create), methods=["POST"]),
             Route("/v1/batches", _answering(self.list), methods=["GET"]),
@@ -146,6 +148,13 @@ class BatchApi:
     async def file(self, request: HttpRequest) -> Response:
         owner = await self.owner(request)
         return JSONResponse(self.files.get(owner.tenant, request.path_params["file_id"]).to_openai())
+
+    async def delete(self, request: HttpRequest) -> Response:
+        owner = await self.owner(request)
+        file_id = request.path_params["file_id"]
+        self.files.delete(owner.tenant, file_id)
+        log.info("file %s deleted by tenant %s", file_id, owner.tenant)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     async def content(self, request: HttpRequest) -> Response:
         owner = await self.owner(request)

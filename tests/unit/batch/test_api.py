@@ -113,7 +113,12 @@ def test_another_tenant_gets_404_for_files_and_batches(app) -> None:  # type: ig
                  lambda: globex.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")):
         with pytest.raises(openai.NotFoundError):
             call()
+    with pytest.raises(openai.NotFoundError):
+        globex.files.delete(file_id)
     assert acme.batches.retrieve(batch_id).id == batch_id
+    assert acme.files.delete(file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        acme.files.retrieve(file_id)
 
 
 def test_cancel_ends_a_running_batch_cancelled(app) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,178 @@
+"""Backfill on the batch lane against the same prompts sent interactively one at a time, and what a
+running backfill does to interactive latency: all in one run, on the default model.
+
+    .venv/bin/python -m bench.backfill                     # 24 prompts x 32 tokens, 20 probes
+    .venv/bin/python -m bench.backfill --prompts 48 --max-tokens 48 --probes 30
+
+Starts its own Kafka and Redis (ports 48192/48479), runs the bare profile (no guards, cache off: the
+same prompts must not be answered from the cache) in this process with the local engine, and then:
+
+1. interactive, one at a time: each prompt sent and answered before the next (tokens/s);
+2. backfill: the same prompts as one batch job (files, Redis progress, the worker, priority batch,
+   `batch.max_in_flight` lines at once), from creation to completed (tokens/s, from the output file);
+3. interactive latency, idle: `--probes` short requests one after another (p50, p99);
+4. the same probes while a larger backfill keeps the engine busy (p50, p99), then that job is cancelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import msgspec
+
+from bench.services import own_services
+from bench.stats import percentile
+from pipeline import assemble, kafka
+from pipeline import backends as backend_registry
+from pipeline import settings as settings_module
+from pipeline.batch.execute import Executor
+from pipeline.batch.files import FileStore
+from pipeline.batch.records import TERMINAL, Batch, Status, new_batch_id
+from pipeline.batch.redis_store import RedisJobStore
+from pipeline.batch.worker import BatchWorker
+from pipeline.gateway.build import redis_client
+from pipeline.runner import Runner
+from pipeline.sdk import Client
+from pipeline.settings import Settings
+from pipeline.sharegpt import first_turns
+
+CHAT = "/v1/chat/completions"
+PROBE = "Name one colour."
+
+
+def prompts(n: int) -> list[str]:
+    return [turn[:300] for turn, _ in first_turns(n)]
+
+
+def jsonl(texts: list[str], max_tokens: int) -> bytes:
+    rows = ({"custom_id": f"p{i}", "method": "POST", "url": CHAT,
+             "body": {"model": "smollm2-135m-instruct", "max_tokens": max_tokens, "temperature": 0,
+                      "messages": [{"role": "user", "content": t}]}} for i, t in enumerate(texts))
+    return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+class Backfill:
+    """Batch jobs run by a worker in this process, on the bench's client."""
+
+    def __init__(self, settings: Settings, client: Client, root: Path) -> None:
+        self.settings = settings
+        self.store = RedisJobStore(redis_client(settings))
+        self.files = FileStore(root, max_bytes=settings.batch.max_file_bytes, max_lines=settings.batch.max_lines)
+        b = settings.batch
+        self.worker = BatchWorker(b, self.store, self.files,
+                                  lambda job: Executor(client, lambda r: r, deadline_s=b.line_deadline_s, max_attempts=b.max_attempts),
+                                  poll_s=0.2)
+
+    async def submit(self, data: bytes) -> str:
+        record = self.files.upload("default", "in.jsonl", io.BytesIO(data))
+        now = int(time.time())
+        batch = Batch(new_batch_id(), "default", record.id, CHAT, now, now + 86400)
+        await self.store.create(batch)
+        return batch.id
+
+    async def wait(self, batch_id: str, statuses: frozenset[Status] = TERMINAL) -> Batch:
+        while True:
+            batch = await self.store.get(batch_id)
+            if batch is not None and batch.status in statuses:
+                return batch
+            await asyncio.sleep(0.1)
+
+    def completion_tokens(self, batch: Batch) -> int:
+        assert batch.output_file_id is not None
+        path = self.files.path(self.files.get(batch.tenant, batch.output_file_id))
+        return sum(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] for x in path.read_bytes().splitlines())
+
+
+async def probe(client: Client, n: int, max_tokens: int) -> list[float]:
+    latencies = []
+    for _ in range(n):
+        started = time.perf_counter()
+        await client.complete(messages=[{"role": "user", "content": PROBE}], max_tokens=max_tokens, no_cache=True)
+        latencies.append((time.perf_counter() - started) * 1000)
+        await asyncio.sleep(0.2)
+    return latencies
+
+
+async def measure(settings: Settings, args: argparse.Namespace) -> None:
+    await kafka.create_topics(settings)
+    stop = asyncio.Event()
+    stages = assemble.build(assemble.nodes_of(settings), settings, backend_registry.load(settings), worker="bench")
+    runners = [Runner(s, settings, instance="bench") for s in stages]
+    tasks = [asyncio.create_task(r.run(stop)) for r in runners]
+    await asyncio.wait_for(asyncio.gather(*(r.ready.wait() for r in runners)), 120)
+    texts = prompts(args.prompts)
+    with tempfile.TemporaryDirectory() as tmp:
+        async with Client(settings) as client:
+            backfill = Backfill(settings, client, Path(tmp))
+            worker = asyncio.create_task(backfill.worker.run(stop))
+            await client.complete(messages=[{"role": "user", "content": "warm up"}], max_tokens=4)
+
+            started = time.perf_counter()
+            tokens = 0
+            for text in texts:
+                answer = await client.complete(messages=[{"role": "user", "content": text}], max_tokens=args.max_tokens)
+                tokens += answer.done.usage.completion_tokens
+            interactive_s = time.perf_counter() - started
+            interactive_tps = tokens / interactive_s
+            print(f"interactive one at a time: {tokens} tokens in {interactive_s:.1f} s = {interactive_tps:.1f} tokens/s", flush=True)
+
+            started = time.perf_counter()
+            job = await backfill.wait(await backfill.submit(jsonl(texts, args.max_tokens)))
+            backfill_s = time.perf_counter() - started
+            batch_tokens = backfill.completion_tokens(job)
+            backfill_tps = batch_tokens / backfill_s
+            print(f"backfill ({job.status.value}): {batch_tokens} tokens in {backfill_s:.1f} s = {backfill_tps:.1f} tokens/s", flush=True)
+
+            idle = await probe(client, args.probes, args.probe_tokens)
+            print(f"probes idle: p50 {percentile(idle, 50):.0f} ms, p99 {percentile(idle, 99):.0f} ms", flush=True)
+            load = await backfill.submit(jsonl(texts * 8, args.max_tokens * 2))
+            await backfill.wait(load, frozenset({Status.in_progress}))
+            await asyncio.sleep(5.0)  # the engine fills with batch-lane sequences
+            busy = await probe(client, args.probes, args.probe_tokens)
+            counts = await backfill.store.counts(load)
+            print(f"probes during a backfill: p50 {percentile(busy, 50):.0f} ms, p99 {percentile(busy, 99):.0f} ms "
+                  f"({counts.completed} backfill lines finished meanwhile)", flush=True)
+            current = await backfill.store.get(load)
+            if current is not None and current.status not in TERMINAL:
+                await backfill.store.update(msgspec.structs.replace(current, status=Status.cancelling), {current.status})
+            await backfill.wait(load)
+            stop.set()
+            await worker
+            await backfill.store.aclose()
+    await asyncio.gather(*tasks)
+    b = settings.batch
+    print(f"\n| what | figure |\n| --- | --- |\n"
+          f"| interactive, one at a time ({len(texts)} prompts, max_tokens {args.max_tokens}) | {interactive_tps:.1f} tokens/s |\n"
+          f"| backfill, the same prompts (batch lane, max_in_flight {b.max_in_flight}, max_batch "
+          f"{settings.backends[0].max_batch}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
+          f"| interactive p50 / p99, idle ({args.probes} probes, max_tokens {args.probe_tokens}) | "
+          f"{percentile(idle, 50):.0f} / {percentile(idle, 99):.0f} ms |\n"
+          f"| interactive p50 / p99, during a backfill | {percentile(busy, 50):.0f} / {percentile(busy, 99):.0f} ms "
+          f"({percentile(busy, 99) / percentile(idle, 99):.2f}x the idle p99) |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--probes", type=int, default=20)
+    parser.add_argument("--probe-tokens", type=int, default=8)
+    parser.add_argument("--max-in-flight", type=int, default=None, help="batch.max_in_flight (default: the config's)")
+    args = parser.parse_args()
+    with own_services("bench-backfill", 48192, 48479) as env:
+        settings = settings_module.load(env=env)
+        batch = settings.batch if args.max_in_flight is None else replace(settings.batch, max_in_flight=args.max_in_flight)
+        settings = replace(settings, profile="bare", cache=replace(settings.cache, enabled=False),
+                           batch=replace(batch, admission_rps=0.0))
+        asyncio.run(measure(settings, args))
+
+
+if __name__ == "__main__":
+    main()

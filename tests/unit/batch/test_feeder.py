@@ -1,0 +1,52 @@
+"""Admission: at most max_in_flight lines at once, starts spaced by the rate, and a stop cancels what is
+in flight without recording it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pipeline.batch.feeder import Admission, feed
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_starts_are_spaced_by_the_rate() -> None:
+    starts: list[float] = []
+
+    async def run(line: int) -> None:
+        starts.append(time.monotonic())
+
+    assert await feed(list(range(6)), run, Admission(10, rate=50.0), asyncio.Event())
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert len(starts) == 6 and min(gaps) >= 0.015  # 1 / 50 s apart, less timer slack
+
+
+async def test_a_stop_cancels_the_lines_in_flight_and_starts_no_more() -> None:
+    started: list[int] = []
+    finished: list[int] = []
+    stop = asyncio.Event()
+
+    async def run(line: int) -> None:
+        started.append(line)
+        if len(started) == 3:
+            stop.set()
+        await asyncio.sleep(10)
+        finished.append(line)
+
+    admission = Admission(3, rate=0.0)
+    assert not await asyncio.wait_for(feed(list(range(10)), run, admission, stop), 2)
+    assert started == [0, 1, 2] and finished == []
+    assert admission.slots._value == 3  # every slot given back
+
+
+async def test_a_failing_line_is_a_bug_and_raises() -> None:
+    async def run(line: int) -> None:
+        if line == 2:
+            raise RuntimeError("bug")
+        await asyncio.sleep(0)
+
+    with pytest.raises(RuntimeError, match="bug"):
+        await feed(list(range(50)), run, Admission(2, rate=0.0), asyncio.Event())
