@@ -122,7 +122,8 @@ class Address:
         )
 
     def chunk(self, seq: int, text: str, token_ids: tuple[int, ...] = ()) -> Chunk:
-        return Chunk(id=self.request_id, reply_to=self.reply_to, seq=seq, text=text, tenant=self.tenant, token_ids=token_ids)
+        return Chunk(id=self.request_id, reply_to=self.reply_to, seq=seq, text=text, tenant=self.tenant, token_ids=token_ids,
+                     model=self.model)
 
 
 def address_of(message: object) -> Address | None:
@@ -134,7 +135,7 @@ def address_of(message: object) -> Address | None:
     if isinstance(message, Done | Failed):
         return Address(message.id, message.reply_to, message.tenant, message.model, message.created_at)
     if isinstance(message, Chunk):
-        return Address(message.id, message.reply_to, message.tenant)
+        return Address(message.id, message.reply_to, message.tenant, message.model)
     return None
 
 

@@ -44,6 +44,7 @@ class Chunk(msgspec.Struct, frozen=True, omit_defaults=True, tag="chunk.v2", tag
     text: str
     tenant: str
     token_ids: tuple[int, ...] = ()  # the completion tokens this chunk covers (empty after postguard rewrites text)
+    model: str = ""  # the model (route) the client asked for: postguard checks the answer against its topics
     cache: CacheTier | None = None  # set when the cache answered: the chunks of the stored answer
 
 

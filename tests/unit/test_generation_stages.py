@@ -12,7 +12,7 @@ from pipeline.stages.generation import generation_request
 from pipeline.stages.prefill import PrefillStage
 from pipeline.state import MemoryStateStore
 from tests.unit.fakes import ScriptedBackend, run_handler
-from tests.unit.helpers import node, request, routed
+from tests.unit.helpers import MODEL, node, request, routed
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
 from topics.hops import Prefilled
@@ -53,7 +53,7 @@ async def prefill_then_decode(backend: ScriptedBackend, **overrides: object) -> 
 async def test_prefill_sends_the_first_token_and_a_handle() -> None:
     outs = await run_handler(PrefillStage(ScriptedBackend(WORDS), PREFILL.topics), routed(request()))
     assert [o.topic for o in outs] == ["llm.tokens", "llm.prefilled.local"]
-    assert outs[0].value == Chunk(id="default/r1", reply_to="llm.responses.sdk", seq=0, text="Hello", tenant="default", token_ids=(0,))
+    assert outs[0].value == Chunk(id="default/r1", reply_to="llm.responses.sdk", seq=0, text="Hello", tenant="default", token_ids=(0,), model=MODEL)
     handed = outs[1].value
     assert isinstance(handed, Prefilled) and handed.prefill.handle == "h-default/r1" and "prefill" in handed.timings
 
