@@ -194,3 +194,34 @@ async def test_direct_mode_runs_a_file_over_kafka_and_a_second_run_resumes_nothi
     out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [o["custom_id"] for o in out] == [f"direct-{i}" for i in range(25)]
     assert (tmp_path / "err.jsonl").read_bytes() == b""
+
+
+async def test_the_cli_submits_waits_and_writes_the_results(stack: Stack, tmp_path: Path) -> None:
+    import argparse
+
+    from pipeline.batch import cli as batch_cli
+
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl(12, prefix="cli") + b"not json\n")
+    common = {"base_url": stack.url + "/v1", "api_key": stack.keys["acme"]}
+    submit = argparse.Namespace(action="submit", input=source, endpoint=CHAT, wait=True, output=tmp_path / "out.jsonl",
+                                errors=tmp_path / "err.jsonl", **common)
+    assert await batch_cli.run(stack.settings, submit) == 0
+    out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    err = [json.loads(x) for x in (tmp_path / "err.jsonl").read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == [f"cli-{i}" for i in range(12)]
+    assert [e["error"]["line"] for e in err] == [13]
+    unknown = argparse.Namespace(action="status", batch_id="batch_" + "0" * 24, **common)
+    assert await batch_cli.run(stack.settings, unknown) == 1  # 404, said on stderr
+
+
+async def test_a_job_whose_every_line_fails_says_so(stack: Stack, tmp_path: Path) -> None:
+    rows = [{"custom_id": f"x{i}", "method": "POST", "url": CHAT,
+             "body": {"model": "gpt-17", "messages": [{"role": "user", "content": "q"}]}} for i in range(3)]
+    async with stack.openai("acme") as client:
+        uploaded = await client.files.create(file=("in.jsonl", "\n".join(json.dumps(r) for r in rows).encode()), purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+        done = await wait_for(client, batch.id, {"completed"})
+    assert done.output_file_id is None and done.error_file_id
+    assert done.request_counts is not None and done.request_counts.failed == done.request_counts.total == 3
+    assert done.errors is not None and done.errors.data[0].code == "all_requests_failed"
