@@ -1,5 +1,5 @@
 """`[guard]` in sluice.toml: PII policy per tenant and entity, injection thresholds, the output
-holdback window, the blocklist and the toxicity backend. Read once by `pipeline.settings.load()` and
+holdback window, the blocklist, the toxicity backend and the topics each route serves. Read once by `pipeline.settings.load()` and
 validated there (`problems()`); no model is loaded to validate it."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pipeline.guard.entities import DEFAULT_POLICY, ENTITIES, Action
+from pipeline.guard.on_topic import RouteTopics
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class GuardSettings:
     toxicity_threshold: float = 0.8  # per-sentence score at or above which a stream is ended
     detoxify_checkpoint: str = ""  # a local Detoxify checkpoint (.ckpt); required for "detoxify"
     detoxify_config_dir: str = ""  # its Hugging Face config and tokenizer, for loading with no network
+    routes: dict[str, RouteTopics] = field(default_factory=dict)  # model -> the topics it serves (on_topic.py)
 
     def policy(self, tenant: str) -> dict[str, Action]:
         override = self.tenants.get(tenant)
@@ -51,6 +53,10 @@ class GuardSettings:
                       "guard.toxicity_threshold": self.toxicity_threshold}
         thresholds |= {f"guard.tenants.{t}.injection_threshold": v.injection_threshold for t, v in self.tenants.items()
                        if v.injection_threshold is not None}
+        for model, route in self.routes.items():
+            thresholds |= {f"guard.routes.{model}.threshold": route.threshold, f"guard.routes.{model}.prompt_threshold": route.prompt_threshold}
+            if not route.topics or any(not t.strip() for t in route.topics):
+                found.append(f"guard.routes.{model}.topics must name at least one topic, each a non-empty sentence")
         found += [f"{name} must be between 0 and 1, got {value}" for name, value in thresholds.items() if not 0.0 <= value <= 1.0]
         if self.holdback_tokens < 1:
             found.append(f"guard.holdback_tokens must be at least 1, got {self.holdback_tokens}")

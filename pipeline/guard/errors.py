@@ -21,6 +21,7 @@ class Reason(enum.StrEnum):
     toxicity = "toxicity"
     blocklist = "blocklist"
     output_pii = "output_pii"
+    off_topic = "off_topic"
 
 
 class GuardError(SluiceError):

@@ -1,5 +1,6 @@
 """Builds the guards from settings, once per worker: the input guard (PII and injection together,
-batched across requests) and the output guard (pattern PII, blocklist, toxicity)."""
+batched across requests, and the embedder the routes' topics use) and the output guard (pattern PII, blocklist,
+toxicity, and the routes' topics)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from pipeline.guard.config import GuardSettings
 from pipeline.guard.embedder import load_embedder
 from pipeline.guard.injection import InjectionClassifier
+from pipeline.guard.on_topic import TopicScopes
 from pipeline.guard.pii import PatternScanner, PiiAnalyzer
 from pipeline.guard.slices import Piece, PieceVerdict, TextCheck, TextVerdict, pieces_of, verdict_of
 from pipeline.guard.stream_check import OutputGuard
@@ -24,7 +26,8 @@ class InputGuard:
 
     def __init__(self, settings: GuardSettings, model_cache: Path) -> None:
         self.pii = PiiAnalyzer(min_score=settings.pii_min_score)
-        self.injection = InjectionClassifier(load_embedder(model_cache, threads=1))
+        self.embedder = load_embedder(model_cache, threads=1)  # also what the routes' topics are compared with
+        self.injection = InjectionClassifier(self.embedder)
         # spaCy and onnxruntime release the GIL: PII runs on this thread while injection runs on the
         # caller's, so a request waits for the slower check, not for both.
         self._pii_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-pii")
@@ -54,8 +57,15 @@ def toxicity_scorer(settings: GuardSettings) -> ToxicityScorer:
     return ProfanityCheck()
 
 
-def output_guard(settings: GuardSettings) -> OutputGuard:
+def output_guard(settings: GuardSettings, model_cache: Path | None = None) -> OutputGuard:
+    """`model_cache`: where the MiniLM embedder is, needed only when a route names its topics."""
+    topics = None
+    if any(route.topics for route in settings.routes.values()):
+        if model_cache is None:
+            raise ValueError("guard.routes name topics: the output guard needs the model cache for the embedder")
+        topics = TopicScopes(settings.routes, load_embedder(model_cache, threads=1))
     return OutputGuard(
         PatternScanner(settings.pii_min_score), toxicity_scorer(settings),
         holdback=settings.holdback_tokens, blocklist=settings.blocklist, toxicity_threshold=settings.toxicity_threshold,
+        topics=topics,
     )

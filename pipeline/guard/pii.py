@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import tldextract
 from presidio_analyzer import AnalyzerEngine, EntityRecognizer, RecognizerRegistry
-from presidio_analyzer.nlp_engine import NlpEngineProvider
+from presidio_analyzer.nlp_engine import NlpArtifacts, NlpEngineProvider
 from presidio_analyzer.predefined_recognizers import (
     CreditCardRecognizer,
     EmailRecognizer,
@@ -21,7 +21,6 @@ from presidio_analyzer.predefined_recognizers import (
     PhoneRecognizer,
     UsSsnRecognizer,
 )
-from presidio_analyzer.nlp_engine import NlpArtifacts
 
 from pipeline.guard.embedder import package_dir
 from pipeline.guard.errors import GuardModelMissing

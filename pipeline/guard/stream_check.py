@@ -1,7 +1,9 @@
 """The holdback window postguard keeps for each streaming answer, and the checks run on it.
 
 Each chunk is appended to `pending`. The checks read the current sentence's released part plus
-`pending`: the regex blocklist, toxicity sentence by sentence, and the pattern PII recognisers. When
+`pending`: the regex blocklist, toxicity sentence by sentence, and the pattern PII recognisers; on a
+route that names its topics, each finished sentence is compared with them (on_topic.TopicWatch: an
+answer that has left them ends, releasing nothing more). When
 nothing is flagged, everything but the newest `holdback` chunks is released, with PII redacted by
 policy; a finding that crosses the release point is held back whole. When something is flagged,
 only the text before the flagged span is released and the stream ends (`Step.violation`).
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from pipeline.guard.entities import Action
 from pipeline.guard.errors import Reason
+from pipeline.guard.on_topic import TopicScope, TopicScopes, TopicWatch
 from pipeline.guard.pii import Finding, PatternScanner
 from pipeline.guard.redact import Placeholders, apply_policy, without_overlaps
 from pipeline.guard.toxicity import ToxicityScorer
@@ -32,6 +35,7 @@ class StreamState:
     context: str = ""  # released text of the sentence still open
     placeholders: Placeholders = field(default_factory=Placeholders)
     toxicity: dict[str, float] = field(default_factory=dict)  # scores of the window's sentences, by text
+    topics: TopicWatch | None = None  # the answer against its route's topics, if the route names any
 
 
 @dataclass(frozen=True)
@@ -47,25 +51,37 @@ class _Cut:
 
 
 class OutputGuard:
-    def __init__(self, scanner: PatternScanner, toxicity: ToxicityScorer, *, holdback: int, blocklist: tuple[str, ...], toxicity_threshold: float) -> None:
+    def __init__(
+        self, scanner: PatternScanner, toxicity: ToxicityScorer, *, holdback: int, blocklist: tuple[str, ...],
+        toxicity_threshold: float, topics: TopicScopes | None = None,
+    ) -> None:
         self._scanner = scanner
+        self._topics = topics
         self._toxicity = toxicity
         self._holdback = holdback
         self._blocklist = tuple(re.compile(p, re.IGNORECASE) for p in blocklist)
         self._threshold = toxicity_threshold
 
+    def watch(self, model: str) -> TopicWatch | None:
+        """A fresh watch of an answer against the topics `model`'s route serves, if it names any."""
+        scope: TopicScope | None = self._topics.for_model(model) if self._topics else None
+        return TopicWatch(scope) if scope is not None else None
+
     def push(self, state: StreamState, text: str) -> Step:
         state.pending += text
         state.lengths.append(len(text))
-        return self._step(state, final=False)
+        left = state.topics is not None and state.topics.push(text)
+        return self._step(state, final=False, left_topics=left)
 
     def finish(self, state: StreamState) -> Step:
-        return self._step(state, final=True)
+        return self._step(state, final=True, left_topics=state.topics is not None and state.topics.finish())
 
-    def _step(self, state: StreamState, *, final: bool) -> Step:
+    def _step(self, state: StreamState, *, final: bool, left_topics: bool) -> Step:
         findings = self._scanner.scan(state.pending)
         release = len(state.pending) if final else sum(list(state.lengths)[: max(len(state.lengths) - self._holdback, 0)])
         cut = self._first_violation(state, findings, release)
+        if cut is None and left_topics:
+            cut = _Cut(0, Reason.off_topic)  # nothing more of it is released
         upto = cut.at if cut is not None else release
         for f in findings:  # never release part of a finding: hold it back whole
             if f.start < upto < f.end:

@@ -4,8 +4,10 @@ guard work. Then PII by tenant policy (allow, redact with typed placeholders, or
 injection (classifier plus patterns, threshold per tenant), over bounded pieces of the texts that a
 queue shared fairly between tenants runs (so a tenant's 32 KB prompts do not hold up another's small
 one). A refused request ends here with a 400 `content_filter` event whose message starts with the
-reason (`prompt_injection`, `pii_blocked`); an admitted one goes on with its sanitised text, and its
-`timings` carry the guard's own latency (`guard`, milliseconds from arrival to verdict)."""
+reason (`prompt_injection`, `pii_blocked`, or `off_topic` when the route names the topics it serves
+and the last user turn is far from all of them: on_topic.py); an admitted one goes on with its
+sanitised text, and its `timings` carry the guard's own latency (`guard`, milliseconds from arrival
+to verdict)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pipeline.guard.context_limit import ContextLimit
 from pipeline.guard.errors import Reason
 from pipeline.guard.injection import SEGMENT_CHARS
 from pipeline.guard.loader import InputGuard
+from pipeline.guard.on_topic import TopicScopes
 from pipeline.guard.redact import Placeholders, apply_policy
 from pipeline.guard.slices import PII_SLICE, Piece, PieceVerdict, TextCheck, TextVerdict, pieces_of, verdict_of
 from pipeline.settings import Settings
@@ -54,6 +57,7 @@ class GuardStage:
         # behind 4 x 32 KB; one piece keeps it under the 100 ms target. Bulk throughput pays.)
         budget = max(PII_SLICE, SEGMENT_CHARS)
         self._batcher: Batcher[Piece, PieceVerdict] = Batcher(guard.run, cost=Piece.cost, max_cost=budget)
+        self._topics = TopicScopes(settings.guard.routes, guard.embedder) if settings.guard.routes else None
 
     def sanitise(self, request: Request, verdicts: list[TextVerdict]) -> Request:
         """The request with PII redacted; raises StageError when a policy or the classifier refuses it."""
@@ -79,6 +83,14 @@ class GuardStage:
         results = iter(await self._batcher.submit(request.tenant, [p for per_text in pieces for p in per_text]))
         return [verdict_of(c, [next(results) for _ in per_text]) for c, per_text in zip(checks, pieces, strict=True)]
 
+    async def check_topic(self, request: Request) -> None:
+        """Refuses a request whose last user turn (or prompt) is far from every topic its route serves."""
+        scope = self._topics.for_model(request.model) if self._topics else None
+        users = [m.content for m in request.messages if m.role == "user"]
+        text = request.prompt if request.prompt is not None else (users[-1] if users else "")
+        if scope is not None and text and await asyncio.to_thread(scope.prompt_off_topic, text):
+            raise StageError(ErrorCode.content_filter, f"{Reason.off_topic}: this route does not serve that topic")
+
     async def check_context(self, request: Request) -> None:
         """Off the event loop when the texts are long (tokenising 32 KB takes milliseconds)."""
         size = sum(len(m.content) for m in request.messages) + len(request.prompt or "")
@@ -91,5 +103,6 @@ class GuardStage:
         clock = Stopwatch()
         await self.check_context(message.request)
         request = self.sanitise(message.request, await self.verdicts(message.request))
+        await self.check_topic(message.request)
         timings = {**message.timings, self.name: clock.ms()}
         yield Out(self.topics.forward or "", message.id, msgspec.structs.replace(message, request=request, timings=timings))

@@ -1,6 +1,7 @@
 """postguard: checks the answer as it streams, holding back only the newest `holdback_tokens` chunks,
 so nothing flagged reaches the client. Output PII is redacted by policy (pattern recognisers; `block`
-entities end the stream); toxicity and the regex blocklist end it. Ending a stream is the kill
+entities end the stream); toxicity, the regex blocklist and, on a route that names its topics, an
+answer that leaves them (reason `off_topic`) end it. Ending a stream is the kill
 switch: postguard releases the text before the flagged span, publishes `Cancel(output_guard)` on
 `llm.control` (decode stops within a step), drops any chunk still arriving, and turns decode's
 terminal event into a `content_filter` error carrying decode's usage and timings.
@@ -60,7 +61,7 @@ class _Stream:
         w = postguard_state.decode(raw)
         order = Sequencer(w.next_in)
         for seq, text in w.held.items():  # all above next_in: held again behind the same gap
-            order.accept(Chunk(id=message.id, reply_to=message.reply_to, seq=seq, text=text, tenant=message.tenant))
+            order.accept(Chunk(id=message.id, reply_to=message.reply_to, seq=seq, text=text, tenant=message.tenant, model=message.model))
         return cls(postguard_state.restore_check(w, policy), order, w.next_out, w.digest,
                    killed=w.killed, unacked=dict(w.unacked))
 
@@ -124,6 +125,7 @@ class PostguardStage:
         resend: list[Out] = []
         if (raw := stored.get(postguard_state.FIELD)) is not None:
             stream = self._streams[rid] = _Stream.restored(raw, self._settings.policy(message.tenant or "default"), message)
+            stream.check.topics = self._guard.watch(message.model)  # restarts: the released sentences are not kept
             resend = [self._released(message, seq, text, stream) for seq, text in sorted(stream.unacked.items())]
             if stream.killed is not None:
                 resend.append(Out(self.topics.control, rid, Cancel(id=rid, reason=CancelReason.output_guard, at=time.time())))
@@ -137,7 +139,7 @@ class PostguardStage:
         async def acked() -> None:
             stream.unacked.pop(seq, None)
 
-        chunk = Chunk(id=message.id, reply_to=message.reply_to, seq=seq, text=text, tenant=message.tenant)
+        chunk = Chunk(id=message.id, reply_to=message.reply_to, seq=seq, text=text, tenant=message.tenant, model=message.model)
         return Out(self.topics.forward or "", message.id, chunk, acked=acked)
 
     def _handle(self, message: StreamEvent, started: float) -> Iterator[Out]:
@@ -151,7 +153,8 @@ class PostguardStage:
                 assert address is not None
                 yield Out(self.topics.forward or "", rid, address.failed(ErrorCode.internal, text))
                 return
-            stream = self._streams[rid] = _Stream(StreamState(self._settings.policy(message.tenant or "default")))
+            check = StreamState(self._settings.policy(message.tenant or "default"), topics=self._guard.watch(message.model))
+            stream = self._streams[rid] = _Stream(check)
             if len(self._streams) > _REMEMBER:
                 self._streams.popitem(last=False)
         if stream.killed is not None:  # after the kill switch: drop chunks, turn decode's ending into ours

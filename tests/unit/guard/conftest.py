@@ -49,20 +49,20 @@ class NoNetwork:
         self._mp.undo()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # undone after the guard tests: the rest of the suite may resolve names
 def no_network() -> Iterator[NoNetwork]:
     with NoNetwork() as guard:
         yield guard
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # undone after the guard tests: the rest of the suite may resolve names
 def input_guard(no_network: NoNetwork) -> InputGuard:
     return InputGuard(GuardSettings(), Settings().model_cache)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # undone after the guard tests: the rest of the suite may resolve names
 def make_output_guard(no_network: NoNetwork):  # type: ignore[no-untyped-def]
     def make(**overrides: object) -> OutputGuard:
-        return output_guard(GuardSettings(**overrides))  # type: ignore[arg-type]
+        return output_guard(GuardSettings(**overrides), Settings().model_cache)  # type: ignore[arg-type]
 
     return make

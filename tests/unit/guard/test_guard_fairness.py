@@ -23,8 +23,6 @@ from topics.hops import Admitted, request_key
 from topics.requests import ChatMessage, Sampling
 
 
-
-
 def admitted(text: str, tenant: str = "default", max_tokens: int = 128) -> Admitted:
     req = request(messages=(ChatMessage("user", text),), tenant=tenant, sampling=Sampling(max_tokens=max_tokens))
     return Admitted(id=request_key(tenant, req.id), request=req, tenant=tenant, principal=tenant, admitted_at=time.time(), timings={})
