@@ -108,5 +108,5 @@ def _build(node: Node, settings: Settings, backends: Mapping[str, Backend], work
         from pipeline.guard.loader import output_guard
         from pipeline.stages.postguard import PostguardStage
 
-        return PostguardStage(settings.guard, output_guard(settings.guard), t, state_store(settings), name=name)
+        return PostguardStage(settings.guard, output_guard(settings.guard, settings.model_cache), t, state_store(settings), name=name)
     raise LookupError(f"no stage of kind {node.kind!r}")
