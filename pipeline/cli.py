@@ -7,6 +7,7 @@
     sluice ask "prompt"        stream an answer through the whole pipeline
     sluice keys create|rotate|revoke|list   API keys (pipeline/gateway/keys_cli.py)
     sluice cache purge --tenant T [--model M]   forget cached answers (pipeline/cache/purge_cli.py)
+    sluice usage --tenant T [--since 1h]        requests, tokens and spend (pipeline/observability/usage_cli.py)
     sluice config check        validate the configuration and print it as it takes effect, secrets masked
     sluice batch submit|status|cancel|results|list|run|worker   batch jobs (pipeline/batch/cli.py)
 """
@@ -42,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.batch import cli as batch_cli
     from pipeline.cache import purge_cli
     from pipeline.gateway import keys_cli
+    from pipeline.observability import usage_cli
 
     keys_cli.add_parser(sub)
     purge_cli.add_parser(sub)
+    usage_cli.add_parser(sub)
     batch_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "config":
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(keys_cli.run(settings, args))
     if args.command == "cache":
         return asyncio.run(purge_cli.run(settings, args))
+    if args.command == "usage":
+        return asyncio.run(usage_cli.run(settings, args))
     if args.command == "batch":
         return asyncio.run(batch_cli.run(settings, args))
     if args.command == "topics":
