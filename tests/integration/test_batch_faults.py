@@ -234,13 +234,13 @@ async def run(lines: int = LINES) -> Report:
                      (0.8, "kill batch")]
             for fraction, fault in steps:
                 await wait_progress(settings, job, int(lines * fraction), 600)
-                _, before = await progress(settings, job)
                 if fault == "restart broker":
                     report.faults.append(await services.restart_kafka())
                     continue
                 victim = worker if fault == "kill batch" else stages
                 killed_at = time.monotonic()
                 victim.kill()
+                _, before = await progress(settings, job)  # what the dead worker recorded: more is the successor's
                 report.faults.append(f"SIGKILL {victim.name}")
                 await asyncio.sleep(1.0)  # as `sluice run`'s supervisor restarts a child
                 victim.start()
