@@ -62,7 +62,11 @@ class Executor:
 
     async def run(self, line: Line) -> Recorded:
         for attempt in range(1, self._max_attempts + 1):
-            request = self.build(line)
+            try:
+                request = self.build(line)
+            except msgspec.ValidationError as exc:  # passed the bridge's parser but not the wire schema
+                body = error_body(f"the body is not a valid request: {exc}", code=ErrorCode.invalid_request)
+                return Recorded(line.number, False, response_line(line.custom_id, "", 400, body))
             try:
                 answer = await self._client.complete(request)
             except RequestFailed as exc:
