@@ -15,7 +15,8 @@ from pipeline.guard.on_topic import TopicScopes
 from pipeline.guard.pii import PatternScanner, PiiAnalyzer
 from pipeline.guard.slices import Piece, PieceVerdict, TextCheck, TextVerdict, pieces_of, verdict_of
 from pipeline.guard.stream_check import OutputGuard
-from pipeline.guard.toxicity import DetoxifyScorer, ProfanityCheck, ToxicityScorer
+from pipeline.guard.toxicity import WEIGHTS as TOXICITY_WEIGHTS
+from pipeline.guard.toxicity import DetoxifyScorer, MiniLmToxicity, ProfanityCheck, ToxicityScorer
 
 __all__ = ["InputGuard", "TextCheck", "TextVerdict", "output_guard", "toxicity_scorer"]
 
@@ -51,21 +52,26 @@ class InputGuard:
                 for checks, per_request in zip(requests, cut, strict=True)]
 
 
-def toxicity_scorer(settings: GuardSettings) -> ToxicityScorer:
+def toxicity_scorer(settings: GuardSettings, model_cache: Path | None = None) -> ToxicityScorer:
     if settings.toxicity_backend == "detoxify":
         return DetoxifyScorer(settings.detoxify_checkpoint, settings.detoxify_config_dir or None)
+    if settings.toxicity_backend == "minilm":
+        if model_cache is None:
+            raise ValueError("guard.toxicity_backend = 'minilm' needs the model cache for the embedder")
+        return MiniLmToxicity(load_embedder(model_cache, threads=1), TOXICITY_WEIGHTS)
     return ProfanityCheck()
 
 
 def output_guard(settings: GuardSettings, model_cache: Path | None = None) -> OutputGuard:
-    """`model_cache`: where the MiniLM embedder is, needed only when a route names its topics."""
+    """`model_cache`: where the MiniLM embedder is, needed when a route names its topics or toxicity is
+    scored by `minilm`."""
     topics = None
     if any(route.topics for route in settings.routes.values()):
         if model_cache is None:
             raise ValueError("guard.routes name topics: the output guard needs the model cache for the embedder")
         topics = TopicScopes(settings.routes, load_embedder(model_cache, threads=1))
     return OutputGuard(
-        PatternScanner(settings.pii_min_score), toxicity_scorer(settings),
+        PatternScanner(settings.pii_min_score), toxicity_scorer(settings, model_cache),
         holdback=settings.holdback_tokens, blocklist=settings.blocklist, toxicity_threshold=settings.toxicity_threshold,
         topics=topics,
     )

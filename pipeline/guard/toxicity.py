@@ -1,13 +1,23 @@
 """Toxicity scores in [0, 1] for a batch of sentences.
 
 The offline default is `alt-profanity-check` (a linear model over word n-grams, ~0.1 ms a sentence).
-Detoxify runs only when the operator configures a local checkpoint (and, with no network, the
-directory holding its Hugging Face config and tokenizer): the package cannot download weights here.
+`minilm` adds a logistic regression over the MiniLM sentence embedding (train_toxicity.py: threats
+and insults written without profanity against ordinary answers), and serves the larger of its score
+and the profanity model's (one embedding, ~8 ms, per sentence). Detoxify runs only when the operator
+configures a local checkpoint (and, with no network, the directory holding its Hugging Face config and
+tokenizer): the package cannot download weights here.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
+
+import numpy as np
+
+from pipeline.guard.errors import GuardModelMissing
+
+WEIGHTS = Path(__file__).resolve().parent / "data" / "toxicity_head.npz"  # written by train_toxicity.py
 
 
 class ToxicityScorer(Protocol):
@@ -26,6 +36,29 @@ class ProfanityCheck:
 
     def scores(self, texts: list[str]) -> list[float]:
         return [float(p) for p in self._predict_prob(texts)] if texts else []
+
+
+class Embedder(Protocol):
+    def embed(self, texts: list[str]) -> np.ndarray: ...
+
+
+class MiniLmToxicity:
+    name = "minilm"
+
+    def __init__(self, embedder: Embedder, weights: Path) -> None:
+        if not weights.is_file():
+            raise GuardModelMissing(f"{weights} is missing: run `python -m pipeline.guard.train_toxicity`")
+        head = np.load(weights)
+        self._coef, self._intercept = head["coef"].astype(np.float32), float(head["intercept"])
+        self._embedder = embedder
+        self._profanity = ProfanityCheck()
+
+    def scores(self, texts: list[str]) -> list[float]:
+        if not texts:
+            return []
+        logits = self._embedder.embed(texts) @ self._coef + self._intercept
+        meaning = 1.0 / (1.0 + np.exp(-logits))
+        return [max(float(m), p) for m, p in zip(meaning, self._profanity.scores(texts), strict=True)]
 
 
 class DetoxifyScorer:
