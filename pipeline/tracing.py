@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from pipeline import metrics
 from pipeline.observability.config import ObservabilitySettings
+from pipeline.observability.recent import TRACES
 
 Headers = Sequence[tuple[str, bytes]]
 
@@ -56,6 +57,7 @@ def install(settings: ObservabilitySettings | None = None, exporter: SpanExporte
             exporter, max_queue_size=settings.export_queue, max_export_batch_size=settings.export_batch,
             schedule_delay_millis=settings.export_delay_ms,
         ))
+    provider.add_span_processor(TRACES)  # the dashboard's waterfall of the last request
     trace.set_tracer_provider(provider)
     return provider
 
@@ -112,7 +114,10 @@ def consume_span(record: Any, group: str) -> Iterator[trace.Span]:
 def publish(topic: str, parent: context.Context | None = None) -> list[tuple[str, bytes]]:
     """A PRODUCER span for one message to `topic` (a child of `parent`, default the current span) and the
     headers that carry it to the message's consumer. The span covers handing the message to the producer;
-    the broker's acknowledgement is the consumer span's queue time."""
+    the broker's acknowledgement is the consumer span's queue time. Outside any trace (a stage's clocked
+    health report) it makes no span and sends no headers: a trace of one span is only noise."""
+    if not trace.get_current_span(parent).get_span_context().is_valid:
+        return []
     span = tracer.start_span(f"send {topic}", context=parent, kind=PRODUCER, attributes={
         "messaging.system": "kafka", "messaging.operation.type": "send", "messaging.operation.name": "send",
         "messaging.destination.name": topic,

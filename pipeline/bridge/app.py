@@ -32,6 +32,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from pipeline.bridge import dashboard
 from pipeline.bridge.credentials import Credentials
 from pipeline.bridge.edges import AllowedHosts, metrics_allowed
 from pipeline.bridge.openai_format import (
@@ -122,6 +123,7 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         WebSocketRoute("/v1/stream", stream),
+        *dashboard.routes(settings),  # /dashboard: live charts on the same metrics (dashboard.py)
         *batches.routes(),
     ]
     handlers = {BridgeError: _bridge_error, HTTPException: _http_error, Exception: _internal_error}

@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from pipeline import metrics, tracing
+from pipeline.observability import recent
 from topics import registry
 from topics.requests import Request
 from topics.stream import Done, Failed
@@ -60,6 +61,7 @@ class RequestWatch:
         span = self.span
         span.set_attribute("sluice.chunks", self.chunks)
         if terminal is not None:
+            recent.REQUESTS.add(terminal)
             span.set_attribute("gen_ai.usage.input_tokens", terminal.usage.prompt_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", terminal.usage.completion_tokens)
             span.set_attribute("sluice.cost", getattr(terminal, "cost", 0.0))

@@ -1,0 +1,83 @@
+"""The spans the runner makes: a CONSUMER span per record continuing the trace in its headers, with
+OpenTelemetry's messaging attributes; a PRODUCER span per produced message whose headers carry the trace
+on; no span outside a trace; the dashboard's waterfall from recorded spans."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pipeline import tracing
+from pipeline.observability.recent import RecentTraces
+
+
+@pytest.fixture(scope="module")
+def exporter() -> InMemorySpanExporter:
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = tracing.install()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+def record(headers: list[tuple[str, bytes]], topic: str = "llm.admitted") -> SimpleNamespace:
+    return SimpleNamespace(topic=topic, partition=3, offset=42, value=b"x" * 10, headers=headers, timestamp=0)
+
+
+def test_a_stage_continues_the_trace_and_passes_it_on(exporter: InMemorySpanExporter) -> None:
+    exporter.clear()
+    with tracing.tracer.start_as_current_span("client") as root:
+        headers = tracing.publish("llm.admitted")
+    with tracing.consume_span(record(headers), "guard"):
+        forwarded = tracing.publish("llm.screened")
+    with tracing.consume_span(record(forwarded, "llm.screened"), "cache"):
+        pass
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {s.context.trace_id for s in spans.values()} == {root.get_span_context().trace_id}
+    guard = spans["guard"]
+    assert guard.kind is trace.SpanKind.CONSUMER and guard.parent.span_id == spans["send llm.admitted"].context.span_id
+    assert spans["send llm.admitted"].kind is trace.SpanKind.PRODUCER
+    assert spans["cache"].parent.span_id == spans["send llm.screened"].context.span_id
+    assert dict(guard.attributes) == {
+        "messaging.system": "kafka", "messaging.operation.type": "process", "messaging.operation.name": "process",
+        "messaging.destination.name": "llm.admitted", "messaging.consumer.group.name": "guard",
+        "messaging.destination.partition.id": "3", "messaging.kafka.offset": 42, "messaging.message.body.size": 10,
+    }
+
+
+def test_no_span_and_no_headers_outside_a_trace(exporter: InMemorySpanExporter) -> None:
+    exporter.clear()
+    assert tracing.publish("llm.backend.health") == []
+    assert exporter.get_finished_spans() == ()
+
+
+def test_a_record_without_headers_starts_a_trace(exporter: InMemorySpanExporter) -> None:
+    exporter.clear()
+    with tracing.consume_span(record([]), "ingest"):
+        pass
+    [span] = exporter.get_finished_spans()
+    assert span.parent is None and span.name == "ingest"
+
+
+def test_waterfall_of_the_last_finished_trace(exporter: InMemorySpanExporter) -> None:
+    recent = RecentTraces()
+    provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider)
+    provider.add_span_processor(recent)
+    with tracing.tracer.start_as_current_span("chat m") as root:
+        headers = tracing.publish("llm.requests")
+        for stage in ("ingest", "guard"):
+            with tracing.consume_span(record(headers), stage):
+                headers = tracing.publish("next")
+    with tracing.tracer.start_as_current_span("unfinished"):  # a newer trace still open: skipped
+        with tracing.consume_span(record(tracing.publish("x")), "ingest"):
+            waterfall = recent.waterfall()
+    assert waterfall is not None and waterfall["root"] == "chat m" and root.get_span_context().is_valid
+    assert [s["stage"] for s in waterfall["stages"]] == ["ingest", "guard"]
+    assert all(0 <= s["start_ms"] <= s["end_ms"] <= waterfall["total_ms"] for s in waterfall["stages"])
