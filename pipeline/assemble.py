@@ -83,13 +83,13 @@ def _build(node: Node, settings: Settings, backends: Mapping[str, Backend], work
     if node.kind == "decode":
         backend = pool_backend(node, settings, backends)
         return DecodeStage(backend, t, state_store(settings), name=name, stats=_stats(by_name[backend.name], name, settings),  # type: ignore[arg-type]
-                           backends=by_name)
+                           backends=by_name, chunk_window_s=settings.runtime.chunk_window_ms / 1000)
     if node.kind == "generate":
         from pipeline.stages.generate import GenerateStage
 
         backend = pool_backend(node, settings, backends)
         return GenerateStage(backend, t, state_store(settings), name=name, stats=_stats(by_name[backend.name], name, settings),
-                             backends=by_name)
+                             backends=by_name, chunk_window_s=settings.runtime.chunk_window_ms / 1000)
     if node.kind == "emit":
         answers = exact_tier(settings) if t.table else None
         return EmitStage(settings, t, state_store(settings), meter=redis_gateway(settings), name=name, answers=answers)

@@ -1,8 +1,11 @@
 """The `sluice` command.
 
-    sluice run                 every stage and the bridge in one supervised process (the embedded default)
-    sluice worker STAGE...     some stages in this process (one process per stage scales out); a kind
-                               (`decode`: every pool's) or a name (`decode.local`)
+    sluice run [--processes N] every stage and the bridge, supervised, over N processes (default: one per
+                               core; `[run] processes`): the bridge and the stages in the first, the
+                               stages in the others (each stage's consumer group spreads its partitions)
+    sluice bridge              the bridge alone, in front of stage processes started elsewhere
+    sluice worker [STAGE...]   some stages in this process (all of the profile's when none is named); a
+                               kind (`decode`: every pool's) or a name (`decode.local`)
     sluice topics create       create the declared topics (idempotent)
     sluice ask "prompt"        stream an answer through the whole pipeline
     sluice keys create|rotate|revoke|list   API keys (pipeline/gateway/keys_cli.py)
@@ -27,8 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run every stage and the bridge, restarted if it fails")
     run.add_argument("--in-process", action="store_true", help="in this process, unsupervised")
-    worker = sub.add_parser("worker", help="run the named stages in this process")
-    worker.add_argument("stages", nargs="+", metavar="STAGE", help=f"a kind ({', '.join(KINDS)}) or a name (decode.local)")
+    run.add_argument("--processes", type=int, default=None, help="processes to spread over (default: [run] processes, 0: one per core)")
+    sub.add_parser("bridge", help="run the bridge alone (stages run in `sluice worker` processes)")
+    worker = sub.add_parser("worker", help="run the named stages (default: all of the profile's) in this process")
+    worker.add_argument("stages", nargs="*", metavar="STAGE", help=f"a kind ({', '.join(KINDS)}) or a name (decode.local)")
     topics = sub.add_parser("topics", help="manage topics")
     topics.add_argument("action", choices=["create", "list"])
     ask = sub.add_parser("ask", help="stream an answer through the pipeline")
@@ -59,12 +64,15 @@ def main(argv: list[str] | None = None) -> int:
 
         run_embedded(settings)
         return 0
-    if args.command == "run":
-        from pipeline.serve import configure_logging
-        from pipeline.supervisor import Child, Supervisor
+    if args.command == "bridge":
+        from pipeline.embedded import run_embedded
 
-        configure_logging()
-        return Supervisor([Child("sluice", [sys.executable, "-m", "pipeline.cli", "run", "--in-process"])]).run()
+        run_embedded(settings, with_stages=False)
+        return 0
+    if args.command == "run":
+        from pipeline.supervisor import run_supervised
+
+        return run_supervised(settings, args.processes)
     if args.command == "worker":
         from pipeline.process import run_worker
 

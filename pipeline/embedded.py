@@ -1,5 +1,6 @@
 """`sluice run --in-process`: every stage of the profile and the bridge in one process, on the local
-Kafka and Redis (`sluice run` supervises it: pipeline/supervisor.py)."""
+Kafka and Redis (`sluice run` supervises it: pipeline/supervisor.py); `sluice bridge`: the bridge alone,
+in front of stage processes started elsewhere (`sluice worker`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pipeline.settings import Settings
 log = logging.getLogger(__name__)
 
 
-async def _main(settings: Settings, stop: asyncio.Event) -> None:
+async def _main(settings: Settings, stop: asyncio.Event, *, with_stages: bool = True) -> None:
     from pipeline.bridge import serve as serve_bridge
     from pipeline.sdk import Client
 
@@ -22,17 +23,18 @@ async def _main(settings: Settings, stop: asyncio.Event) -> None:
     client = Client(settings, reply_name=settings.bridge.reply_name, client_id="sluice-bridge")
     await client.start()
     try:
-        stages = asyncio.create_task(run_stages(None, settings, stop))
-        bridge = asyncio.create_task(serve_bridge(settings, client, stop))
+        tasks = {asyncio.create_task(serve_bridge(settings, client, stop))}
+        if with_stages:
+            tasks.add(asyncio.create_task(run_stages(None, settings, stop)))
         log.info("bridge on http://%s:%d", settings.bridge.host, settings.bridge.port)
-        done, _ = await asyncio.wait({stages, bridge}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stop.set()
-        await asyncio.gather(stages, bridge)
+        await asyncio.gather(*tasks)
     finally:
         await client.stop()
 
 
-def run_embedded(settings: Settings) -> None:
+def run_embedded(settings: Settings, *, with_stages: bool = True) -> None:
     serve.configure_logging()
     observability.install(settings)
-    serve.run_until_signal(lambda stop: _main(settings, stop))
+    serve.run_until_signal(lambda stop: _main(settings, stop, with_stages=with_stages))

@@ -38,7 +38,7 @@ def producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
         client_id=client_id,
         enable_idempotence=True,
         acks="all",
-        linger_ms=0,
+        linger_ms=settings.kafka.linger_ms,
         request_timeout_ms=30000,
         **security(settings),
     )
@@ -54,7 +54,7 @@ def group_consumer(settings: Settings, group: str, topics: tuple[str, ...], clie
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         isolation_level="read_committed",
-        fetch_max_wait_ms=20,
+        fetch_max_wait_ms=500,
         max_poll_interval_ms=600000,
         session_timeout_ms=settings.kafka.session_timeout_ms,
         heartbeat_interval_ms=settings.kafka.heartbeat_interval_ms,
@@ -79,7 +79,7 @@ async def broadcast_consumer(
         group_id=None,  # no group: aiokafka assigns this consumer every partition of the topics
         enable_auto_commit=False,
         auto_offset_reset="latest",
-        fetch_max_wait_ms=20,
+        fetch_max_wait_ms=500,
         **security(settings),
     )
     await consumer.start()

@@ -26,4 +26,4 @@ def run_worker(*names: str) -> None:
     serve.configure_logging()
     settings = settings_module.load()
     observability.install(settings, serve_metrics=True)
-    serve.run_until_signal(lambda stop: run_stages(list(names), settings, stop))
+    serve.run_until_signal(lambda stop: run_stages(list(names) or None, settings, stop))

@@ -48,7 +48,9 @@ class _Rebalance(ConsumerRebalanceListener):
 
 
 class Runner:
-    def __init__(self, stage: Stage, settings: Settings, *, instance: str = "0", grace_s: float = 10.0) -> None:
+    def __init__(
+        self, stage: Stage, settings: Settings, *, instance: str = "0", grace_s: float = 10.0, producer: Producer | None = None,
+    ) -> None:
         self.stage = stage
         self.settings = settings
         self.client_id = f"sluice-{stage.name}-{instance}"
@@ -63,15 +65,20 @@ class Runner:
         # error, a partition's messages are tried again in their order, never overtaking each other.
         self._last_task: dict[TopicPartition, asyncio.Task[None]] = {}
         self._consumer: AIOKafkaConsumer | None = None
-        self._producer: Producer | None = None
+        # The process's producer, shared by its runners (their messages travel in the same produce
+        # requests: fewer requests for the broker to serve); None: this runner starts its own.
+        self._producer: Producer | None = producer
+        self._owns_producer = producer is None
         self._last_commit = 0.0
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once the consumer has its partitions
         self._lag = LagWatch(stage.name, settings.observability.lag_interval_s)  # sluice_consumer_lag
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._producer = Producer(self.settings, self.client_id)
-        await self._producer.start(stop)
+        if self._owns_producer:
+            self._producer = Producer(self.settings, self.client_id)
+            await self._producer.start(stop)
+        assert self._producer is not None
         consumer = lambda: kafka.group_consumer(self.settings, self.stage.name, (), self.client_id)  # noqa: E731
         self._consumer = await kafka.started(consumer, stop, self.stage.name, subscribe=(self.stage.topics.inputs, _Rebalance(self)))
         handling = Handling(self.stage, self.settings, self._producer)
@@ -90,7 +97,8 @@ class Runner:
                 follower.cancel()
             await asyncio.gather(*followers, return_exceptions=True)
             await self._consumer.stop()
-            await self._producer.stop()
+            if self._owns_producer:
+                await self._producer.stop()
             if isinstance(self.stage, Closable):
                 await self.stage.aclose()  # a stage's own connections (Redis clients)
 

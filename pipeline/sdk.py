@@ -193,6 +193,7 @@ class Client:
         no_store: bool = False,
         task: str | None = None,
         priority: str = "interactive",  # or "batch": the engine's lower lane (what `sluice batch` sends)
+        stream: bool = True,  # False: the answer travels in as few chunks as the backend allows
         **sampling: object,
     ) -> Request:
         """A validated request (msgspec.ValidationError names the bad field) with a fresh id. `no_cache`:
@@ -215,6 +216,7 @@ class Client:
             "no_store": no_store,
             "task": task,
             "priority": priority,
+            "stream": stream,
         }
         request = msgspec.convert(fields, Request)
         return sign_with_key(api_key, request) if api_key is not None and well_formed(api_key) else request
@@ -227,7 +229,8 @@ class Client:
         return stream
 
     async def complete(self, request: Request | None = None, **kwargs: object) -> Completion:
-        stream = self.stream(request, **kwargs)
+        """The whole answer (built from kwargs, a non-streaming request)."""
+        stream = self.stream(request or self.request(**{"stream": False, **kwargs}))  # type: ignore[arg-type]
         text = "".join([chunk.text async for chunk in stream])
         assert stream.done is not None
         return Completion(text, stream.done)

@@ -7,8 +7,11 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
+import uvloop
+
 from pipeline.gateway.redact import RedactKeys
 from pipeline.logs import RateLimit
+from pipeline.producing import Producer
 from pipeline.runner import Runner
 from pipeline.settings import Settings
 from pipeline.stage import Stage
@@ -26,8 +29,11 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 async def run_stages(stages: list[Stage], settings: Settings, stop: asyncio.Event, *, instance: str = "0") -> None:
-    """Runs one runner per stage until `stop` is set; a runner that crashes stops the others."""
-    runners = [Runner(stage, settings, instance=instance) for stage in stages]
+    """Runs one runner per stage until `stop` is set; a runner that crashes stops the others. The
+    runners share one producer."""
+    producer = Producer(settings, f"sluice-stages-{instance}")
+    await producer.start(stop)
+    runners = [Runner(stage, settings, instance=instance, producer=producer) for stage in stages]
     tasks = [asyncio.create_task(r.run(stop), name=r.stage.name) for r in runners]
     log.info("running stages: %s", ", ".join(s.name for s in stages))
     try:
@@ -39,13 +45,14 @@ async def run_stages(stages: list[Stage], settings: Settings, stop: asyncio.Even
     finally:
         stop.set()
         results = await asyncio.gather(*tasks, return_exceptions=True)
+        await producer.stop()
     errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
     if errors:
         raise errors[0]
 
 
 def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """asyncio.run(main(stop)) where SIGINT/SIGTERM set `stop` for a graceful shutdown."""
+    """main(stop) on a uvloop event loop, where SIGINT/SIGTERM set `stop` for a graceful shutdown."""
 
     async def wrapper() -> None:
         stop = asyncio.Event()
@@ -54,4 +61,4 @@ def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
 
-    asyncio.run(wrapper())
+    uvloop.run(wrapper())

@@ -40,6 +40,9 @@ class KafkaSettings:
     # group.min.session.timeout.ms must allow it; infra/kafka sets 1 s).
     session_timeout_ms: int = 3000
     heartbeat_interval_ms: int = 500
+    # How long a producer waits for more messages to send in the same request. 0: at once (each hop adds
+    # nothing); under load messages batch anyway while a request is in flight (bench/throughput.py).
+    linger_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,11 +90,15 @@ class BackendSettings:
     upstream_model: str = ""  # openai: the model name the upstream server knows (default: `model`)
     api_key_env: str = ""  # openai: the NAME of the environment variable holding the upstream key (never the key)
     timeout_s: float = 60.0  # triton, openai: connect and per-chunk read timeout
+    # local, instant: false serves the pool with one generation stage instead of prefill + decode (one hop
+    # less, no KV handoff between processes); triton and openai backends never split
+    split: bool | None = None
 
     @property
     def splits(self) -> bool:
         """Whether the backend has the prefill/decode split (else one generation stage serves its pool)."""
-        return self.kind in ("local", "instant")
+        can = self.kind in ("local", "instant")
+        return can if self.split is None else (can and self.split)
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,14 @@ class RuntimeSettings:
     torch_threads: int = 2
     model_cache: str = ".cache/models"
     max_in_flight: int = 64  # messages a stage works on at once
+    # Tokens a backend yields within this long go as one chunk message (pipeline/stages/coalesce.py); a
+    # non-streaming answer waits 200 times as long; 0: a chunk per token
+    chunk_window_ms: float = 5.0
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    processes: int = 0  # `sluice run`: processes the stages and the bridge are spread over; 0: one per core
 
 
 @dataclass(frozen=True)
@@ -123,14 +138,15 @@ class Settings:
     replies: tuple[str, ...] = ("bridge", "sdk")
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     state: StateSettings = field(default_factory=StateSettings)
+    run: RunSettings = field(default_factory=RunSettings)
     profile: str = "guarded"  # which row of `profiles` runs
     profiles: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_PROFILES))
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     guard: GuardSettings = field(default_factory=GuardSettings)
     cache: CacheSettings = field(default_factory=CacheSettings)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
-    observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
     batch: BatchSettings = field(default_factory=BatchSettings)
+    observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
 
     @property
     def reply_topics(self) -> frozenset[str]:
@@ -183,6 +199,13 @@ class Settings:
                 raise SettingsError(f"{name} must be at least 1, got {value}")
         if self.profile not in self.profiles:
             raise SettingsError(f"profile {self.profile!r} is not in [profiles] ({', '.join(self.profiles)})")
+        for b in self.backends:
+            if b.split and b.kind not in ("local", "instant"):
+                raise SettingsError(f"backend {b.name!r}: a {b.kind} backend cannot split prefill from decode (split = true)")
+        if self.kafka.linger_ms < 0:
+            raise SettingsError(f"kafka.linger_ms must not be negative, got {self.kafka.linger_ms}")
+        if self.run.processes < 0:
+            raise SettingsError(f"run.processes must be 0 (one per core) or more, got {self.run.processes}")
         for pool in self.pools:
             if len({b.splits for b in self.backends if b.pool == pool}) > 1:
                 raise SettingsError(f"pool {pool!r} mixes backends with and without the prefill/decode split")
@@ -201,9 +224,9 @@ class Settings:
             raise SettingsError("; ".join(problems))
         if problems := self.routing.problems(frozenset(names)):
             raise SettingsError("; ".join(problems))
-        if problems := self.observability.problems():
-            raise SettingsError("; ".join(problems))
         if problems := self.batch.problems():
+            raise SettingsError("; ".join(problems))
+        if problems := self.observability.problems():
             raise SettingsError("; ".join(problems))
         return self
 

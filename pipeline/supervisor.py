@@ -1,5 +1,9 @@
-"""Keeps child processes alive: `sluice run` runs the pipeline in a child and starts it again when it
+"""Keeps child processes alive: `sluice run` runs the pipeline in children and starts each again when it
 exits non-zero (a stage that truly cannot continue exits; it does not limp on).
+
+`run_supervised` spreads the pipeline over N processes (one per core by default): the first runs the
+bridge and every stage, the others every stage; each stage's consumer group shares its partitions
+among them, so N may usefully reach the topics' partition count.
 
 Restarts back off exponentially (1 s doubling to 30 s) and the backoff resets once a child has stayed
 up for a minute. SIGINT/SIGTERM are passed on to the children, which shut down gracefully; a clean
@@ -8,12 +12,17 @@ exit (0) is not restarted.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from pipeline.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -83,3 +92,30 @@ class Supervisor:
         child.due = now + child.backoff
         log.error("%s exited with %d; restart %d in %.0f s", child.name, code, child.restarts, child.backoff)
         child.backoff = min(child.backoff * 2, MAX_BACKOFF_S)
+
+
+def processes_for(settings: Settings, requested: int | None = None) -> int:
+    """How many processes `sluice run` uses: asked for, else `[run] processes`, else one per core."""
+    wanted = requested if requested is not None else settings.run.processes
+    return wanted if wanted > 0 else (os.cpu_count() or 1)
+
+
+def run_supervised(settings: Settings, requested: int | None = None) -> int:
+    """`sluice run`: the topics first (stage processes subscribe to them), then the processes."""
+    from pipeline import kafka
+    from pipeline.serve import configure_logging
+
+    configure_logging()
+    for attempt in range(60):
+        try:
+            asyncio.run(kafka.create_topics(settings))
+            break
+        except Exception as exc:  # the broker is not up yet
+            log.warning("creating topics failed (%s); retrying", type(exc).__name__)
+            time.sleep(min(1.0 + attempt, 5.0))
+    n = processes_for(settings, requested)
+    command = [sys.executable, "-m", "pipeline.cli"]
+    children = [Child("sluice", [*command, "run", "--in-process"])]
+    children += [Child(f"stages-{i}", [*command, "worker"]) for i in range(1, n)]
+    log.info("sluice run: %d process%s", n, "es" if n > 1 else "")
+    return Supervisor(children).run()

@@ -100,6 +100,7 @@ class Parsed:
             "model": self.model,
             "messages": self.messages,
             "prompt": self.prompt,
+            "stream": self.stream,  # a non-streaming answer travels as few chunk messages as possible
             **msgspec.structs.asdict(self.sampling),
         }
 

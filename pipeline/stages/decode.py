@@ -1,5 +1,7 @@
 """decode: the generation phase, for one pool. Streams numbered chunks until a stop token, a stop string
 or `max_tokens`, then exactly one terminal event; stops within a step when `llm.control` cancels.
+Tokens produced close together go as one chunk (`pipeline.stages.coalesce`): a non-streaming answer
+from a fast backend is a single chunk message.
 
 The stream survives its worker. Each chunk, once the broker acknowledged it, is recorded in the state
 store with the tokens consumed so far and the characters sent (`Progress`), under this worker's
@@ -36,6 +38,7 @@ from pipeline.routing.reroute import rerouted
 from pipeline.routing.stats import BackendStats
 from pipeline.settings import BackendSettings
 from pipeline.stage import Out, Stopwatch, address_of
+from pipeline.stages.coalesce import STREAM_WINDOW_S, coalesced
 from pipeline.stages.generation import generation_request
 from pipeline.state import StateStore
 from pipeline.topology import Topics
@@ -79,8 +82,10 @@ class DecodeStage:
     def __init__(
         self, backend: SplitBackend, topics: Topics, store: StateStore, name: str = "decode",
         stats: BackendStats | None = None, backends: Mapping[str, BackendSettings] | None = None,
+        chunk_window_s: float = STREAM_WINDOW_S,
     ) -> None:
         self.name, self.topics = name, topics
+        self._window_s = chunk_window_s  # tokens within it go as one chunk (0: a chunk per token)
         self.stats = stats  # what this worker reports of its backend on llm.backend.health
         self._backends = backends or {}  # every configured backend by name: where a fallback's pool is
         self._backend = backend
@@ -175,7 +180,9 @@ class DecodeStage:
             self.stats.started()
             self._counting.add(rid)
         try:
-            async with aclosing(self._deltas(message, progress, "progress" in stored)) as stream:
+            deltas = self._deltas(message, progress, "progress" in stored)
+            chunks = coalesced(deltas, streaming=message.request.stream, first_alone=progress.next_seq == 0, window_s=self._window_s)
+            async with aclosing(deltas), aclosing(chunks) as stream:  # closed in reverse: the merging first
                 async for delta in stream:
                     self._check_still_recording(rid)
                     last = delta

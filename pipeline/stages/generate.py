@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Mapping
 from pipeline.backends.base import Backend, Delta
 from pipeline.routing.stats import BackendStats
 from pipeline.settings import BackendSettings
+from pipeline.stages.coalesce import STREAM_WINDOW_S
 from pipeline.stages.decode import DecodeStage, Progress
 from pipeline.stages.generation import generation_request
 from pipeline.state import StateStore
@@ -35,8 +36,10 @@ class GenerateStage(DecodeStage):
     def __init__(
         self, backend: Backend, topics: Topics, store: StateStore, name: str = "generate",
         stats: BackendStats | None = None, backends: Mapping[str, BackendSettings] | None = None,
+        chunk_window_s: float = STREAM_WINDOW_S,
     ) -> None:
-        super().__init__(backend, topics, store, name=name, stats=stats, backends=backends)  # type: ignore[arg-type]
+        super().__init__(backend, topics, store, name=name, stats=stats, backends=backends,  # type: ignore[arg-type]
+                         chunk_window_s=chunk_window_s)
 
     def _first(self, message: Routed) -> Progress:  # type: ignore[override]
         return Progress((), 0, 0, EMPTY_DIGEST)

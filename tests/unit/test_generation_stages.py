@@ -30,8 +30,10 @@ def chain(texts: list[str]) -> str:
     return digest
 
 
-def decode_stage(backend: ScriptedBackend, store: MemoryStateStore | None = None) -> DecodeStage:
-    return DecodeStage(backend, DECODE.topics, store if store is not None else MemoryStateStore(), name=DECODE.name)
+def decode_stage(backend: ScriptedBackend, store: MemoryStateStore | None = None, window_s: float = 0.0) -> DecodeStage:
+    """A chunk per token unless `window_s` (the numbering and resume tests count tokens as chunks)."""
+    return DecodeStage(backend, DECODE.topics, store if store is not None else MemoryStateStore(), name=DECODE.name,
+                       chunk_window_s=window_s)
 
 
 async def prefilled(backend: ScriptedBackend, **overrides: object) -> Prefilled:

@@ -112,13 +112,13 @@ async def test_the_generation_stage_streams_and_a_successor_resumes_without_repe
         assert isinstance(done, Done) and done.usage.completion_tokens == 8 and done.usage.prompt_tokens == 8
 
         # A worker dies after three chunks: its successor asks again and continues at chunk 3.
-        first = GenerateStage(backend, _topics(), store := MemoryStateStore())
+        first = GenerateStage(backend, _topics(), store := MemoryStateStore(), chunk_window_s=0)  # a chunk per token
         stream = first.handle(routed("g2"))
         for _ in range(3):
             out = await anext(stream)
             await out.acked()  # type: ignore[misc]
         await stream.aclose()
-        rest = await run_handler(GenerateStage(backend, _topics(), store), routed("g2"))
+        rest = await run_handler(GenerateStage(backend, _topics(), store, chunk_window_s=0), routed("g2"))
         again = [o.value for o in rest if isinstance(o.value, Chunk)]
         assert again[0].seq == 3 and "".join(c.text for c in again) == "".join(f"w{i} " for i in range(3, 8))
         fake.state.mode = "fail"

@@ -84,7 +84,7 @@ def test_unknown_fields_are_ignored_including_ones_naming_a_backend() -> None:
     body = chat(base_url="http://evil.example", api_base="http://x", backend="other", user="u", logprobs=False)
     parsed = parse_chat(body)
     assert "http" not in repr(parsed)
-    assert set(parsed.request_kwargs()) == {"model", "messages", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed"}
+    assert set(parsed.request_kwargs()) == {"model", "messages", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream"}
 
 
 def test_include_usage_counts_only_when_streaming() -> None:

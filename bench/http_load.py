@@ -1,0 +1,91 @@
+"""Open-loop HTTP load with a lean keep-alive client, so the load generator costs little of the CPU it
+shares with the systems under test (an HTTP library's client spends about as much per request as a
+proxy does).
+
+`paced_posts()` starts one POST every 1/rate seconds whatever the answers do (open loop: a system that
+falls behind sees its queue grow, as it would with real clients) and returns each request's outcome.
+Responses are HTTP/1.1 with a content length or chunked; connections are kept alive and reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: int  # 0: no answer (timeout, connection error)
+    latency_ms: float
+    body: bytes = b""
+
+
+class Pool:
+    """Keep-alive connections to one host:port; a request takes an idle one or opens a new one."""
+
+    def __init__(self, host: str, port: int, headers: dict[str, str] | None = None) -> None:
+        self.host, self.port = host, port
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._head = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n{extra}"
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        conn = self._idle.pop() if self._idle else await asyncio.open_connection(self.host, self.port)
+        reader, writer = conn
+        try:
+            writer.write(f"POST {path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            head = await reader.readuntil(b"\r\n\r\n")
+            status = int(head[9:12])
+            lower = head.lower()
+            if b"transfer-encoding: chunked" in lower:
+                payload = await _chunked(reader)
+            else:
+                at = lower.find(b"content-length:")
+                length = int(lower[at + 15:lower.find(b"\r\n", at)]) if at >= 0 else 0
+                payload = await reader.readexactly(length)
+        except BaseException:
+            writer.close()
+            raise
+        if b"connection: close" in lower:
+            writer.close()
+        else:
+            self._idle.append(conn)
+        return status, payload
+
+    def close(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
+
+
+async def _chunked(reader: asyncio.StreamReader) -> bytes:
+    parts = []
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip().split(b";")[0], 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")
+            return b"".join(parts)
+        parts.append(await reader.readexactly(size))
+        await reader.readexactly(2)
+
+
+async def paced_posts(pool: Pool, path: str, bodies: list[bytes], rate: float, timeout_s: float = 15.0) -> list[Outcome]:
+    """POSTs `bodies` at `rate` per second, open loop; each outcome in the order sent."""
+
+    async def one(body: bytes) -> Outcome:
+        t = time.perf_counter()
+        try:
+            status, payload = await asyncio.wait_for(pool.post(path, body), timeout_s)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
+            return Outcome(0, (time.perf_counter() - t) * 1000)
+        return Outcome(status, (time.perf_counter() - t) * 1000, payload)
+
+    start = time.perf_counter()
+    tasks = []
+    for i, body in enumerate(bodies):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(body)))
+    return list(await asyncio.gather(*tasks))

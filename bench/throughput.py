@@ -1,0 +1,283 @@
+"""Throughput through the bridge: open-loop HTTP load at increasing rates, non-streaming, 16 tokens,
+against sluice (`sluice run`, as a user starts it) and LiteLLM (pinned, one worker, its own virtual
+environment) in front of the same fake OpenAI-compatible upstream, interleaved in one run.
+
+    .venv/bin/python -m bench.throughput                                 # the default table
+    .venv/bin/python -m bench.throughput --rates 100,300,500 --repeats 3 --systems sluice-instant
+    .venv/bin/python -m bench.throughput --guards --systems sluice-instant --rates 20,50,100
+
+Systems:
+    direct          the fake upstream itself (what every proxy adds its overhead to)
+    litellm         LiteLLM 1.108.7 proxy, one worker, model routed to the fake upstream
+    sluice-openai   sluice with an `openai` backend on the same fake upstream (ingest, cache, route, generate, emit)
+    sluice-instant  sluice with its in-process instant backend (the transport topology, no upstream hop)
+
+For every system, rate and repeat: requests sent and answered 200, errors, served/s (answers over the
+time from the first send to the last answer), latency p50/p99, and CPU milliseconds per served
+request of every process involved (sluice's processes, the broker, Redis, the upstream, LiteLLM, the
+load generator itself). Kafka and Redis are the benchmark's own (ports 49392/46679). Results also go
+to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+from bench.http_load import Pool, paced_posts
+from bench.services import ROOT, own_services
+from bench.stats import percentile
+
+LITELLM = "1.108.7"
+LITELLM_VENV = ROOT / ".cache" / "bench" / f"litellm-{LITELLM}"
+KAFKA_PORT, REDIS_PORT = 49392, 46679
+UPSTREAM_PORT, SLUICE_PORT, LITELLM_PORT = 49401, 49410, 49405  # Kafka takes its port + 1 (controller)
+MODEL = "fake-model"
+LITELLM_KEY = "sk-bench-" + uuid.uuid4().hex
+PATH = "/v1/chat/completions"
+
+
+@dataclass
+class Result:
+    system: str
+    rate: float
+    repeat: int
+    sent: int
+    ok: int
+    errors: dict[str, int]
+    served_per_s: float
+    p50_ms: float
+    p99_ms: float
+    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
+
+
+def sluice_config(backend: str, guards: bool, processes: int, linger_ms: int) -> str:
+    stages = '["ingest", "guard", "cache", "route", "prefill", "decode", "postguard", "emit"]' if guards else \
+        '["ingest", "cache", "route", "prefill", "decode", "emit"]'
+    if backend == "openai":
+        backend_table = f'kind = "openai"\nbase_url = "http://127.0.0.1:{UPSTREAM_PORT}/v1"\nsplit = false'
+    else:
+        backend_table = 'kind = "instant"\nsplit = false'
+    return f"""
+profile = "bench"
+replies = ["bridge", "sdk"]
+[profiles]
+bench = {stages}
+[kafka]
+bootstrap = "127.0.0.1:{KAFKA_PORT}"
+linger_ms = {linger_ms}
+[redis]
+url = "redis://127.0.0.1:{REDIS_PORT}/0"
+[bridge]
+port = {SLUICE_PORT}
+[run]
+processes = {processes}
+[[backends]]
+name = "upstream"
+model = "{MODEL}"
+pool = "upstream"
+max_batch = 256
+{backend_table}
+[cache]
+semantic = false
+[gateway]
+auth_required = false
+"""
+
+
+LITELLM_CONFIG = f"""
+model_list:
+  - model_name: {MODEL}
+    litellm_params:
+      model: openai/{MODEL}
+      api_base: http://127.0.0.1:{UPSTREAM_PORT}/v1
+      api_key: fake
+litellm_settings:
+  drop_params: true
+"""
+
+
+def litellm_venv() -> Path:
+    """LiteLLM in a virtual environment of its own (its pins clash with sluice's), created once."""
+    binary = LITELLM_VENV / "bin" / "litellm"
+    if not binary.exists():
+        subprocess.run(["python3", "-m", "venv", str(LITELLM_VENV)], check=True)
+        subprocess.run([LITELLM_VENV / "bin" / "pip", "install", "-q", f"litellm[proxy]=={LITELLM}"], check=True)
+    return binary
+
+
+class Started:
+    """A server process of the benchmark, its process tree measured for CPU."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int) -> None:
+        self.name, self.port = name, port
+        self.log = open(ROOT / ".state" / f"bench-throughput-{name}.log", "wb")  # noqa: SIM115
+        self.process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def tree(self) -> list[psutil.Process]:
+        root = psutil.Process(self.process.pid)
+        return [root, *root.children(recursive=True)]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def body(i: int, max_tokens: int) -> bytes:
+    prompt = f"Request {uuid.uuid4().hex[:12]}: tell me something about the number {i}."  # unique: no cache hits
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}).encode()
+
+
+async def wait_ready(port: int, path: str, payload: bytes, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    pool = Pool("127.0.0.1", port, {"Authorization": f"Bearer {LITELLM_KEY}"})
+    try:
+        while time.monotonic() < deadline:
+            try:
+                status, _ = await asyncio.wait_for(pool.post(path, payload), 10)
+                if status == 200:
+                    return
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
+                pool = Pool("127.0.0.1", port, {"Authorization": f"Bearer {LITELLM_KEY}"})
+            await asyncio.sleep(0.5)
+    finally:
+        pool.close()
+    raise TimeoutError(f"nothing answered 200 on port {port} within {timeout_s} s")
+
+
+async def load(system: str, port: int, rate: float, seconds: float, max_tokens: int, groups: dict[str, list[psutil.Process]],
+               repeat: int) -> Result:
+    n = max(1, int(rate * seconds))
+    bodies = [body(i, max_tokens) for i in range(n)]
+    pool = Pool("127.0.0.1", port, {"Authorization": f"Bearer {LITELLM_KEY}"})  # only LiteLLM checks it
+    before = {g: cpu_seconds(ps) for g, ps in groups.items()}
+    started = time.perf_counter()
+    outcomes = await paced_posts(pool, PATH, bodies, rate)
+    elapsed = time.perf_counter() - started
+    after = {g: cpu_seconds(ps) for g, ps in groups.items()}
+    pool.close()
+    ok = [o for o in outcomes if o.status == 200]
+    errors: dict[str, int] = {}
+    for o in outcomes:
+        if o.status != 200:
+            errors[str(o.status or "no_answer")] = errors.get(str(o.status or "no_answer"), 0) + 1
+    lat = [o.latency_ms for o in ok] or [float("nan")]
+    cpu = {g: round((after[g] - before[g]) * 1000 / max(len(ok), 1), 3) for g in groups}
+    return Result(system, rate, repeat, n, len(ok), errors, round(len(ok) / elapsed, 1), round(percentile(lat, 50), 2),
+                  round(percentile(lat, 99), 2), cpu)
+
+
+def print_table(results: list[Result]) -> None:
+    print("\n| system | offered/s | repeat | served/s | ok/sent | errors | p50 ms | p99 ms | CPU ms/request by process |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in sorted(results, key=lambda r: (r.system, r.rate, r.repeat)):
+        cpu = ", ".join(f"{g} {v:.2f}" for g, v in r.cpu_ms_per_request.items() if v > 0.005)
+        errs = ", ".join(f"{k}:{v}" for k, v in r.errors.items()) or "0"
+        print(f"| {r.system} | {r.rate:g} | {r.repeat} | {r.served_per_s:.1f} | {r.ok}/{r.sent} | {errs} | {r.p50_ms:.1f} | {r.p99_ms:.1f} | {cpu} |")
+
+
+async def run(args: argparse.Namespace) -> None:
+    systems = args.systems.split(",")
+    rates = [float(r) for r in args.rates.split(",")]
+    results: list[Result] = []
+    with own_services("bench-throughput", KAFKA_PORT, REDIS_PORT) as service_env:
+        state = ROOT / ".state" / "bench-throughput"
+        infra = {"kafka": [psutil.Process(int((state / "kafka.pid").read_text()))],
+                 "redis": [psutil.Process(int((state / "redis.pid").read_text()))]}
+        servers: dict[str, Started] = {}
+        upstream = Started("upstream", [sys.executable, "-m", "bench.fake_openai", "--port", str(UPSTREAM_PORT)], {}, UPSTREAM_PORT)
+        servers["upstream"] = upstream
+        ports = {"direct": UPSTREAM_PORT}
+        configs = tempfile.mkdtemp(prefix="bench-throughput-")
+        try:
+            for system in systems:
+                if system.startswith("sluice-"):
+                    port = SLUICE_PORT + 10 * len(servers)
+                    path = Path(configs) / f"{system}.toml"
+                    path.write_text(sluice_config(system.removeprefix("sluice-"), args.guards, args.processes, args.linger_ms).replace(
+                        f"port = {SLUICE_PORT}", f"port = {port}"))
+                    env = {**service_env, "SLUICE_CONFIG": str(path)}
+                    servers[system] = Started(system, [sys.executable, "-m", "pipeline.cli", "run"], env, port)
+                    ports[system] = port
+                elif system == "litellm":
+                    path = Path(configs) / "litellm.yaml"
+                    path.write_text(LITELLM_CONFIG)
+                    argv = [str(litellm_venv()), "--config", str(path), "--port", str(LITELLM_PORT), "--num_workers", "1"]
+                    # It refuses to start without a master key; checking one costs it a string comparison.
+                    servers[system] = Started(system, argv, {"LITELLM_LOG": "ERROR", "LITELLM_MASTER_KEY": LITELLM_KEY}, LITELLM_PORT)
+                    ports[system] = LITELLM_PORT
+            for system in systems:
+                await wait_ready(ports[system], PATH, body(0, args.max_tokens))
+                await load(system, ports[system], 20, 2, args.max_tokens, {}, -1)  # warm up
+            for system in systems:  # what each process spends with no load at all (heartbeats, polls, commits)
+                if system != "direct":
+                    groups = {**infra, system: servers[system].tree()}
+                    before = {g: cpu_seconds(ps) for g, ps in groups.items()}
+                    await asyncio.sleep(args.idle_s)
+                    idle = {g: round((cpu_seconds(ps) - before[g]) * 100 / args.idle_s, 1) for g, ps in groups.items()}
+                    print(f"idle CPU % of a core with {system} up: {idle}", flush=True)
+            for repeat in range(args.repeats):
+                for rate in rates:
+                    order = systems if repeat % 2 == 0 else list(reversed(systems))
+                    for system in order:
+                        groups = {**infra, "upstream": upstream.tree(), "loadgen": [psutil.Process()]}
+                        if system != "direct":
+                            groups[system] = servers[system].tree()
+                        if not system.startswith("sluice-"):
+                            groups.pop("kafka"), groups.pop("redis")
+                        result = await load(system, ports[system], rate, args.seconds, args.max_tokens, groups, repeat)
+                        results.append(result)
+                        print(json.dumps(asdict(result)), flush=True)
+                        await asyncio.sleep(args.pause)
+        finally:
+            for server in servers.values():
+                server.stop()
+    print_table(results)
+    if args.out:
+        Path(args.out).write_text(json.dumps([asdict(r) for r in results], indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default="direct,litellm,sluice-instant,sluice-openai")
+    parser.add_argument("--rates", default="20,50,100,200,400,600")
+    parser.add_argument("--seconds", type=float, default=8.0, help="load per step")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--pause", type=float, default=2.0, help="seconds between steps (backlogs drain)")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--processes", type=int, default=0, help="sluice run's processes (0: one per core)")
+    parser.add_argument("--guards", action="store_true", help="sluice with its guard and postguard stages")
+    parser.add_argument("--linger-ms", type=int, default=0, help="sluice's producers' linger (kafka.linger_ms)")
+    parser.add_argument("--idle-s", type=float, default=5.0, help="seconds of no load, to measure what idling costs")
+    parser.add_argument("--out", default="", help="write every result here as JSON")
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
