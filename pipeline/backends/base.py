@@ -46,6 +46,7 @@ class GenerationRequest:
     resume_sent_chars: int | None = None
     resume_text: str = ""  # the completion text already delivered (backends that speak text, not tokens)
     priority: Literal["interactive", "batch"] = "interactive"  # the engine's scheduling lane
+    stream: bool = True  # False: the client waits for the whole answer (a backend may fetch it in one piece)
 
 
 @dataclass(frozen=True)

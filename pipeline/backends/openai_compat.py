@@ -2,7 +2,8 @@
 
 Streams `/chat/completions` (or `/completions` for a prompt) with server-sent events over httpx and
 turns each event into a `Delta`; the last one carries the upstream's usage (`stream_options.
-include_usage`). `base_url` and the key's environment variable come from the config file only: no
+include_usage`). A request whose client waits for the whole answer (`stream` false) is asked for in
+one piece: one JSON body, one `Delta`. `base_url` and the key's environment variable come from the config file only: no
 request field names an address. Cancelling closes the upstream stream (the server sees the client
 leave and stops). Errors: 429 is `Overloaded` with the upstream's `retry-after`, 5xx and timeouts
 `ModelError` (retriable: route may try another backend), other 4xx `InvalidRequest`. The upstream's
@@ -62,9 +63,10 @@ class OpenAIBackend:
 
     def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {
-            "model": self._model, "max_tokens": request.max_tokens, "temperature": request.temperature,
-            "top_p": request.top_p, "stream": True, "stream_options": {"include_usage": True},
+            "model": self._model, "max_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
         }
+        if request.stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
         if request.stop:
             body["stop"] = list(request.stop)
         if request.seed is not None:
@@ -82,6 +84,9 @@ class OpenAIBackend:
                 self._running[rid] = response
                 if response.status_code != 200:
                     raise _refused(response)
+                if not request.stream:
+                    yield _whole(json.loads(await response.aread()))
+                    return
                 finish: str | None = None
                 ended = False  # the delta with the finish reason was yielded
                 async for line in response.aiter_lines():
@@ -131,6 +136,20 @@ def _event(event: dict[str, Any], finish: str | None) -> tuple[Delta | None, str
     if not text:
         return None, finish
     return Delta(text, (), None), finish  # the ending waits for the usage event (or [DONE])
+
+
+def _whole(answer: dict[str, Any]) -> Delta:
+    """A non-streamed answer as one delta with its ending and the upstream's usage."""
+    try:
+        choice = answer["choices"][0]
+        text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
+        reason = choice.get("finish_reason")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise ModelError("the upstream's answer has no choices") from None
+    if reason is None:
+        raise ModelError("the upstream's answer has no finish reason")
+    usage = answer.get("usage") or {}
+    return Delta(str(text), (), "length" if reason == "length" else "stop", usage.get("prompt_tokens"), usage.get("completion_tokens"))
 
 
 def _refused(response: httpx.Response) -> BackendError:

@@ -26,6 +26,7 @@ def generation_request(
         resume_sent_chars=resume_sent_chars,
         tenant=request.tenant,
         priority=request.priority.value,
+        stream=request.stream,
     )
 
 

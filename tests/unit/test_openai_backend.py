@@ -50,6 +50,17 @@ async def test_streams_chat_and_completions_with_the_upstreams_usage() -> None:
         await backend.aclose()
 
 
+async def test_a_non_streaming_request_is_asked_for_in_one_piece() -> None:
+    async with FakeUpstream(_port()) as fake:
+        backend = OpenAIBackend("up", fake.base_url, "m")
+        for req in (ask(6), ask(4, prompt="once upon")):
+            [whole] = await collect(backend, GenerationRequest(**{**req.__dict__, "stream": False}))
+            assert whole.text == "".join(f"w{i} " for i in range(req.max_tokens)) and whole.finish_reason == "length"
+            assert (whole.prompt_tokens, whole.completion_tokens) == (8, req.max_tokens)
+        assert fake.state.served == 2
+        await backend.aclose()
+
+
 async def test_upstream_errors_map_to_sluice_codes() -> None:
     async with FakeUpstream(_port()) as fake:
         backend = OpenAIBackend("up", fake.base_url, "m")
