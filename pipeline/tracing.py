@@ -3,9 +3,11 @@ runner makes around each record and each produce, and the exporter. Spans carry 
 outcomes, never prompt text, credentials or a tenant's name.
 
     client (SDK / bridge)   "chat <model>" (CLIENT; under the bridge's SERVER span) -> "send llm.requests" (PRODUCER)
-    every stage             "<stage>" (CONSUMER: messaging.* and messaging.kafka.* attributes)
-                              -> "send <topic>" (PRODUCER) for each message it produces, whose headers carry
-                                 the trace to the next stage
+    every stage             "<stage>" (CONSUMER: messaging.* and messaging.kafka.* attributes), whose
+                              context the headers of every message it produces carry to the next stage;
+                              with `observability.producer_spans`, a "send <topic>" (PRODUCER) span per
+                              message in between (off by default: it doubles the spans of a request, and
+                              docs/benchmarks.md measures what each span costs)
 
 Spans follow OpenTelemetry's messaging conventions (`messaging.system`, `messaging.operation.type`,
 `messaging.destination.name`, `messaging.consumer.group.name`, `messaging.destination.partition.id`,
@@ -22,11 +24,12 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from opentelemetry import context, propagate, trace
+from opentelemetry import context, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pipeline import metrics
 from pipeline.observability.config import ObservabilitySettings
@@ -39,14 +42,17 @@ tracer = trace.get_tracer("sluice")
 MAX_HEADER_BYTES = 512  # a traceparent is 55 bytes; W3C lets tracestate reach 512 characters
 _TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 CONSUMER, PRODUCER = trace.SpanKind.CONSUMER, trace.SpanKind.PRODUCER
+_W3C = TraceContextTextMapPropagator()  # traceparent and tracestate only: no baggage crosses a hop
+_options = {"producer_spans": False}  # set once by install(), like the tracer provider itself
 
 
-def install(settings: ObservabilitySettings | None = None, exporter: SpanExporter | None = None) -> TracerProvider:
+def install(settings: ObservabilitySettings | None = None, exporter: SpanExporter | None = None,
+            sampler: Sampler | None = None) -> TracerProvider:
     """Sets the process's tracer provider (once per process: OpenTelemetry ignores a second one and says
-    so). Spans are exported in batches to `exporter`, else to `settings.otlp_endpoint` over OTLP/HTTP,
+    so). `sampler` replaces the configured ratio (a benchmark switches it). Spans are exported in batches to `exporter`, else to `settings.otlp_endpoint` over OTLP/HTTP,
     else nowhere (they are still made, so trace context still flows to processes that do export)."""
     settings = settings or ObservabilitySettings()
-    sampler = ParentBased(TraceIdRatioBased(settings.sample_ratio))
+    sampler = sampler or ParentBased(TraceIdRatioBased(settings.sample_ratio))
     provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}), sampler=sampler)
     if exporter is None and settings.otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -58,6 +64,7 @@ def install(settings: ObservabilitySettings | None = None, exporter: SpanExporte
             schedule_delay_millis=settings.export_delay_ms,
         ))
     provider.add_span_processor(TRACES)  # the dashboard's waterfall of the last request
+    _options["producer_spans"] = settings.producer_spans
     trace.set_tracer_provider(provider)
     return provider
 
@@ -77,7 +84,7 @@ def extract(headers: Iterable[Any] | None) -> context.Context:
                 continue
             if len(value) <= MAX_HEADER_BYTES and value.isascii():
                 carrier[key] = value.decode("ascii")
-        return propagate.extract(carrier)
+        return _W3C.extract(carrier)
     except Exception:  # a headers object that fails to iterate, or a propagator that fails: no link
         return context.get_current()
 
@@ -85,7 +92,7 @@ def extract(headers: Iterable[Any] | None) -> context.Context:
 def inject(ctx: context.Context | None = None) -> list[tuple[str, bytes]]:
     """Headers for `ctx` (default: the current span's context)."""
     carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=ctx)
+    _W3C.inject(carrier, context=ctx)
     return [(k, v.encode("latin-1")) for k, v in carrier.items()]
 
 
@@ -100,7 +107,6 @@ def consume_span(record: Any, group: str) -> Iterator[trace.Span]:
     attributes = {
         "messaging.system": "kafka",
         "messaging.operation.type": "process",
-        "messaging.operation.name": "process",
         "messaging.destination.name": record.topic,
         "messaging.consumer.group.name": group,
         "messaging.destination.partition.id": str(record.partition),
@@ -111,18 +117,21 @@ def consume_span(record: Any, group: str) -> Iterator[trace.Span]:
         yield span
 
 
-def publish(topic: str, parent: context.Context | None = None) -> list[tuple[str, bytes]]:
-    """A PRODUCER span for one message to `topic` (a child of `parent`, default the current span) and the
-    headers that carry it to the message's consumer. The span covers handing the message to the producer;
-    the broker's acknowledgement is the consumer span's queue time. Outside any trace (a stage's clocked
-    health report) it makes no span and sends no headers: a trace of one span is only noise."""
+def publish(topic: str, parent: context.Context | None = None, *, span: bool | None = None) -> list[tuple[str, bytes]]:
+    """The headers that carry the trace of one message to `topic` to its consumer: the context of `parent`
+    (default: the current span), or, with `span` (default `observability.producer_spans`), of a PRODUCER
+    span made for the message as a child of it, covering its hand-over to the producer (the broker's
+    acknowledgement is the consumer span's queue time). Outside any trace (a stage's clocked health
+    report) nothing is sent: a trace of one span is only noise."""
     if not trace.get_current_span(parent).get_span_context().is_valid:
         return []
-    span = tracer.start_span(f"send {topic}", context=parent, kind=PRODUCER, attributes={
+    if not (_options["producer_spans"] if span is None else span):
+        return inject(parent)
+    producer = tracer.start_span(f"send {topic}", context=parent, kind=PRODUCER, attributes={
         "messaging.system": "kafka", "messaging.operation.type": "send", "messaging.operation.name": "send",
         "messaging.destination.name": topic,
     })
     try:
-        return inject(trace.set_span_in_context(span, parent))
+        return inject(trace.set_span_in_context(producer, parent))
     finally:
-        span.end()
+        producer.end()

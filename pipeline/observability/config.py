@@ -16,6 +16,7 @@ class ObservabilitySettings:
     otlp_endpoint: str = ""  # OTLP/HTTP traces endpoint (SLUICE_OTLP_ENDPOINT); empty: spans are made but not exported
     otlp_timeout_s: float = 10.0  # per export call
     sample_ratio: float = 1.0  # traces started here that are recorded (parent-based: a stage follows its parent)
+    producer_spans: bool = False  # a PRODUCER span per produced message (OpenTelemetry's "send"); off: half the spans
     export_batch: int = 512  # spans per OTLP export call (BatchSpanProcessor)
     export_queue: int = 8192  # spans held for export; past it the newest are dropped, never waited for
     export_delay_ms: int = 1000  # how often the batch processor exports

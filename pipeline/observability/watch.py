@@ -40,7 +40,7 @@ class RequestWatch:
     def headers(self) -> list[tuple[str, bytes]]:
         """The PRODUCER span of the request's send to llm.requests, and the headers that carry the trace."""
         self._sent = self._last = time.perf_counter()
-        return tracing.publish(registry.REQUESTS, trace.set_span_in_context(self.span))
+        return tracing.publish(registry.REQUESTS, trace.set_span_in_context(self.span), span=True)
 
     def chunk(self) -> None:
         now = time.perf_counter()

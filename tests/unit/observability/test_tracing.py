@@ -33,22 +33,36 @@ def record(headers: list[tuple[str, bytes]], topic: str = "llm.admitted") -> Sim
 def test_a_stage_continues_the_trace_and_passes_it_on(exporter: InMemorySpanExporter) -> None:
     exporter.clear()
     with tracing.tracer.start_as_current_span("client") as root:
-        headers = tracing.publish("llm.admitted")
+        headers = tracing.publish("llm.admitted", span=True)  # the client's send: always a PRODUCER span
     with tracing.consume_span(record(headers), "guard"):
-        forwarded = tracing.publish("llm.screened")
+        forwarded = tracing.publish("llm.screened")  # a stage's output: the stage's own span's context
     with tracing.consume_span(record(forwarded, "llm.screened"), "cache"):
         pass
     spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"client", "send llm.admitted", "guard", "cache"}
     assert {s.context.trace_id for s in spans.values()} == {root.get_span_context().trace_id}
     guard = spans["guard"]
     assert guard.kind is trace.SpanKind.CONSUMER and guard.parent.span_id == spans["send llm.admitted"].context.span_id
     assert spans["send llm.admitted"].kind is trace.SpanKind.PRODUCER
-    assert spans["cache"].parent.span_id == spans["send llm.screened"].context.span_id
+    assert spans["cache"].parent.span_id == guard.context.span_id
     assert dict(guard.attributes) == {
-        "messaging.system": "kafka", "messaging.operation.type": "process", "messaging.operation.name": "process",
+        "messaging.system": "kafka", "messaging.operation.type": "process",
         "messaging.destination.name": "llm.admitted", "messaging.consumer.group.name": "guard",
         "messaging.destination.partition.id": "3", "messaging.kafka.offset": 42, "messaging.message.body.size": 10,
     }
+
+
+def test_producer_spans_when_configured(exporter: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(tracing._options, "producer_spans", True)
+    exporter.clear()
+    with tracing.consume_span(record([]), "ingest"):
+        headers = tracing.publish("llm.admitted")
+    with tracing.consume_span(record(headers), "guard"):
+        pass
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["send llm.admitted"].kind is trace.SpanKind.PRODUCER
+    assert spans["send llm.admitted"].parent.span_id == spans["ingest"].context.span_id
+    assert spans["guard"].parent.span_id == spans["send llm.admitted"].context.span_id
 
 
 def test_no_span_and_no_headers_outside_a_trace(exporter: InMemorySpanExporter) -> None:
