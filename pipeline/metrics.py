@@ -74,7 +74,7 @@ GUARD_REFUSALS = Counter(
 )
 RATE_LIMITED = Counter(
     "sluice_rate_limit_refusals_total",
-    "Requests refused by a rate limit or budget, by scope (key, tenant, ip, global) and resource (requests, tokens)",
+    "Requests refused by a rate limit (429), by scope (key, tenant, ip, global) and resource (requests, tokens)",
     ["scope", "resource"],
 )
 
