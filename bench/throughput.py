@@ -11,6 +11,8 @@ Systems:
     litellm         LiteLLM 1.108.7 proxy, one worker, model routed to the fake upstream
     sluice-openai   sluice with an `openai` backend on the same fake upstream (ingest, cache, route, generate, emit)
     sluice-instant  sluice with its in-process instant backend (the transport topology, no upstream hop)
+    before-instant, before-openai   the same, from the commit --before (a git worktree under .cache/bench):
+                    the figures before this benchmark's changes, measured in the same run
 
 For every system, rate and repeat: requests sent and answered 200, errors, served/s (answers over the
 time from the first send to the last answer), latency p50/p99, and CPU milliseconds per served
@@ -117,13 +119,27 @@ def litellm_venv() -> Path:
     return binary
 
 
+def before_tree(rev: str) -> Path:
+    """sluice as it was at `rev`, checked out once under .cache/bench (its code runs on this .venv)."""
+    tree = ROOT / ".cache" / "bench" / f"sluice-{rev}"
+    if not tree.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT, check=True, capture_output=True)
+    return tree
+
+
+def before_config(config: str) -> str:
+    """The config without the keys the earlier code did not know (its instant backend always splits)."""
+    dropped = ("split = ", "linger_ms = ", "[run]", "processes = ")
+    return "\n".join(line for line in config.splitlines() if not line.startswith(dropped))
+
+
 class Started:
     """A server process of the benchmark, its process tree measured for CPU."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, cwd: Path = ROOT) -> None:
         self.name, self.port = name, port
         self.log = open(ROOT / ".state" / f"bench-throughput-{name}.log", "wb")  # noqa: SIM115
-        self.process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd)
 
     def tree(self) -> list[psutil.Process]:
         root = psutil.Process(self.process.pid)
@@ -217,13 +233,15 @@ async def run(args: argparse.Namespace) -> None:
         configs = tempfile.mkdtemp(prefix="bench-throughput-")
         try:
             for system in systems:
-                if system.startswith("sluice-"):
+                if system.startswith(("sluice-", "before-")):
                     port = SLUICE_PORT + 10 * len(servers)
                     path = Path(configs) / f"{system}.toml"
-                    path.write_text(sluice_config(system.removeprefix("sluice-"), args.guards, args.processes, args.linger_ms).replace(
-                        f"port = {SLUICE_PORT}", f"port = {port}"))
+                    config = sluice_config(system.split("-", 1)[1], args.guards, args.processes, args.linger_ms)
+                    config = config.replace(f"port = {SLUICE_PORT}", f"port = {port}")
+                    path.write_text(before_config(config) if system.startswith("before-") else config)
                     env = {**service_env, "SLUICE_CONFIG": str(path)}
-                    servers[system] = Started(system, [sys.executable, "-m", "pipeline.cli", "run"], env, port)
+                    cwd = before_tree(args.before) if system.startswith("before-") else ROOT
+                    servers[system] = Started(system, [sys.executable, "-m", "pipeline.cli", "run"], env, port, cwd)
                     ports[system] = port
                 elif system == "litellm":
                     path = Path(configs) / "litellm.yaml"
@@ -249,7 +267,7 @@ async def run(args: argparse.Namespace) -> None:
                         groups = {**infra, "upstream": upstream.tree(), "loadgen": [psutil.Process()]}
                         if system != "direct":
                             groups[system] = servers[system].tree()
-                        if not system.startswith("sluice-"):
+                        if not system.startswith(("sluice-", "before-")):
                             groups.pop("kafka"), groups.pop("redis")
                         result = await load(system, ports[system], rate, args.seconds, args.max_tokens, groups, repeat)
                         results.append(result)
@@ -273,6 +291,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--processes", type=int, default=0, help="sluice run's processes (0: one per core)")
     parser.add_argument("--guards", action="store_true", help="sluice with its guard and postguard stages")
+    parser.add_argument("--before", default="7c2a0d9", help="the commit the before-* systems run")
     parser.add_argument("--linger-ms", type=int, default=0, help="sluice's producers' linger (kafka.linger_ms)")
     parser.add_argument("--idle-s", type=float, default=5.0, help="seconds of no load, to measure what idling costs")
     parser.add_argument("--out", default="", help="write every result here as JSON")
