@@ -66,6 +66,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens fed to the model in one step (prefill chunks plus decodes)
     max_parked: int = 64  # prefilled sequences waiting for their decode; the oldest is dropped beyond this
     aging_steps: int = 32  # a batch-lane request waiting this many steps is admitted as if interactive
+    batch_every: int = 4  # while interactive sequences run, the batch lane is fed on every n-th step only (1: always)
     device: str = "cpu"
     dtype: str = "float32"  # float32, bfloat16 or float16
 
@@ -76,6 +77,7 @@ class EngineConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_parked": self.max_parked,
             "aging_steps": self.aging_steps,
+            "batch_every": self.batch_every,
         }
         bad = {k: v for k, v in positive.items() if v < 1}
         if bad:

@@ -14,6 +14,13 @@ freed and it goes back to the front of its waiting lane, to be recomputed (its f
 come straight back from the prefix cache). Waiting sequences are admitted while budget, batch size
 and blocks allow, interactive first, except that a batch request waiting `aging_steps` steps or more
 is admitted as if it were interactive, so batch work is never starved.
+
+Batch work yields to interactive work step by step: while an interactive sequence is running, the
+batch lane is fed (and admitted) only on every `batch_every`-th step, so on a device where a step costs
+more the more sequences it holds (a CPU), a backfill slows interactive answers by about
+(batch_every - 1 + cost of a full step / cost of an interactive one) / batch_every instead of the full
+step's cost; a step that would otherwise compute nothing feeds the batch lane anyway. Without
+interactive work the batch lane runs every step, at full batched throughput.
 """
 
 from __future__ import annotations
@@ -119,30 +126,51 @@ class Scheduler:
         dropped: list[Sequence] = []
         self.running.sort(key=lambda s: (s.priority, s.arrival, s.seq_id))
         scheduled: set[int] = set()
+        yielding = self._batch_yields()
         for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, n):
-                if self.parked:
-                    dropped.append(self._drop_oldest_parked())
-                    continue
-                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                chunks.append(self._chunk(seq, n))
-                scheduled.add(seq.seq_id)
-                budget -= n
+            if yielding and seq.priority is Priority.BATCH:
+                continue
+            budget = self._feed(seq, budget, chunks, scheduled, preempted, dropped)
         if not preempted:
-            budget = self._admit(budget, chunks, dropped)
+            budget = self._admit(budget, chunks, dropped, yielding)
+        if yielding and not chunks:  # nothing interactive could run after all: the batch lane does
+            for seq in list(self.running):
+                budget = self._feed(seq, budget, chunks, scheduled, preempted, dropped)
         decode_first = sorted(chunks, key=lambda c: len(c.token_ids) > 1)
         total = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(tuple(decode_first), total, tuple(preempted), tuple(dropped))
+
+    def _batch_yields(self) -> bool:
+        """Whether this step leaves the batch lane out: an interactive sequence is running and the step
+        is not one of every `batch_every`."""
+        every = self.config.batch_every
+        if every <= 1 or self.step_count % every == 0:
+            return False
+        return any(s.priority is Priority.INTERACTIVE for s in self.running)
+
+    def _feed(
+        self, seq: Sequence, budget: int, chunks: list[ScheduledChunk], scheduled: set[int],
+        preempted: list[Sequence], dropped: list[Sequence],
+    ) -> int:
+        """Schedules a running sequence's uncomputed tokens (up to `budget`), freeing blocks by dropping
+        parked sequences, then preempting the lowest running ones, when they run out; returns the budget left."""
+        if budget == 0 or seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled:
+            return budget  # no budget, preempted earlier in this step, or already fed
+        n = min(seq.num_uncomputed_tokens, budget)
+        while not self.block_manager.can_allocate(seq, n):
+            if self.parked:
+                dropped.append(self._drop_oldest_parked())
+                continue
+            victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                break
+        if seq.status is SequenceStatus.RUNNING:
+            chunks.append(self._chunk(seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        return budget
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
         """Account for a finished step: advance computed tokens, register full blocks, append sampled
@@ -193,11 +221,14 @@ class Scheduler:
         self._next_id += 1
         return seq
 
-    def _admit(self, budget: int, chunks: list[ScheduledChunk], dropped: list[Sequence]) -> int:
+    def _admit(self, budget: int, chunks: list[ScheduledChunk], dropped: list[Sequence], yielding: bool = False) -> int:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.next(self.step_count, self.config.aging_steps)
             if seq is None:
                 break
+            aged = self.step_count - seq.arrival >= self.config.aging_steps
+            if yielding and seq.priority is Priority.BATCH and not aged:
+                break  # its prefill waits for a step the batch lane runs in
             cached = self.block_manager.cached_prefix_tokens(seq)
             n = min(len(seq.token_ids) - cached, budget)
             while not self.block_manager.can_allocate(seq, n) and self.parked:

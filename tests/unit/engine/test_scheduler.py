@@ -143,3 +143,45 @@ def test_the_scheduler_and_block_manager_never_import_torch() -> None:
 
     code = "import sys, pipeline.engine.scheduler, pipeline.engine.block_manager; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_the_batch_lane_yields_to_running_interactive_work_but_runs_every_nth_step() -> None:
+    s = make(num_blocks=64, block_size=4, batch_every=4)
+    batch = [s.add(EngineRequest((1, 2), max_tokens=100, priority=Priority.BATCH)) for _ in range(3)]
+    fed: list[set[int]] = []
+    for step in range(8):
+        if step == 2:
+            inter = s.add(EngineRequest((3, 4), max_tokens=100))
+        out = s.schedule()
+        fed.append({c.seq.seq_id for c in out.chunks})
+        s.update_from_output(out, [0 if c.sample else None for c in out.chunks])
+    batch_ids = {b.seq_id for b in batch}
+    assert fed[0] == fed[1] == batch_ids  # alone, the batch lane runs every step
+    assert inter.seq_id in fed[2] and batch_ids <= fed[2]  # step 3: not a yielding step (admitted alongside)
+    # steps 4..8 (step_count 4..8): the batch lane only on step_count 4 and 8, the interactive one every step
+    assert [batch_ids <= f for f in fed[3:]] == [True, False, False, False, True]
+    assert all(inter.seq_id in f for f in fed[3:])
+
+
+def test_a_batch_request_is_not_admitted_on_a_yielding_step_unless_it_aged() -> None:
+    s = make(num_blocks=64, block_size=4, batch_every=4, aging_steps=50)
+    inter = s.add(EngineRequest((3, 4), max_tokens=100))
+    s.update_from_output(out := s.schedule(), [0 for _ in out.chunks])  # step 1
+    late = s.add(EngineRequest((1, 2), max_tokens=5, priority=Priority.BATCH))
+    admitted_at = None
+    for _ in range(6):
+        out = s.schedule()
+        if any(c.seq is late for c in out.chunks) and admitted_at is None:
+            admitted_at = s.step_count
+        s.update_from_output(out, [0 if c.sample else None for c in out.chunks])
+    assert admitted_at == 4 and inter.status is SequenceStatus.RUNNING
+
+
+def test_batch_every_one_is_the_old_policy() -> None:
+    s = make(num_blocks=64, block_size=4, batch_every=1)
+    s.add(EngineRequest((3, 4), max_tokens=100))
+    batch = s.add(EngineRequest((1, 2), max_tokens=100, priority=Priority.BATCH))
+    for _ in range(5):
+        out = s.schedule()
+        assert batch in [c.seq for c in out.chunks]
+        s.update_from_output(out, [0 if c.sample else None for c in out.chunks])
