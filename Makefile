@@ -65,10 +65,11 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -m ""
 
-# The full chaos profile (15-20 minutes; the short one runs in `make test`). A report without pytest:
+# The full chaos profile (15-20 minutes; the short one runs in `make test`) and the 10,000-line batch job
+# under kills and a broker restart (about 5 minutes). A report without pytest:
 # `.venv/bin/python -m tests.chaos.run --profile full --report chaos.json`.
 chaos: setup
-	$(PY) -m pytest -m chaos tests/chaos
+	$(PY) -m pytest -m chaos tests/chaos tests/integration/test_batch_faults.py
 
 bench: setup
 	$(PY) -m bench.pipeline_overhead
