@@ -45,6 +45,7 @@ from pipeline.batch.redis_store import RedisJobStore
 from pipeline.batch.service import executor_factory, file_store
 from pipeline.batch.store import JobStore
 from pipeline.batch.worker import BatchWorker
+from pipeline.bridge.app import read_capped
 from pipeline.bridge.credentials import Credential, Credentials
 from pipeline.bridge.openai_format import Unauthorized, decode_body, error_body
 from pipeline.gateway.build import redis_client
@@ -59,6 +60,7 @@ from topics.errors import ErrorCode
 log = logging.getLogger(__name__)
 MAX_LIST = 100
 MAX_METADATA = 16  # OpenAI's limit on metadata pairs
+MAX_CREATE_BYTES = 64 * 1024  # a batch request is a file id, an endpoint and metadata
 Handler = Callable[[HttpRequest], Awaitable[Response]]
 
 
@@ -163,7 +165,7 @@ class BatchApi:
 
     async def create(self, request: HttpRequest) -> Response:
         owner = await self.owner(request)
-        body = decode_body(await request.body())
+        body = decode_body(await read_capped(request, MAX_CREATE_BYTES, self.settings.bridge.body_timeout_s))
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
             raise Invalid(f"`endpoint` must be one of {', '.join(ENDPOINTS)}", "endpoint")
