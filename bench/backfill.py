@@ -32,6 +32,7 @@ from bench.stats import percentile
 from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
+from pipeline.backends.base import Backend
 from pipeline.batch.execute import Executor
 from pipeline.batch.files import FileStore
 from pipeline.batch.records import TERMINAL, Batch, Status, new_batch_id
@@ -91,19 +92,44 @@ class Backfill:
 
 
 async def probe(client: Client, n: int, max_tokens: int) -> list[float]:
+    """`n` short interactive requests one after another; their latencies (ms). Prints where the time went
+    (each stage's mean from the terminal events' `timings`)."""
     latencies = []
+    timings: dict[str, list[float]] = {}
     for _ in range(n):
         started = time.perf_counter()
-        await client.complete(messages=[{"role": "user", "content": PROBE}], max_tokens=max_tokens, no_cache=True)
+        answer = await client.complete(messages=[{"role": "user", "content": PROBE}], max_tokens=max_tokens, no_cache=True)
         latencies.append((time.perf_counter() - started) * 1000)
+        for stage, ms in answer.done.timings.items():
+            timings.setdefault(stage, []).append(ms)
         await asyncio.sleep(0.2)
+    print("  where: " + ", ".join(f"{stage} {sum(v) / len(v):.0f} ms" for stage, v in timings.items()), flush=True)
     return latencies
+
+
+def local_backend(settings: Settings, batch_every: int) -> dict[str, Backend]:
+    """The default model as `backends.load` builds it, with the engine's `batch_every` chosen here."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from pipeline.backends.local import LocalBackend
+    from pipeline.engine.config import EngineConfig
+    from pipeline.engine.model_runner import ModelRunner
+    from pipeline.models import MODEL_DIRNAME
+
+    torch.set_num_threads(settings.runtime.torch_threads)
+    path = settings.model_cache / MODEL_DIRNAME
+    spec = settings.backends[0]
+    config = EngineConfig(max_num_seqs=spec.max_batch, batch_every=batch_every)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return {spec.name: LocalBackend(ModelRunner.from_path(path, config), tokenizer, name=spec.name, engine_config=config)}
 
 
 async def measure(settings: Settings, args: argparse.Namespace) -> None:
     await kafka.create_topics(settings)
     stop = asyncio.Event()
-    stages = assemble.build(assemble.nodes_of(settings), settings, backend_registry.load(settings), worker="bench")
+    backends = backend_registry.load(settings) if args.batch_every is None else local_backend(settings, args.batch_every)
+    stages = assemble.build(assemble.nodes_of(settings), settings, backends, worker="bench")
     runners = [Runner(s, settings, instance="bench") for s in stages]
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.wait_for(asyncio.gather(*(r.ready.wait() for r in runners)), 120)
@@ -151,7 +177,7 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     print(f"\n| what | figure |\n| --- | --- |\n"
           f"| interactive, one at a time ({len(texts)} prompts, max_tokens {args.max_tokens}) | {interactive_tps:.1f} tokens/s |\n"
           f"| backfill, the same prompts (batch lane, max_in_flight {b.max_in_flight}, max_batch "
-          f"{settings.backends[0].max_batch}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
+          f"{settings.backends[0].max_batch}, batch_every {args.batch_every or 'default'}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
           f"| interactive p50 / p99, idle ({args.probes} probes, max_tokens {args.probe_tokens}) | "
           f"{percentile(idle, 50):.0f} / {percentile(idle, 99):.0f} ms |\n"
           f"| interactive p50 / p99, during a backfill | {percentile(busy, 50):.0f} / {percentile(busy, 99):.0f} ms "
@@ -165,6 +191,7 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=20)
     parser.add_argument("--probe-tokens", type=int, default=8)
     parser.add_argument("--max-in-flight", type=int, default=None, help="batch.max_in_flight (default: the config's)")
+    parser.add_argument("--batch-every", type=int, default=None, help="the engine's batch_every (default: EngineConfig's)")
     args = parser.parse_args()
     with own_services("bench-backfill", 48192, 48479) as env:
         settings = settings_module.load(env=env)

@@ -15,8 +15,8 @@ come straight back from the prefix cache). Waiting sequences are admitted while 
 and blocks allow, interactive first, except that a batch request waiting `aging_steps` steps or more
 is admitted as if it were interactive, so batch work is never starved.
 
-Batch work yields to interactive work step by step: while an interactive sequence is running, the
-batch lane is fed (and admitted) only on every `batch_every`-th step, so on a device where a step costs
+Batch work yields to interactive work step by step: while an interactive sequence is running or
+waiting, the batch lane is fed (and admitted) only on every `batch_every`-th step, so on a device where a step costs
 more the more sequences it holds (a CPU), a backfill slows interactive answers by about
 (batch_every - 1 + cost of a full step / cost of an interactive one) / batch_every instead of the full
 step's cost; a step that would otherwise compute nothing feeds the batch lane anyway. Without
@@ -141,12 +141,12 @@ class Scheduler:
         return SchedulerOutput(tuple(decode_first), total, tuple(preempted), tuple(dropped))
 
     def _batch_yields(self) -> bool:
-        """Whether this step leaves the batch lane out: an interactive sequence is running and the step
-        is not one of every `batch_every`."""
+        """Whether this step leaves the batch lane out: an interactive sequence is running or waiting (its
+        prefill then gets a step of its own) and the step is not one of every `batch_every`."""
         every = self.config.batch_every
         if every <= 1 or self.step_count % every == 0:
             return False
-        return any(s.priority is Priority.INTERACTIVE for s in self.running)
+        return bool(self.waiting.queues[Priority.INTERACTIVE]) or any(s.priority is Priority.INTERACTIVE for s in self.running)
 
     def _feed(
         self, seq: Sequence, budget: int, chunks: list[ScheduledChunk], scheduled: set[int],
