@@ -1,0 +1,243 @@
+"""What tracing costs: every request traced (100% sampled, exported over OTLP/HTTP in batches) against
+tracing off (sample_ratio = 0: context still propagates, no span is recorded or exported), in one
+process running the transport stages (`bare` profile: ingest, route, prefill, decode, emit) on the echo
+backend, so the spans' cost is not hidden behind a model.
+
+    .venv/bin/python -m bench.tracing_overhead                    # 5 rounds, both modes in each, order alternating
+    .venv/bin/python -m bench.tracing_overhead --rounds 7 --rate 20 --requests 200 --concurrency 32 --seconds 10
+
+Each round runs both modes back to back (which goes first alternates), each mode: latency at a fixed
+open-loop rate (p50, p99 over `--requests`), then throughput closed-loop at `--concurrency` requests in
+flight for `--seconds` (the knee: where adding load only adds queueing). The sampler is switched between
+modes inside one process (same stages, same connections). Spans go to a sink in its own process that
+reads each OTLP request and answers 200, so export costs what it costs over HTTP. Reported: each
+mode's median over rounds, the per-round difference (on minus off, on / off) as median with min..max.
+
+Then `--connected` requests (1,000) with tracing on: how many of their traces are one connected tree in
+which the terminal event's path passes every stage, in pipeline order.
+
+Starts its own Kafka and Redis (ports 48092/45379) unless --bootstrap is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, Sampler, SamplingResult
+from opentelemetry.trace import Link, SpanKind
+from opentelemetry.util.types import Attributes
+
+from bench.echo_backend import EchoBackend
+from bench.pipeline_overhead import PROMPTS, paced
+from bench.stats import percentile
+from pipeline import assemble, kafka, tracing
+from pipeline import settings as settings_module
+from pipeline.observability.config import ObservabilitySettings
+from pipeline.runner import Runner
+from pipeline.sdk import Client
+from pipeline.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+SINK = """
+import http.server, sys
+class Sink(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200); self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Sink).serve_forever()
+"""
+
+
+class Links(SpanProcessor):
+    """Records each ended span's ids, parent, name and kind, for the connected-trace check."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int, int | None, str, SpanKind, int, int]] = []
+
+    def on_end(self, span: ReadableSpan) -> None:
+        parent = span.parent.span_id if span.parent is not None else None
+        self.spans.append((span.context.trace_id, span.context.span_id, parent, span.name, span.kind, span.start_time or 0,
+                           span.end_time or 0))
+
+
+def connected(spans: list[tuple[int, int, int | None, str, SpanKind, int, int]], roots: set[int], order: list[str]) -> int:
+    """How many of the traces started by the client spans `roots` are one connected tree in which the
+    terminal event's path (emit's last span and its ancestors) passes every stage once, in pipeline order."""
+    by_trace: dict[int, list[tuple[int, int, int | None, str, SpanKind, int, int]]] = {}
+    for s in spans:
+        by_trace.setdefault(s[0], []).append(s)
+    good = 0
+    for trace_id in roots:
+        mine = by_trace.get(trace_id, [])
+        ids = {s[1]: s for s in mine}
+        if sum(1 for s in mine if s[2] is None) != 1 or any(s[2] is not None and s[2] not in ids for s in mine):
+            continue
+        last = [s for s in mine if s[3] == order[-1] and s[4] is SpanKind.CONSUMER]
+        if not last:
+            continue
+        node: tuple[int, int, int | None, str, SpanKind, int, int] | None = max(last, key=lambda s: s[6])
+        path = []
+        while node is not None:
+            if node[4] is SpanKind.CONSUMER:
+                path.append(node[3])
+            node = ids.get(node[2]) if node[2] is not None else None
+        good += path[::-1] == order
+    return good
+
+
+async def check_connected(client: Client, switch: Switch, provider: object, settings: Settings, args: argparse.Namespace) -> tuple[int, int]:
+    links = Links()
+    provider.add_span_processor(links)  # type: ignore[attr-defined]
+    switch.on = True
+    await latency(client, args.connected, args.rate, args.max_tokens)
+    await asyncio.sleep(2)  # the last requests' emit spans end after their terminal event
+    roots = {s[0] for s in links.spans if s[2] is None and s[4] is SpanKind.CLIENT}
+    order = [node.name for node in assemble.nodes_of(settings)]
+    spans = [s for s in links.spans if s[0] in roots]
+    print(f"spans per trace: {len(spans) / max(len(roots), 1):.1f}", flush=True)
+    return connected(spans, roots, order), len(roots)
+
+
+class Switch(Sampler):
+    """The root decision, switched between modes; every later span follows its parent (ParentBased)."""
+
+    def __init__(self) -> None:
+        self.on = True
+
+    def should_sample(self, parent_context: Context | None, trace_id: int, name: str, kind: SpanKind | None = None,
+                      attributes: Attributes = None, links: Sequence[Link] | None = None, trace_state: object = None) -> SamplingResult:
+        return (ALWAYS_ON if self.on else ALWAYS_OFF).should_sample(parent_context, trace_id, name, kind, attributes, links)
+
+    def get_description(self) -> str:
+        return "Switch"
+
+
+async def latency(client: Client, n: int, rate: float, max_tokens: int) -> list[float]:
+    async def one(i: int) -> float:
+        t = time.perf_counter()
+        await client.complete(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], max_tokens=max_tokens)
+        return (time.perf_counter() - t) * 1000
+
+    return await paced(n, rate, one)
+
+
+async def throughput(client: Client, concurrency: int, seconds: float, max_tokens: int) -> float:
+    done = 0
+    end = time.perf_counter() + seconds
+
+    async def worker(w: int) -> None:
+        nonlocal done
+        i = w
+        while time.perf_counter() < end:
+            await client.complete(messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], max_tokens=max_tokens)
+            done += 1
+            i += concurrency
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return done / (time.perf_counter() - start)
+
+
+async def measure(settings: Settings, switch: Switch, provider: object, args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:  # noqa: E501
+    await kafka.create_topics(settings)
+    stop = asyncio.Event()
+    echo = EchoBackend()
+    echo.name = settings.backends[0].name  # type: ignore[misc]  # stands in for the configured backend
+    stages = assemble.build(assemble.nodes_of(settings), settings, {echo.name: echo})
+    runners = [Runner(s, settings, instance="bench") for s in stages]
+    tasks = [asyncio.create_task(r.run(stop)) for r in runners]
+    await asyncio.gather(*(r.ready.wait() for r in runners))
+    results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": []} for m in ("on", "off")}
+    async with Client(settings) as client:
+        await latency(client, 60, args.rate, args.max_tokens)  # warm-up
+        for r in range(args.rounds):
+            for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                switch.on = mode == "on"
+                ms = await latency(client, args.requests, args.rate, args.max_tokens)
+                rps = await throughput(client, args.concurrency, args.seconds, args.max_tokens)
+                provider.force_flush()  # type: ignore[attr-defined]  # this mode's spans leave before the next mode
+                results[mode]["p50"].append(percentile(ms, 50))
+                results[mode]["p99"].append(percentile(ms, 99))
+                results[mode]["rps"].append(rps)
+                print(f"round {r + 1} {mode:>3}: p50 {percentile(ms, 50):.2f} ms  p99 {percentile(ms, 99):.2f} ms  "
+                      f"{rps:.1f} req/s at {args.concurrency} in flight", flush=True)
+        if args.connected:
+            good, total = await check_connected(client, switch, provider, settings, args)
+            results["connected"] = {"good": [good], "total": [total]}
+    stop.set()
+    await asyncio.gather(*tasks)
+    return results
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}..{format(max(values), fmt)})"
+
+
+def report(results: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> None:
+    on, off = results["on"], results["off"]
+    p50_diff = [a - b for a, b in zip(on["p50"], off["p50"])]
+    p99_diff = [a - b for a, b in zip(on["p99"], off["p99"])]
+    rps_ratio = [a / b for a, b in zip(on["rps"], off["rps"])]
+    print(f"\nprofile=bare backend=echo max_tokens={args.max_tokens} rounds={args.rounds} rate={args.rate}/s "
+          f"requests={args.requests} concurrency={args.concurrency} seconds={args.seconds} load average={os.getloadavg()}\n")
+    print("| measured | tracing off (ratio 0) | tracing on (100%, exported) | on minus off, per round: median (min..max) |")
+    print("| --- | --- | --- | --- |")
+    print(f"| p50 latency, ms | {spread(off['p50'], '.2f')} | {spread(on['p50'], '.2f')} | {spread(p50_diff, '+.2f')} |")
+    print(f"| p99 latency, ms | {spread(off['p99'], '.2f')} | {spread(on['p99'], '.2f')} | {spread(p99_diff, '+.2f')} |")
+    print(f"| throughput at {args.concurrency} in flight, req/s | {spread(off['rps'], '.1f')} | {spread(on['rps'], '.1f')} | "
+          f"on / off {spread(rps_ratio, '.3f')} |")
+    if "connected" in results:
+        good, total = results["connected"]["good"][0], results["connected"]["total"][0]
+        print(f"\n{args.connected} requests sent, {total} client traces, {good} ({100 * good / max(total, 1):.1f}%) connected with every "
+              f"stage's span on the terminal event's path in pipeline order")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rate", type=float, default=20.0, help="requests per second for the latency part, open loop")
+    parser.add_argument("--requests", type=int, default=200, help="requests per mode per round for the latency part")
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight for the throughput part")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of the throughput part per mode per round")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--bootstrap", help="use a running Kafka instead of starting one")
+    parser.add_argument("--redis", help="with --bootstrap: the running Redis's URL")
+    parser.add_argument("--sink-port", type=int, default=44318)
+    parser.add_argument("--connected", type=int, default=1000, help="then this many requests traced: how many traces are whole")
+    args = parser.parse_args()
+    env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:48092", "SLUICE_REDIS_URL": args.redis or "redis://127.0.0.1:45379/0"}
+    settings = settings_module.load(env=env)
+    settings = replace(settings, profile="bare", runtime=replace(settings.runtime, max_in_flight=256))
+    sink = subprocess.Popen([sys.executable, "-c", SINK, str(args.sink_port)])
+    state = ROOT / ".state" / "bench-tracing"
+    if not args.bootstrap:
+        subprocess.run(["rm", "-rf", str(state)], check=True)
+        subprocess.run([ROOT / "infra" / "services.sh", "start", state, "48092", "45379"], check=True)
+    try:
+        observe = ObservabilitySettings(otlp_endpoint=f"http://127.0.0.1:{args.sink_port}/v1/traces")
+        switch = Switch()
+        provider = tracing.install(observe, sampler=ParentBased(root=switch))  # as `sluice run` installs it, switchable
+        results = asyncio.run(measure(settings, switch, provider, args))
+        report(results, args)
+    finally:
+        sink.terminate()
+        sink.wait()
+        if not args.bootstrap:
+            subprocess.run([ROOT / "infra" / "services.sh", "stop", state], check=True)
+
+
+if __name__ == "__main__":
+    main()
