@@ -103,6 +103,10 @@ class _Refused(Exception):
     pass
 
 
+class _Unreachable(_Refused):
+    """The bridge did not answer at all."""
+
+
 def _http(settings: Settings, args: argparse.Namespace) -> httpx.AsyncClient:
     base = args.base_url or f"http://{settings.bridge.host}:{settings.bridge.port}/v1"
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -113,7 +117,7 @@ async def _call(pending: Any) -> dict[str, Any]:
     try:
         response: httpx.Response = await pending
     except httpx.HTTPError as exc:
-        raise _Refused(f"the bridge did not answer ({type(exc).__name__}): is `make run` up?") from None
+        raise _Unreachable(f"the bridge did not answer ({type(exc).__name__}): is `make run` up?") from None
     if response.status_code >= 400:
         try:
             message = response.json()["error"]["message"]
@@ -135,7 +139,12 @@ async def _submit(http: httpx.AsyncClient, args: argparse.Namespace) -> int:
         return 0
 
     async def poll() -> dict[str, Any]:
-        return await _call(http.get(f"/batches/{batch['id']}"))
+        """The job; while the bridge is away (restarting), the job goes on without it: keep asking."""
+        while True:
+            try:
+                return await _call(http.get(f"/batches/{batch['id']}"))
+            except _Unreachable:
+                await asyncio.sleep(2.0)
 
     batch = await _follow(poll, lambda b: b["request_counts"], lambda b: b["status"] in {s.value for s in TERMINAL})
     print(json.dumps({k: batch[k] for k in ("id", "status", "request_counts", "output_file_id", "error_file_id")}))
