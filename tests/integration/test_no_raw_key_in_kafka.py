@@ -82,10 +82,12 @@ async def test_no_raw_key_in_any_topic_or_segment_file(secure_bridge: SecureBrid
 
     records = await every_record(secure_bridge.settings)
     assert {SECURE_REQUESTS, "llm.admitted", "llm.tokens", "llm.usage", "llm.dlq"} <= set(records)
+    assert len(records[SECURE_REQUESTS]) >= 5 and records["llm.admitted"], "the reader saw too little: the search below would prove nothing"
     assert [topic for topic, values in records.items() if any(secret in v for v in values)] == []
     sent = [codec.decode(v.split(b"|", 1)[1], Request) for v in records[SECURE_REQUESTS] if hash_key(key).encode() in v]
     kinds = sorted(r.principal_token.kind for r in sent if r.principal_token is not None)
-    assert kinds == ["key"] * 3 + ["signed_key"] * 2, "the bridge's three and the SDK's two requests, under the key's hash"
+    seen = f"{len(records[SECURE_REQUESTS])} records on {SECURE_REQUESTS}, {len(sent)} with the key's hash"
+    assert kinds == ["key"] * 3 + ["signed_key"] * 2, "the bridge's three and the SDK's two requests, under the key's hash; " + seen
     assert all(r.api_key is None for r in sent)
     assert sum(record.key_id.encode() in v for v in records["llm.admitted"]) == 5  # ingest admitted them as that key
 
