@@ -5,6 +5,7 @@ environment) in front of the same fake OpenAI-compatible upstream, interleaved i
     .venv/bin/python -m bench.throughput                                 # the default table
     .venv/bin/python -m bench.throughput --rates 100,300,500 --repeats 3 --systems sluice-instant
     .venv/bin/python -m bench.throughput --guards --systems sluice-instant --rates 20,50,100
+        (the guard and postguard stages each in a process of its own: their CPU per request is reported apart)
 
 Systems:
     direct          the fake upstream itself (what every proxy adds its overhead to)
@@ -170,6 +171,18 @@ def body(i: int, max_tokens: int) -> bytes:
     return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}).encode()
 
 
+async def wait_port(port: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.3)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout_s} s")
+
+
 async def wait_ready(port: int, path: str, payload: bytes, timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     pool = Pool("127.0.0.1", port, {"Authorization": f"Bearer {LITELLM_KEY}"})
@@ -227,6 +240,7 @@ async def run(args: argparse.Namespace) -> None:
         infra = {"kafka": [psutil.Process(int((state / "kafka.pid").read_text()))],
                  "redis": [psutil.Process(int((state / "redis.pid").read_text()))]}
         servers: dict[str, Started] = {}
+        parts: dict[str, dict[str, Started]] = {}  # --guards: a system's worker processes by role
         upstream = Started("upstream", [sys.executable, "-m", "bench.fake_openai", "--port", str(UPSTREAM_PORT)], {}, UPSTREAM_PORT)
         servers["upstream"] = upstream
         ports = {"direct": UPSTREAM_PORT}
@@ -241,8 +255,17 @@ async def run(args: argparse.Namespace) -> None:
                     path.write_text(before_config(config) if system.startswith("before-") else config)
                     env = {**service_env, "SLUICE_CONFIG": str(path)}
                     cwd = before_tree(args.before) if system.startswith("before-") else ROOT
-                    servers[system] = Started(system, [sys.executable, "-m", "pipeline.cli", "run"], env, port, cwd)
                     ports[system] = port
+                    if not args.guards or system.startswith("before-"):
+                        servers[system] = Started(system, [sys.executable, "-m", "pipeline.cli", "run"], env, port, cwd)
+                        continue
+                    # With the guards, each guard in a process of its own, so its CPU per request is its own.
+                    servers[system] = Started(system, [sys.executable, "-m", "pipeline.cli", "bridge"], env, port, cwd)
+                    await wait_port(port)  # the bridge has created the topics the workers subscribe to
+                    for part, stages in (("stages", ["ingest", "cache", "route", "generate", "emit"]),
+                                         ("guard", ["guard"]), ("postguard", ["postguard"])):
+                        argv = [sys.executable, "-m", "pipeline.cli", "worker", *stages]
+                        parts.setdefault(system, {})[part] = Started(f"{system}-{part}", argv, env, port, cwd)
                 elif system == "litellm":
                     path = Path(configs) / "litellm.yaml"
                     path.write_text(LITELLM_CONFIG)
@@ -252,10 +275,11 @@ async def run(args: argparse.Namespace) -> None:
                     ports[system] = LITELLM_PORT
             for system in systems:
                 await wait_ready(ports[system], PATH, body(0, args.max_tokens))
-                await load(system, ports[system], 20, 2, args.max_tokens, {}, -1)  # warm up
+                await load(system, ports[system], 50, 6, args.max_tokens, {}, -1)  # warm up (the broker's JIT too)
             for system in systems:  # what each process spends with no load at all (heartbeats, polls, commits)
                 if system != "direct":
                     groups = {**infra, system: servers[system].tree()}
+                    groups |= {f"{system}:{part}": started.tree() for part, started in parts.get(system, {}).items()}
                     before = {g: cpu_seconds(ps) for g, ps in groups.items()}
                     await asyncio.sleep(args.idle_s)
                     idle = {g: round((cpu_seconds(ps) - before[g]) * 100 / args.idle_s, 1) for g, ps in groups.items()}
@@ -266,7 +290,9 @@ async def run(args: argparse.Namespace) -> None:
                     for system in order:
                         groups = {**infra, "upstream": upstream.tree(), "loadgen": [psutil.Process()]}
                         if system != "direct":
-                            groups[system] = servers[system].tree()
+                            groups[system if system not in parts else f"{system}:bridge"] = servers[system].tree()
+                        for part, started in parts.get(system, {}).items():
+                            groups[f"{system}:{part}"] = started.tree()
                         if not system.startswith(("sluice-", "before-")):
                             groups.pop("kafka"), groups.pop("redis")
                         result = await load(system, ports[system], rate, args.seconds, args.max_tokens, groups, repeat)
@@ -274,7 +300,7 @@ async def run(args: argparse.Namespace) -> None:
                         print(json.dumps(asdict(result)), flush=True)
                         await asyncio.sleep(args.pause)
         finally:
-            for server in servers.values():
+            for server in [*servers.values(), *(p for by_role in parts.values() for p in by_role.values())]:
                 server.stop()
     print_table(results)
     if args.out:
