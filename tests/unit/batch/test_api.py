@@ -157,3 +157,23 @@ def test_bad_uploads_and_batch_requests_are_refused_with_openai_errors(app) -> N
     anonymous = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         anonymous.batches.list()
+
+
+def test_a_keyed_batch_needs_the_gateway_secret_and_an_anonymous_one_does_not(tmp_path: Path) -> None:
+    base = Settings()
+    settings = dataclasses.replace(base, batch=dataclasses.replace(base.batch, dir=str(tmp_path), run_in_bridge=False))
+    keys = MemoryKeyStore()
+    api = BatchApi(settings, FakeCompleter(), Credentials(settings.gateway), store=MemoryJobStore(), keys=keys)  # type: ignore[arg-type]
+    app = Starlette(routes=api.routes(), lifespan=lambda app: api.running(), exception_handlers={BridgeError: _bridge_error})
+    with TestClient(app) as http:
+        http.portal.call(keys.save, KeyRecord(key_id="key_acme", tenant="acme", hashes={hash_key(KEYS["acme"]): 0.0}))
+        keyed = client(http, "acme")
+        file_id = keyed.files.create(file=("in.jsonl", jsonl(["a"])), purpose="batch").id
+        with pytest.raises(openai.BadRequestError, match="SLUICE_GATEWAY_SECRET"):
+            keyed.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        anonymous = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        anon_file = anonymous.files.create(file=("in.jsonl", jsonl(["a"])), purpose="batch").id
+        batch = anonymous.batches.create(input_file_id=anon_file, endpoint="/v1/chat/completions", completion_window="24h")
+        assert batch.status == "validating"
+        with pytest.raises(openai.NotFoundError):  # the anonymous tenant is another tenant
+            anonymous.files.retrieve(file_id)
