@@ -18,8 +18,10 @@ from typing import Any, BinaryIO
 from pipeline.batch.errors import Invalid, NotFound
 from pipeline.batch.execute import Executor
 from pipeline.batch.records import TERMINAL, Batch
-from pipeline.batch.service import file_store, job_store
+from pipeline.batch.redis_store import RedisJobStore
+from pipeline.batch.service import file_store
 from pipeline.batch.worker import BatchWorker
+from pipeline.gateway.build import redis_client
 from pipeline.gateway.keys import hash_key, well_formed
 from pipeline.gateway.redis_keys import RedisKeyStore
 from pipeline.sdk import Client
@@ -33,7 +35,8 @@ class DirectJob:
         if api_key is not None and not well_formed(api_key):
             raise Invalid("direct mode takes a sluice API key (sk-sluice-...)")
         self.settings = settings
-        self.store = job_store(settings)
+        self._redis = redis_client(settings)
+        self.store = RedisJobStore(self._redis, keep_s=settings.batch.keep_s)  # closes the client
         self.files = file_store(settings)
         self.client = Client(settings, reply_name="sdk")
         self._api_key = api_key
@@ -41,7 +44,7 @@ class DirectJob:
 
     async def start(self) -> None:
         if self._api_key is not None:
-            keys = RedisKeyStore(self.store._redis)
+            keys = RedisKeyStore(self._redis)
             entry = await keys.lookup(hash_key(self._api_key))
             if entry is None or not entry.valid(time.time()):
                 raise Invalid("the API key is not valid")

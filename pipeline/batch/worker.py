@@ -27,12 +27,13 @@ from collections.abc import Callable
 import msgspec
 
 from pipeline.batch.config import BatchSettings
+from pipeline.batch.errors import NotFound
 from pipeline.batch.execute import Executor, rejected, unrun
 from pipeline.batch.feeder import Admission, feed
 from pipeline.batch.files import FileStore
 from pipeline.batch.records import TERMINAL, Batch, BatchError, Recorded, Status, derived_file_id
 from pipeline.batch.store import JobStore
-from pipeline.batch.validation import Line, parse_input
+from pipeline.batch.validation import Line, Rejected, parse_input
 from pipeline.errors import InfraUnavailable
 
 log = logging.getLogger(__name__)
@@ -256,15 +257,14 @@ class BatchWorker:
             await self.store.deactivate(batch.id)
             log.info("batch %s: %s, %d lines out, %d with errors", batch.id, end.status.value, len(good), len(bad))
 
-    async def _parse(self, batch: Batch) -> tuple[list[Line], list] | None:
+    async def _parse(self, batch: Batch) -> tuple[list[Line], list[Rejected]] | None:
         """The input file's lines (in a thread), or None when the file is gone or unreadable."""
         try:
-            record = self.files.get(batch.tenant, batch.input_file_id)
-            path = self.files.path(record)
-        except Exception:  # NotFound: the file was deleted under the job
+            path = self.files.path(self.files.get(batch.tenant, batch.input_file_id))
+        except NotFound:  # the file was deleted under the job
             return None
 
-        def read() -> tuple[list[Line], list]:
+        def read() -> tuple[list[Line], list[Rejected]]:
             with path.open("rb") as f:
                 return parse_input(f, batch.endpoint)
 
