@@ -46,7 +46,8 @@ def stage_order(settings: Settings) -> list[str]:
 async def trace_of(exporter: InMemorySpanExporter, provider: TracerProvider, last_stage: str,
                    predicate=None) -> list[ReadableSpan]:
     """The spans of the trace whose root matches, once its last stage's span has been exported."""
-    for _ in range(100):
+    mine: list[ReadableSpan] = []
+    for _ in range(300):  # 30 s: a loaded machine
         provider.force_flush()
         finished = exporter.get_finished_spans()
         roots = [s for s in finished if s.parent is None and (predicate is None or predicate(s))]
@@ -57,7 +58,9 @@ async def trace_of(exporter: InMemorySpanExporter, provider: TracerProvider, las
             if any(s.name == last_stage for s in mine) and all(s.parent is None or s.parent.span_id in ids for s in mine):
                 return mine  # complete: a span ends after the messages it produced, so parents come last
         await asyncio.sleep(0.1)
-    raise AssertionError("the request's trace never reached its last stage, or stayed in pieces")
+    ids = {s.context.span_id for s in mine}
+    raise AssertionError("the request's trace never reached its last stage, or stayed in pieces: "
+                         f"{sorted((s.name, s.parent is None or s.parent.span_id in ids) for s in mine)}")
 
 
 def check_connected(spans: list[ReadableSpan], order: list[str], prompt: str) -> None:
