@@ -25,8 +25,11 @@ def install(settings: Settings, *, serve_metrics: bool = False) -> None:
     threading.Thread(target=_probe_loop, args=(targets,), name="sluice-probe", daemon=True).start()
     port = settings.observability.metrics_port
     if serve_metrics and port:
-        start_http_server(port, addr=settings.bridge.host)
-        log.info("metrics on http://%s:%d/metrics", settings.bridge.host, port)
+        try:
+            start_http_server(port, addr=settings.bridge.host)
+            log.info("metrics on http://%s:%d/metrics", settings.bridge.host, port)
+        except OSError as exc:  # the port is taken (several workers on one host need SLUICE_METRICS_PORT each)
+            log.warning("no /metrics for this process: port %d unavailable (%s); set SLUICE_METRICS_PORT per process", port, exc)
 
 
 def _address(netloc: str, default_port: int) -> tuple[str, int]:
