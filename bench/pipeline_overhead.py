@@ -127,6 +127,7 @@ def main() -> None:
         subprocess.run([ROOT / "infra" / "services.sh", "start", state, "49092", "46379"], check=True)
     try:
         backend: Backend = EchoBackend() if args.backend == "echo" else backend_registry.load(settings)["local"]
+        backend.name = "local"  # type: ignore[misc]  # the configured backend it stands in for (assemble looks it up)
         asyncio.run(measure(settings, backend, args))
     finally:
         if not args.bootstrap:

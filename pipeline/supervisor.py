@@ -39,6 +39,7 @@ class Child:
     backoff: float = 1.0
     restarts: int = 0
     due: float = field(default=0.0)  # when to start it (again)
+    env: dict[str, str] | None = None  # its environment (None: this process's)
 
 
 class Supervisor:
@@ -72,7 +73,7 @@ class Supervisor:
     def _tend(self, child: Child, now: float) -> None:
         if child.process is None:
             if now >= child.due:
-                child.process = subprocess.Popen(list(child.argv))
+                child.process = subprocess.Popen(list(child.argv), env=child.env)
                 child.started = now
                 log.info("started %s (pid %d)", child.name, child.process.pid)
             return
@@ -116,6 +117,8 @@ def run_supervised(settings: Settings, requested: int | None = None) -> int:
     n = processes_for(settings, requested)
     command = [sys.executable, "-m", "pipeline.cli"]
     children = [Child("sluice", [*command, "run", "--in-process"])]
-    children += [Child(f"stages-{i}", [*command, "worker"]) for i in range(1, n)]
+    base = settings.observability.metrics_port  # stage processes serve /metrics on base, base + 1, ... (the first: the bridge)
+    children += [Child(f"stages-{i}", [*command, "worker"], env={**os.environ, "SLUICE_METRICS_PORT": str(base + i - 1)} if base else None)
+                 for i in range(1, n)]
     log.info("sluice run: %d process%s", n, "es" if n > 1 else "")
     return Supervisor(children).run()

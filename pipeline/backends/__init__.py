@@ -22,7 +22,13 @@ def _build(settings: Settings, config: BackendSettings) -> Backend:
         path = settings.model_cache / MODEL_DIRNAME
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: run `make setup` to convert the default model")
-        return LocalBackend.from_path(path, name=config.name, max_batch=config.max_batch)
+        backend = LocalBackend.from_path(path, name=config.name, max_batch=config.max_batch)
+        # running, waiting and KV usage at /metrics; here, not in LocalBackend: Triton's environment
+        # (sluice_llm runs the engine inside it) has no prometheus_client, and Triton has metrics of its own
+        from pipeline.observability import collectors
+
+        collectors.watch_engine(config.name, backend.engine.engine)
+        return backend
     if config.kind == "instant":
         from pipeline.backends.instant import InstantBackend
 

@@ -33,7 +33,6 @@ from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.model_runner import ModelRunner
 from pipeline.engine.params import EngineRequest, Priority, SamplingParams
 from pipeline.models import END_OF_TURN
-from pipeline.observability import collectors
 
 __all__ = ["LocalBackend"]
 
@@ -60,7 +59,6 @@ class LocalBackend:
         runner = model if isinstance(model, ModelRunner) else ModelRunner.from_transformers(model, config)
         self._context_length = runner.model_config.max_position_embeddings
         self._engine = AsyncEngine(LLMEngine(runner), name=name)
-        collectors.watch_engine(name, self._engine.engine)  # running, waiting and KV usage at /metrics
         generation = None if isinstance(model, ModelRunner) else model.generation_config
         self._eos_ids = eos_ids if eos_ids is not None else _eos_ids(generation, tokenizer)
         self._cancelled: OrderedDict[str, None] = OrderedDict()
