@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from pipeline.batch.records import TERMINAL, Batch, Status, new_batch_id
 from pipeline.batch.service import file_store, job_store
 from pipeline.settings import Settings
 from tests.chaos.harness import PYTHON, ROOT, Ports, Services, worker_env, write_config
+from tests.chaos.harness import _toml as toml_lines
 from topics import codec
 from topics.requests import Request
 
@@ -211,8 +213,10 @@ async def run(lines: int = LINES) -> Report:
         try:
             await services.start()
             config = write_config(Path(tmp) / "sluice.toml", services, token_delay_ms=0.0)
-            with config.open("a") as f:
-                f.write(f'\n[batch]\ndir = "{state / "files"}"\nlease_s = 3.0\nmax_in_flight = 32\nadmission_rps = 0.0\n')
+            raw = tomllib.loads(config.read_text())
+            raw["batch"] = {**raw.get("batch", {}), "dir": str(state / "files"), "lease_s": 3.0, "max_in_flight": 32,
+                            "admission_rps": 0.0}
+            config.write_text("\n".join(toml_lines(raw)) + "\n")
             env = worker_env(config, services)
             settings = settings_module.load(env=env)
             subprocess.run([str(PYTHON), "-m", "pipeline.cli", "topics", "create"], cwd=ROOT, env=env, check=True,
