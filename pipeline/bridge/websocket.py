@@ -75,7 +75,7 @@ class StreamSession:
         except BridgeError as exc:
             await self._send({"type": "error", "id": None, "code": exc.code.value, "message": exc.message, "param": exc.param})
             return
-        request = self._prepare(self._client.request(**parsed.request_kwargs()))
+        request = self._prepare(self._client.request(**{**parsed.request_kwargs(), "stream": True}))  # the socket streams
         await self._send({"type": "start", "id": request.id, "model": request.model})
         task = asyncio.create_task(self._serve(request))
         self._running.add(task)

@@ -5,6 +5,7 @@ running); otherwise they are started fresh from infra/services.sh and stopped at
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import shutil
 import socket
@@ -38,6 +39,13 @@ def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def collect_leaks() -> Iterator[None]:
+    """A socket or transport a module's tests left open warns here, in that module, not in a later unit test."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,8 @@ async def test_metrics_pass_promtool_and_cover_the_pipeline(bridge: Bridge) -> N
     assert value("sluice_cache_lookups_total", result="bypass") >= 2
     assert [lab for lab, _ in found["sluice_num_requests_running"]] and [lab for lab, _ in found["sluice_kv_cache_usage_perc"]]
     assert [lab["engine"] for lab, _ in found["sluice_num_requests_waiting"]]
-    assert {lab["backend"] for lab, _ in found["sluice_backend_ejected"]} == {b.name for b in bridge.settings.backends}
+    # >=: the registry is the process's, and other tests in this process load other backends
+    assert {lab["backend"] for lab, _ in found["sluice_backend_ejected"]} >= {b.name for b in bridge.settings.backends}
     for series in found.values():  # bounded labels: no request id, no prompt
         for labels, _ in series:
             for label in labels.values():
