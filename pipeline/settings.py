@@ -69,6 +69,9 @@ class BridgeSettings:
     header_timeout_s: float = 10.0  # a connection whose request head is not complete by then is closed
     body_timeout_s: float = 30.0  # a request body not read by then is refused with 408
     keep_alive_s: int = 5  # an idle keep-alive connection is closed after this many seconds
+    # Requests one bridge process holds open at once (HTTP and WebSocket); past it a new one is answered
+    # 503 with Retry-After before it reaches Kafka (bridge/admission.py). 0: no bound.
+    max_in_flight: int = 0
     # /metrics on the API port: empty serves it openly unless gateway.auth_required (then not at all);
     # set (SLUICE_METRICS_TOKEN), it needs `Authorization: Bearer <token>`.
     metrics_token: str = field(default="", repr=False)
@@ -214,6 +217,8 @@ class Settings:
                 raise SettingsError(f"profile {name!r}: {'; '.join(problems)}")
         if min(self.bridge.header_timeout_s, self.bridge.body_timeout_s, self.bridge.keep_alive_s) <= 0:
             raise SettingsError("bridge.header_timeout_s, body_timeout_s and keep_alive_s must be positive")
+        if self.bridge.max_in_flight < 0:
+            raise SettingsError(f"bridge.max_in_flight must be 0 (no bound) or positive, got {self.bridge.max_in_flight}")
         if not 0 < self.kafka.heartbeat_interval_ms * 3 <= self.kafka.session_timeout_ms:
             raise SettingsError("kafka.heartbeat_interval_ms must be positive and at most a third of session_timeout_ms")
         if problems := self.gateway.problems():

@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from pipeline.bridge import dashboard
+from pipeline.bridge.admission import Admission
 from pipeline.bridge.credentials import Credentials
 from pipeline.bridge.edges import AllowedHosts, metrics_allowed
 from pipeline.bridge.openai_format import (
@@ -77,6 +78,7 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
     from pipeline.bridge.batches import BatchApi  # here: pipeline.batch imports openai_format, i.e. this package
 
     credentials = Credentials(settings.gateway)
+    admission = Admission(settings.bridge.max_in_flight)  # requests open at once in this process (admission.py)
     batches = BatchApi(settings, client, credentials)  # /v1/files, /v1/batches and the job worker (batches.py)
 
     @contextlib.asynccontextmanager
@@ -107,7 +109,7 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
             return
         secret = settings.gateway.client_info_secret
         await StreamSession(websocket, client, cap,
-                            lambda request: credential.apply(with_client_info(request, websocket, secret))).run()
+                            lambda request: credential.apply(with_client_info(request, websocket, secret)), admission).run()
 
     async def metrics(request: HttpRequest) -> Response:
         if not metrics_allowed(request, settings.bridge.metrics_token, auth_required):
@@ -117,8 +119,8 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     routes = [
-        Route("/v1/chat/completions", _completions(client, parse_chat, cap, settings, credentials), methods=["POST"]),
-        Route("/v1/completions", _completions(client, parse_completion, cap, settings, credentials), methods=["POST"]),
+        Route("/v1/chat/completions", _completions(client, parse_chat, cap, settings, credentials, admission), methods=["POST"]),
+        Route("/v1/completions", _completions(client, parse_completion, cap, settings, credentials, admission), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -133,15 +135,23 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
 
 
-def _completions(client: Client, parse: Parser, cap: int, settings: Settings, credentials: Credentials) -> Endpoint:
+def _completions(
+    client: Client, parse: Parser, cap: int, settings: Settings, credentials: Credentials, admission: Admission,
+) -> Endpoint:
     async def endpoint(request: HttpRequest) -> Response:
         require_credential(request, settings.gateway.auth_required)  # before the body is read or validated
-        credential = await credentials.resolve(bearer_token(request))
-        parsed = parse(decode_body(await read_capped(request, cap, settings.bridge.body_timeout_s)))
-        no_cache, no_store = cache_directives(request.headers.get("cache-control", ""))
-        sdk_request = client.request(**parsed.request_kwargs(), no_cache=no_cache, no_store=no_store, task=task_header(request))
-        sdk_request = with_client_info(sdk_request, request, settings.gateway.client_info_secret)
-        return RelayResponse(client, credential.apply(sdk_request), parsed)  # signed last: the token covers the rest
+        admission.enter()  # over the bound: 503 now, before the body is read or anything reaches Kafka
+        try:
+            credential = await credentials.resolve(bearer_token(request))
+            parsed = parse(decode_body(await read_capped(request, cap, settings.bridge.body_timeout_s)))
+            no_cache, no_store = cache_directives(request.headers.get("cache-control", ""))
+            sdk_request = client.request(**parsed.request_kwargs(), no_cache=no_cache, no_store=no_store, task=task_header(request))
+            sdk_request = with_client_info(sdk_request, request, settings.gateway.client_info_secret)
+        except BaseException:
+            admission.leave()
+            raise
+        # signed last: the token covers the rest; the response leaves its place when it has been sent
+        return RelayResponse(client, credential.apply(sdk_request), parsed, on_end=admission.leave)
 
     return endpoint
 
@@ -233,7 +243,7 @@ async def _healthz(request: HttpRequest) -> Response:
 
 async def _bridge_error(request: HTTPConnection, exc: Exception) -> Response:
     assert isinstance(exc, BridgeError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _http_error(request: HTTPConnection, exc: Exception) -> Response:

@@ -23,7 +23,7 @@ Errors:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -55,6 +55,7 @@ class BridgeError(SluiceError):
 
     status = 400
     code = ErrorCode.invalid_request
+    headers: ClassVar[dict[str, str]] = {}  # sent with the error (Retry-After on a 503)
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -80,14 +81,21 @@ def finished(stream: Stream) -> Done:
 
 
 class RelayResponse(Response):
-    def __init__(self, client: Client, request: Request, parsed: Parsed) -> None:
+    def __init__(self, client: Client, request: Request, parsed: Parsed, on_end: Callable[[], None] = lambda: None) -> None:
         self._client = client
+        self._on_end = on_end  # called once, when the response is over however it ended
         self._request = request
         self._parsed = parsed
         self._reply = Reply(parsed.kind, request.id, request.model, int(request.created_at), parsed.include_usage)
         self._tally = Tally()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._answer(receive, send)
+        finally:
+            self._on_end()
+
+    async def _answer(self, receive: Receive, send: Send) -> None:
         with self._tally:
             relay = asyncio.create_task(self._relay(send))
             gone = asyncio.create_task(_disconnected(receive))

@@ -25,7 +25,16 @@ from collections.abc import Callable
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
-from pipeline.bridge.openai_format import BridgeError, Json, PayloadTooLarge, decode_body, parse_chat, to_json, usage_body
+from pipeline.bridge.admission import Admission
+from pipeline.bridge.openai_format import (
+    BridgeError,
+    Json,
+    PayloadTooLarge,
+    decode_body,
+    parse_chat,
+    to_json,
+    usage_body,
+)
 from pipeline.bridge.relay import TIMEOUT_MESSAGE, Tally, finished
 from pipeline.sdk import Client, RequestFailed
 from topics.errors import ErrorCode, retriable
@@ -39,7 +48,7 @@ class StreamSession:
 
     def __init__(
         self, websocket: WebSocket, client: Client, max_message_bytes: int,
-        prepare: Callable[[Request], Request] = lambda request: request,
+        prepare: Callable[[Request], Request] = lambda request: request, admission: Admission | None = None,
     ) -> None:
         """`prepare` adds what the connection knows to each request (the client address, as over HTTP, and
         the caller's credential as the bridge passes it on: bridge/credentials.py)."""
@@ -47,6 +56,7 @@ class StreamSession:
         self._client = client
         self._max_bytes = max_message_bytes
         self._prepare = prepare
+        self._admission = admission or Admission(0)  # the bridge's bound on requests open at once
         self._running: set[asyncio.Task[None]] = set()
         self._send_lock = asyncio.Lock()
 
@@ -72,16 +82,22 @@ class StreamSession:
             if len(raw) > self._max_bytes:
                 raise PayloadTooLarge(f"the message is {len(raw)} bytes; the limit is {self._max_bytes}")
             parsed = parse_chat(decode_body(raw))
+            self._admission.enter()
         except BridgeError as exc:
             await self._send({"type": "error", "id": None, "code": exc.code.value, "message": exc.message, "param": exc.param})
             return
-        request = self._prepare(self._client.request(**{**parsed.request_kwargs(), "stream": True}))  # the socket streams
-        await self._send({"type": "start", "id": request.id, "model": request.model})
+        try:
+            request = self._prepare(self._client.request(**{**parsed.request_kwargs(), "stream": True}))  # the socket streams
+            await self._send({"type": "start", "id": request.id, "model": request.model})
+        except BaseException:
+            self._admission.leave()  # no task: _finished, which leaves it otherwise, never runs
+            raise
         task = asyncio.create_task(self._serve(request))
         self._running.add(task)
         task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
+        self._admission.leave()  # here, not in _serve: a task cancelled before it started never runs its body
         self._running.discard(task)
         if not task.cancelled() and (error := task.exception()) is not None:
             log.error("a websocket request ended with an error it could not report", exc_info=error)

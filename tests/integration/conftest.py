@@ -5,6 +5,7 @@ running); otherwise they are started fresh from infra/services.sh and stopped at
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import shutil
@@ -119,6 +120,13 @@ def _free_port() -> int:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def bridge(stack: Settings) -> AsyncIterator[Bridge]:
     """The bridge served by `serve()` on a free port, on a client the test starts and stops."""
+    async with serving_bridge(stack) as served:
+        yield served
+
+
+@contextlib.asynccontextmanager
+async def serving_bridge(stack: Settings) -> AsyncIterator[Bridge]:
+    """A bridge with `stack`'s settings (on a free port) until the block ends."""
     settings = replace(stack, bridge=replace(stack.bridge, port=_free_port()))
     url = f"http://127.0.0.1:{settings.bridge.port}"
     stop = asyncio.Event()
