@@ -12,6 +12,7 @@ Systems:
     litellm         LiteLLM 1.108.7 proxy, one worker, model routed to the fake upstream
     sluice-openai   sluice with an `openai` backend on the same fake upstream (ingest, cache, route, generate, emit)
     sluice-instant  sluice with its in-process instant backend (the transport topology, no upstream hop)
+    sluice-instant:N   the same with `bridge.max_in_flight = N` (admission control: over N open requests, a 503)
     before-instant, before-openai   the same, from the commit --before (a git worktree under .cache/bench):
                     the figures before this benchmark's changes, measured in the same run
 
@@ -65,7 +66,7 @@ class Result:
     cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
 
 
-def sluice_config(backend: str, guards: bool, processes: int, linger_ms: int) -> str:
+def sluice_config(backend: str, guards: bool, processes: int, linger_ms: int, max_in_flight: int = 0) -> str:
     stages = '["ingest", "guard", "cache", "route", "prefill", "decode", "postguard", "emit"]' if guards else \
         '["ingest", "cache", "route", "prefill", "decode", "emit"]'
     if backend == "openai":
@@ -84,6 +85,7 @@ linger_ms = {linger_ms}
 url = "redis://127.0.0.1:{REDIS_PORT}/0"
 [bridge]
 port = {SLUICE_PORT}
+max_in_flight = {max_in_flight}
 [run]
 processes = {processes}
 [[backends]]
@@ -130,7 +132,7 @@ def before_tree(rev: str) -> Path:
 
 def before_config(config: str) -> str:
     """The config without the keys the earlier code did not know (its instant backend always splits)."""
-    dropped = ("split = ", "linger_ms = ", "[run]", "processes = ")
+    dropped = ("split = ", "linger_ms = ", "[run]", "processes = ", "max_in_flight = ")
     return "\n".join(line for line in config.splitlines() if not line.startswith(dropped))
 
 
@@ -250,7 +252,8 @@ async def run(args: argparse.Namespace) -> None:
                 if system.startswith(("sluice-", "before-")):
                     port = SLUICE_PORT + 10 * len(servers)
                     path = Path(configs) / f"{system}.toml"
-                    config = sluice_config(system.split("-", 1)[1], args.guards, args.processes, args.linger_ms)
+                    backend, _, bound = system.split("-", 1)[1].partition(":")
+                    config = sluice_config(backend, args.guards, args.processes, args.linger_ms, int(bound or 0))
                     config = config.replace(f"port = {SLUICE_PORT}", f"port = {port}")
                     path.write_text(before_config(config) if system.startswith("before-") else config)
                     env = {**service_env, "SLUICE_CONFIG": str(path)}

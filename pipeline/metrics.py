@@ -72,6 +72,11 @@ GUARD_REFUSALS = Counter(
     "Requests the input or output guard ended (content_filter), by reason",
     ["reason"],
 )
+GUARD_MEMO = Counter(
+    "sluice_guard_verdict_memo_total",
+    "Pieces of text the input guard looked up in its memo of verdicts (guard/memo.py), by result: hit, miss",
+    ["result"],
+)
 RATE_LIMITED = Counter(
     "sluice_rate_limit_refusals_total",
     "Requests refused by a rate limit (429), by scope (key, tenant, ip, global) and resource (requests, tokens)",

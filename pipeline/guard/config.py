@@ -33,6 +33,9 @@ class GuardSettings:
     detoxify_checkpoint: str = ""  # a local Detoxify checkpoint (.ckpt); required for "detoxify"
     detoxify_config_dir: str = ""  # its Hugging Face config and tokenizer, for loading with no network
     routes: dict[str, RouteTopics] = field(default_factory=dict)  # model -> the topics it serves (on_topic.py)
+    # Pieces of text whose verdicts a guard process remembers by digest, so earlier turns of a chat and
+    # repeated prompts are not screened again (guard/memo.py); 0 screens every piece every time.
+    verdict_memo: int = 20000
 
     def policy(self, tenant: str) -> dict[str, Action]:
         override = self.tenants.get(tenant)
@@ -58,6 +61,8 @@ class GuardSettings:
             if not route.topics or any(not t.strip() for t in route.topics):
                 found.append(f"guard.routes.{model}.topics must name at least one topic, each a non-empty sentence")
         found += [f"{name} must be between 0 and 1, got {value}" for name, value in thresholds.items() if not 0.0 <= value <= 1.0]
+        if self.verdict_memo < 0:
+            found.append(f"guard.verdict_memo must be 0 (off) or positive, got {self.verdict_memo}")
         if self.holdback_tokens < 1:
             found.append(f"guard.holdback_tokens must be at least 1, got {self.holdback_tokens}")
         for pattern in self.blocklist:

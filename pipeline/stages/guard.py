@@ -22,6 +22,7 @@ from pipeline.guard.context_limit import ContextLimit
 from pipeline.guard.errors import Reason
 from pipeline.guard.injection import SEGMENT_CHARS
 from pipeline.guard.loader import InputGuard
+from pipeline.guard.memo import VerdictMemo
 from pipeline.guard.on_topic import TopicScopes
 from pipeline.guard.redact import Placeholders, apply_policy
 from pipeline.guard.slices import PII_SLICE, Piece, PieceVerdict, TextCheck, TextVerdict, pieces_of, verdict_of
@@ -58,6 +59,7 @@ class GuardStage:
         budget = max(PII_SLICE, SEGMENT_CHARS)
         self._batcher: Batcher[Piece, PieceVerdict] = Batcher(guard.run, cost=Piece.cost, max_cost=budget)
         self._topics = TopicScopes(settings.guard.routes, guard.embedder) if settings.guard.routes else None
+        self._memo = VerdictMemo(settings.guard.verdict_memo)  # pieces already judged are not screened again
 
     def sanitise(self, request: Request, verdicts: list[TextVerdict]) -> Request:
         """The request with PII redacted; raises StageError when a policy or the classifier refuses it."""
@@ -80,7 +82,15 @@ class GuardStage:
     async def verdicts(self, request: Request) -> list[TextVerdict]:
         checks = checks_of(request)
         pieces = [pieces_of(c) for c in checks]
-        results = iter(await self._batcher.submit(request.tenant, [p for per_text in pieces for p in per_text]))
+        flat = [p for per_text in pieces for p in per_text]
+        known = [self._memo.get(p) for p in flat]
+        missing = [p for p, v in zip(flat, known, strict=True) if v is None]
+        fresh = iter(await self._batcher.submit(request.tenant, missing) if missing else ())
+        for i, piece in enumerate(flat):
+            if known[i] is None:
+                known[i] = verdict = next(fresh)
+                self._memo.put(piece, verdict)
+        results = iter(known)
         return [verdict_of(c, [next(results) for _ in per_text]) for c, per_text in zip(checks, pieces, strict=True)]
 
     async def check_topic(self, request: Request) -> None:
