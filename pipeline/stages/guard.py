@@ -83,13 +83,13 @@ class GuardStage:
         checks = checks_of(request)
         pieces = [pieces_of(c) for c in checks]
         flat = [p for per_text in pieces for p in per_text]
-        known = [self._memo.get(p) for p in flat]
+        known = [self._memo.get(request.tenant, p) for p in flat]
         missing = [p for p, v in zip(flat, known, strict=True) if v is None]
         fresh = iter(await self._batcher.submit(request.tenant, missing) if missing else ())
         for i, piece in enumerate(flat):
             if known[i] is None:
                 known[i] = verdict = next(fresh)
-                self._memo.put(piece, verdict)
+                self._memo.put(request.tenant, piece, verdict)
         results = iter(known)
         return [verdict_of(c, [next(results) for _ in per_text]) for c, per_text in zip(checks, pieces, strict=True)]
 

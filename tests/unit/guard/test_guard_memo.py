@@ -49,18 +49,20 @@ async def test_earlier_turns_of_a_chat_are_not_screened_again(input_guard: Input
 
 
 @pytest.mark.asyncio
-async def test_a_remembered_verdict_still_gets_each_tenants_policy(input_guard: InputGuard) -> None:
+async def test_each_tenant_has_its_own_memo_and_policy(input_guard: InputGuard) -> None:
+    """Shared, a memo would answer faster for a text another tenant sent: the time would tell."""
     counting = Counting(input_guard)
     guard = stage(counting, tenants={"strict": TenantGuard(pii={"EMAIL": "block"}), "open": TenantGuard(pii={"EMAIL": "allow"})})
     text = "Write to jane.doe@example.org about the invoice."
-    [out] = await run_handler(guard, admitted(text, tenant="open"))
-    assert out.value.request.messages[0].content == text
-    with pytest.raises(StageError) as caught:
-        await run_handler(guard, admitted(text, tenant="strict"))
-    assert caught.value.message.startswith("pii_blocked:")
-    [redacted] = await run_handler(guard, admitted(text))
-    assert redacted.value.request.messages[0].content == "Write to <EMAIL_1> about the invoice."
-    assert counting.screened == [text]  # screened once for all three tenants
+    for _ in range(2):
+        [out] = await run_handler(guard, admitted(text, tenant="open"))
+        assert out.value.request.messages[0].content == text
+        with pytest.raises(StageError) as caught:
+            await run_handler(guard, admitted(text, tenant="strict"))
+        assert caught.value.message.startswith("pii_blocked:")
+        [redacted] = await run_handler(guard, admitted(text))
+        assert redacted.value.request.messages[0].content == "Write to <EMAIL_1> about the invoice."
+    assert counting.screened == [text] * 3  # once per tenant
 
 
 @pytest.mark.asyncio
@@ -91,10 +93,11 @@ def test_the_memo_forgets_the_least_recently_used_past_its_size() -> None:
     memo = VerdictMemo(2)
     verdict = PieceVerdict([], 0.1)
     a, b, c = (Piece(t, 0, True, True) for t in "abc")
-    memo.put(a, verdict)
-    memo.put(b, verdict)
-    assert memo.get(a) is verdict  # a is now the most recent
-    memo.put(c, verdict)
-    assert len(memo) == 2 and memo.get(b) is None and memo.get(a) is verdict and memo.get(c) is verdict
-    assert memo.get(Piece("a", 0, True, False)) is None  # other checks, other entry
-    assert memo.get(Piece("a", 5, True, True)) is None  # other offset (findings carry the message's offsets)
+    memo.put("t", a, verdict)
+    memo.put("t", b, verdict)
+    assert memo.get("t", a) is verdict  # a is now the most recent
+    memo.put("t", c, verdict)
+    assert len(memo) == 2 and memo.get("t", b) is None and memo.get("t", a) is verdict and memo.get("t", c) is verdict
+    assert memo.get("u", a) is None  # another tenant
+    assert memo.get("t", Piece("a", 0, True, False)) is None  # other checks, other entry
+    assert memo.get("t", Piece("a", 5, True, True)) is None  # other offset (findings carry the message's offsets)
