@@ -6,7 +6,7 @@ the knee at twice the knee's rate). With `bridge.max_in_flight` set, a request o
 answered at once with 503 and `Retry-After`, before it reaches Kafka, so the requests that are admitted
 keep their latency and a client (or a load balancer in front of several bridges) tries again or
 elsewhere. It counts HTTP requests until their response ends and WebSocket requests until their
-terminal message; the refusals are `sluice_stage_messages_total{stage="bridge",outcome="overloaded"}`.
+terminal message; the refusals are `sluice_messages_total{stage="bridge",outcome="overloaded"}`.
 """
 
 from __future__ import annotations
