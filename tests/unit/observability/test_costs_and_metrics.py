@@ -114,12 +114,12 @@ async def test_lag_is_high_watermark_minus_position_and_forgets_revoked_partitio
 
     watch, consumer = LagWatch("unit-stage", interval_s=0.0), Consumer()
     watch.observe(consumer)
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(watch._task, 5)  # the reading it started (the loop may be busy: no fixed sleep)
     assert sample("sluice_consumer_lag", stage="unit-stage", topic="llm.unit", partition="0") == 10
     assert sample("sluice_consumer_lag", stage="unit-stage", topic="llm.unit", partition="1") == 9
     consumer.owned = tps[:1]
     watch.observe(consumer)
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(watch._task, 5)  # the reading it started (the loop may be busy: no fixed sleep)
     assert REGISTRY.get_sample_value("sluice_consumer_lag", {"stage": "unit-stage", "topic": "llm.unit", "partition": "1"}) is None
 
 
