@@ -59,13 +59,18 @@ async def upstreams(own_services: Settings) -> AsyncIterator[tuple[Settings, lis
     )
     await kafka.create_topics(routed)
     stop = asyncio.Event()
-    stages = assemble.build(assemble.nodes_of(routed), routed, backend_registry.load(routed), worker="routing-test")
+    loaded = backend_registry.load(routed)
+    stages = assemble.build(assemble.nodes_of(routed), routed, loaded, worker="routing-test")
     runners = [Runner(s, routed, instance="routing-test") for s in stages]
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.wait_for(asyncio.gather(*(r.ready.wait() for r in runners)), 60)
     yield routed, fakes
     stop.set()
     await asyncio.gather(*tasks)
+    for backend in loaded.values():  # their HTTP connections to the upstreams
+        close = getattr(backend, "aclose", None)
+        if close is not None:
+            await close()
     for fake in fakes:
         await fake.__aexit__()
 
