@@ -6,8 +6,10 @@ write goes to a temporary file in the same directory and is renamed into place, 
 worker restarted mid-write) sees a whole file or none. A file belongs to the tenant that created it:
 `get` answers `NotFound` for another tenant's, exactly as for a missing one.
 
-Past one machine the directory is replaced by an object store (S3, GCS): the same four operations
-(put whole, get record, open for reading, list none), keyed by the same ids; see docs/backfill.md.
+Past one machine the directory is replaced by an object store (S3, GCS): the same operations (put whole,
+get record, open for reading, list records), keyed by the same ids; see docs/backfill.md. `list` reads
+every record in the directory (fine for the thousands of files one machine keeps; an object store would
+list by a tenant prefix).
 """
 
 from __future__ import annotations
@@ -91,6 +93,26 @@ class FileStore:
         if record.tenant != tenant:
             raise NotFound(f"no file {file_id!r}")
         return record
+
+    def list(self, tenant: str, *, purpose: str | None = None, after: str | None = None, limit: int = 10_000,
+             newest_first: bool = True) -> tuple[list[FileRecord], bool]:
+        """The tenant's files (blocking), newest first by default, from just past the file `after`; and
+        whether there are more. Another tenant's files are never listed, nor usable as `after`."""
+        records = []
+        for meta in self.root.glob("*.json") if self.root.is_dir() else ():
+            try:
+                record = self._decode.decode(meta.read_bytes())
+            except (OSError, msgspec.DecodeError):
+                continue  # deleted meanwhile, or being replaced
+            if record.tenant == tenant and (purpose is None or record.purpose == purpose):
+                records.append(record)
+        records.sort(key=lambda r: (r.created_at, r.id), reverse=newest_first)
+        if after is not None:
+            ids = [r.id for r in records]
+            if after not in ids:
+                raise NotFound(f"no file {after[:64]!r}")
+            records = records[ids.index(after) + 1:]
+        return records[:limit], len(records) > limit
 
     def path(self, record: FileRecord) -> Path:
         """Where the file's bytes are (for reading); `record` comes from `get`, so its id is checked."""

@@ -1,6 +1,7 @@
 """OpenAI's Files and Batch APIs on the bridge (pipeline/batch/ does the work):
 
     POST /v1/files                  upload a batch input file (multipart, purpose "batch"); size and line limits
+    GET  /v1/files                  the tenant's files, newest first (purpose, limit, order, after)
     GET  /v1/files/{id}             the file object
     DELETE /v1/files/{id}           delete it (a job still reading it then fails)
     GET  /v1/files/{id}/content     its bytes (input, output or error file)
@@ -89,6 +90,7 @@ class BatchApi:
             return []
         return [
             Route("/v1/files", _answering(self.upload), methods=["POST"]),
+            Route("/v1/files", _answering(self.list_files), methods=["GET"]),
             Route("/v1/files/{file_id}", _answering(self.file), methods=["GET"]),
             Route("/v1/files/{file_id}", _answering(self.delete), methods=["DELETE"]),
             Route("/v1/files/{file_id}/content", _answering(self.content), methods=["GET"]),
@@ -146,6 +148,25 @@ class BatchApi:
             await form.close()
         log.info("file %s uploaded by tenant %s: %d bytes", record.id, owner.tenant, record.bytes)
         return JSONResponse(record.to_openai())
+
+    async def list_files(self, request: HttpRequest) -> Response:
+        """OpenAI's files.list: `purpose`, `limit` (1 to 10,000), `order` (desc, asc) and `after`."""
+        owner = await self.owner(request)
+        query = request.query_params
+        try:
+            limit = int(query.get("limit", "10000"))
+        except ValueError:
+            raise Invalid("`limit` must be an integer", "limit") from None
+        if not 1 <= limit <= 10_000:
+            raise Invalid("`limit` must be 1 to 10000", "limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise Invalid("`order` must be asc or desc", "order")
+        found, more = await asyncio.to_thread(self.files.list, owner.tenant, purpose=query.get("purpose"),
+                                              after=query.get("after"), limit=limit, newest_first=order == "desc")
+        data = [f.to_openai() for f in found]
+        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": more})
 
     async def file(self, request: HttpRequest) -> Response:
         owner = await self.owner(request)

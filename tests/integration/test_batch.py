@@ -156,6 +156,9 @@ async def test_another_tenant_cannot_see_or_touch_a_batch_or_its_files(stack: St
                 await attempt
         assert batch.id not in [b.id async for b in globex.batches.list()]
         assert (await acme.files.content(done.output_file_id)).text.count("\n") == 3
+        assert {uploaded.id, done.output_file_id} <= {f.id async for f in acme.files.list()}
+        assert {f.id async for f in acme.files.list(purpose="batch")} >= {uploaded.id}
+        assert not {uploaded.id, done.output_file_id} & {f.id async for f in globex.files.list()}
 
 
 async def test_cancel_mid_job_stops_it_and_keeps_what_finished(stack: Stack) -> None:

@@ -64,3 +64,20 @@ def test_an_output_written_twice_is_one_file_with_the_same_content(tmp_path: Pat
     again = files.write_output(file_id, "acme", "out.jsonl", [b'{"a": 1}', b'{"b": 2}'])
     assert files.path(again).read_bytes() == b'{"a": 1}\n{"b": 2}\n' and again.purpose == "batch_output"
     assert len(list((tmp_path / "files").iterdir())) == 2
+
+
+def test_a_tenant_lists_its_own_files_newest_first_in_pages(tmp_path: Path) -> None:
+    files = store(tmp_path)
+    mine = [files.upload("acme", f"in{i}.jsonl", io.BytesIO(jsonl(["a"]))) for i in range(5)]
+    files.upload("globex", "theirs.jsonl", io.BytesIO(jsonl(["a"])))
+    output = files.write_output("file-" + "0" * 24, "acme", "out.jsonl", [b"{}"])
+    every, more = files.list("acme")
+    assert not more and {f.id for f in every} == {f.id for f in mine} | {output.id}
+    assert [(f.created_at, f.id) for f in every] == sorted(((f.created_at, f.id) for f in every), reverse=True)
+    first, more = files.list("acme", purpose="batch", limit=2)
+    rest, more_after = files.list("acme", purpose="batch", after=first[-1].id)
+    assert more and not more_after and [f.id for f in first + rest] == [f.id for f in every if f.purpose == "batch"]
+    assert [f.id for f in files.list("acme", newest_first=False)[0]] == [f.id for f in reversed(every)]
+    assert [f.filename for f in files.list("globex")[0]] == ["theirs.jsonl"]
+    with pytest.raises(NotFound):  # another tenant's id is no cursor either
+        files.list("globex", after=mine[0].id)
