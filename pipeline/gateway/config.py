@@ -85,6 +85,10 @@ class GatewaySettings:
     on_redis_down: Literal["wait", "open", "closed"] = "wait"
     redis_timeout_s: float = 0.25
     key_cache_s: float = 5.0  # how long ingest reuses a key lookup; also how late a revocation may bite
+    # A sluice key written into a request by a direct producer stays in Kafka's files as long as the topic's
+    # retention. "refuse": such a request is refused (401) and the producer must sign instead, as the SDK
+    # does (docs/security.md); "accept": it is verified like any key.
+    raw_keys: Literal["accept", "refuse"] = "accept"
     rotate_overlap_s: float = 86400.0  # after `keys rotate`, the old key works this long
     window_s: float = 60.0  # the sliding window of every rpm/tpm limit
     chars_per_token: int = 4  # prompt tokens estimated at admission (bytes / this); corrected at the end

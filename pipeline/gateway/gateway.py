@@ -45,6 +45,8 @@ CACHE_ENTRIES = 10_000
 STALE_LIMIT_S = 300.0  # with Redis away, a cached key lookup this old is still used
 TICKET_GRACE_S = 60.0
 INVALID_KEY = "the API key is not valid"
+RAW_KEY_REFUSED = ("this gateway does not take an API key in a Kafka record (gateway.raw_keys = \"refuse\"): "
+                   "sign the request with the key instead, as sluice's SDK does")
 SIGNED_LIFETIME_S = 3600.0  # state.ttl_s: how long ingest remembers a request it admitted
 
 
@@ -91,6 +93,8 @@ class Gateway:
             raise StageError(ErrorCode.forbidden, reason)
         if request.principal_token is not None:
             return await self._by_token(request)
+        if self._settings.raw_keys == "refuse" and request.api_key is not None and request.api_key.startswith(PREFIX):
+            raise StageError(ErrorCode.unauthorized, RAW_KEY_REFUSED)
         return await self._authenticate(request.api_key)
 
     async def admit(self, request: Request, principal: Principal | None = None) -> tuple[Request, Principal]:

@@ -202,3 +202,18 @@ async def test_an_sdk_signature_is_refused_once_expired_too_long_lived_revoked_o
     with pytest.raises(StageError) as caught:
         await old.admit(sdk_signed(r, legacy_raw, "s7"))
     assert caught.value.code is ErrorCode.unauthorized
+
+
+async def test_raw_keys_refuse_turns_away_a_key_written_into_the_record_but_not_a_signed_one() -> None:
+    """gateway.raw_keys = "refuse": a direct producer that writes its key into the record is told to sign."""
+    r = rig(raw_keys="refuse")
+    raw, record = await r.keys.create("acme")
+    with pytest.raises(StageError) as caught:
+        await r.gateway.admit(request("raw", api_key=raw))
+    assert caught.value.code is ErrorCode.unauthorized and "sign the request" in caught.value.message
+    assert raw not in caught.value.message
+    _, principal = await r.gateway.admit(sdk_signed(r, raw))
+    assert principal.name == "key:" + record.key_id
+    anonymous = rig(raw_keys="refuse", auth_required=False)
+    forwarded, _ = await anonymous.gateway.admit(request("anon", api_key="unused"))  # not a sluice key
+    assert forwarded.tenant == "default"
