@@ -147,11 +147,11 @@ def _completions(
             no_cache, no_store = cache_directives(request.headers.get("cache-control", ""))
             sdk_request = client.request(**parsed.request_kwargs(), no_cache=no_cache, no_store=no_store, task=task_header(request))
             sdk_request = with_client_info(sdk_request, request, settings.gateway.client_info_secret)
+            sdk_request = credential.apply(sdk_request)  # signed last: the token covers the rest
         except BaseException:
             admission.leave()
             raise
-        # signed last: the token covers the rest; the response leaves its place when it has been sent
-        return RelayResponse(client, credential.apply(sdk_request), parsed, on_end=admission.leave)
+        return RelayResponse(client, sdk_request, parsed, on_end=admission.leave)  # which leaves its place when sent
 
     return endpoint
 
