@@ -96,6 +96,12 @@ class BackendSettings:
     # local, instant: false serves the pool with one generation stage instead of prefill + decode (one hop
     # less, no KV handoff between processes); triton and openai backends never split
     split: bool | None = None
+    # local: where prefill leaves each prefilled sequence's KV for a decode worker in another process, by
+    # handle (pipeline/engine/kv_store.py). "": nowhere (decode elsewhere recomputes the prompt). A directory
+    # on tmpfs (/dev/shm/...) is shared memory between the processes of one host; created with mode 700.
+    kv_store_dir: str = ""
+    kv_store_mib: int = 2048  # the store's bound: the oldest entries are evicted to stay under it
+    kv_store_ttl_s: float = 120.0  # an entry older than this is gone (decode recomputes)
 
     @property
     def splits(self) -> bool:
@@ -209,6 +215,9 @@ class Settings:
             raise SettingsError(f"kafka.linger_ms must not be negative, got {self.kafka.linger_ms}")
         if self.run.processes < 0:
             raise SettingsError(f"run.processes must be 0 (one per core) or more, got {self.run.processes}")
+        for b in self.backends:
+            if b.kv_store_dir and (b.kind != "local" or b.kv_store_mib < 1 or b.kv_store_ttl_s <= 0):
+                raise SettingsError(f"backend {b.name!r}: kv_store_dir needs kind local, kv_store_mib >= 1 and kv_store_ttl_s > 0")
         for pool in self.pools:
             if len({b.splits for b in self.backends if b.pool == pool}) > 1:
                 raise SettingsError(f"pool {pool!r} mixes backends with and without the prefill/decode split")

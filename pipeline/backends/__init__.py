@@ -22,7 +22,14 @@ def _build(settings: Settings, config: BackendSettings) -> Backend:
         path = settings.model_cache / MODEL_DIRNAME
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: run `make setup` to convert the default model")
-        backend = LocalBackend.from_path(path, name=config.name, max_batch=config.max_batch)
+        store = None
+        if config.kv_store_dir:
+            from pathlib import Path
+
+            from pipeline.engine.kv_store import FileKVStore
+
+            store = FileKVStore(Path(config.kv_store_dir), config.kv_store_mib * 2**20, config.kv_store_ttl_s)
+        backend = LocalBackend.from_path(path, name=config.name, max_batch=config.max_batch, kv_store=store)
         # running, waiting and KV usage at /metrics; here, not in LocalBackend: Triton's environment
         # (sluice_llm runs the engine inside it) has no prometheus_client, and Triton has metrics of its own
         from pipeline.observability import collectors

@@ -89,3 +89,13 @@ class SplitBackend(Backend, Protocol):
         ...
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int: ...
+
+
+@runtime_checkable
+class KVHandoff(Protocol):
+    """A split backend that can leave a prefilled sequence's KV where a decode worker in another process
+    finds it by handle (pipeline/engine/kv_store.py); prefill calls it after sending the first token."""
+
+    async def hand_off(self, prefilled: Prefilled) -> bool:
+        """Publish the KV under `prefilled.handle`; False when it was not kept (decode then recomputes)."""
+        ...

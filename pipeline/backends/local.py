@@ -2,7 +2,10 @@
 
     prefill(request)          tokenise, compute the prompt, sample the first token; the sequence is
                               parked in the engine (its KV blocks kept) under the returned handle
-    decode(request, handle)   resume the parked sequence (or recompute it when the handle is gone)
+    hand_off(prefilled)       with a KV store: leave the parked sequence's KV there under its handle,
+                              for a decode worker in another process
+    decode(request, handle)   resume the parked sequence; else import its KV from the store; else
+                              (the handle is gone: expired, evicted, another host) recompute it
     generate(request)         prefill then decode, the first token as the first delta
     cancel(request_id)        every sequence of the request stops at once; its stream raises `Cancelled`
 
@@ -13,11 +16,14 @@ and engine errors into backend errors.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from collections.abc import Sequence as Ids
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -28,15 +34,36 @@ from pipeline.backends.text_stream import TextStream
 from pipeline.chat_template import chat_prompt_ids
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.config import EngineConfig
-from pipeline.engine.errors import EngineClosed, EngineError, RequestTooLarge, SequenceAborted, StepFailed
+from pipeline.engine.errors import (
+    EngineClosed,
+    EngineError,
+    KVMismatch,
+    RequestTooLarge,
+    SequenceAborted,
+    StepFailed,
+    UnknownHandle,
+)
+from pipeline.engine.kv_store import KVStore
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.model_runner import ModelRunner
 from pipeline.engine.params import EngineRequest, Priority, SamplingParams
 from pipeline.models import END_OF_TURN
 
-__all__ = ["LocalBackend"]
+__all__ = ["HandoffCounts", "LocalBackend"]
+
+log = logging.getLogger(__name__)
 
 _CANCELLED_MEMORY = 4096  # request ids remembered as cancelled, so a later decode of one refuses to run
+
+
+@dataclass
+class HandoffCounts:
+    """How decodes found their KV since start (for tests, benchmarks and logs)."""
+
+    published: int = 0  # prefilled sequences left in the KV store
+    local: int = 0  # decodes that found their sequence parked in this process
+    imported: int = 0  # decodes that imported it from the KV store
+    recomputed: int = 0  # decodes that recomputed prompt + tokens (the handle was gone)
 
 
 class LocalBackend:
@@ -50,9 +77,11 @@ class LocalBackend:
         kv_capacity: int = 64,
         eos_ids: frozenset[int] | None = None,
         engine_config: EngineConfig | None = None,
+        kv_store: KVStore | None = None,
     ) -> None:
         """`model` is a transformers Llama-family model (its weights are shared, not copied) or a
-        ready `ModelRunner`; `max_batch` sequences run per step, `kv_capacity` prefilled ones wait."""
+        ready `ModelRunner`; `max_batch` sequences run per step, `kv_capacity` prefilled ones wait;
+        `kv_store` is where prefilled KV waits for decode workers in other processes (None: nowhere)."""
         self.name = name
         self._tokenizer = tokenizer
         config = engine_config or EngineConfig(max_num_seqs=max_batch, max_parked=kv_capacity)
@@ -63,16 +92,20 @@ class LocalBackend:
         self._eos_ids = eos_ids if eos_ids is not None else _eos_ids(generation, tokenizer)
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._handles: dict[str, set[str]] = {}  # request id -> handles of its live sequences
+        self._store = kv_store
+        self.handoffs = HandoffCounts()
 
     @classmethod
-    def from_path(cls, path: Path, *, device: str = "cpu", name: str = "local", max_batch: int = 16) -> LocalBackend:
+    def from_path(
+        cls, path: Path, *, device: str = "cpu", name: str = "local", max_batch: int = 16, kv_store: KVStore | None = None
+    ) -> LocalBackend:
         """A backend over a checkpoint written by `pipeline.models.convert_default_model` (weights are
         read straight into the engine; no transformers model is built)."""
         config = EngineConfig(max_num_seqs=max_batch, device=device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         generation = GenerationConfig.from_pretrained(path, local_files_only=True)
         runner = ModelRunner.from_path(path, config)
-        return cls(runner, tokenizer, name=name, eos_ids=_eos_ids(generation, tokenizer), engine_config=config)
+        return cls(runner, tokenizer, name=name, eos_ids=_eos_ids(generation, tokenizer), engine_config=config, kv_store=kv_store)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -107,32 +140,97 @@ class LocalBackend:
             self._engine.cancel(handle)
         return Prefilled(handle, token, delta.text, len(prompt_ids), delta.finish_reason)
 
+    async def hand_off(self, prefilled: Prefilled) -> bool:
+        """Leave the parked sequence's KV in the KV store under its handle (it also stays parked here,
+        for a decode in this process, until the engine needs its blocks). False when there is no store,
+        nothing to hand off, or the store could not keep it: a decode elsewhere then recomputes."""
+        if self._store is None or prefilled.finish_reason is not None:
+            return False
+        try:
+            data = await self._engine.export_kv(prefilled.handle)
+        except UnknownHandle:  # cancelled or dropped since prefill
+            return False
+        try:
+            kept = await asyncio.to_thread(self._store.put, prefilled.handle, data)
+        except OSError as exc:  # policy: the KV store is an optimisation; decode recomputes without it
+            log.warning("backend=%s KV store write failed (%s); decode will recompute", self.name, exc)
+            return False
+        self.handoffs.published += kept
+        return kept
+
     async def decode(self, request: GenerationRequest, prefilled: Prefilled) -> AsyncIterator[Delta]:
         if prefilled.finish_reason is not None:
             self._engine.cancel(prefilled.handle)
             return
         if request.request_id in self._cancelled:
             self._engine.cancel(prefilled.handle)
+            self._discard_stored(prefilled.handle)
             raise Cancelled(f"request {request.request_id} was cancelled")
         stream = self._text_stream(request, prefilled)
-        if self._engine.is_parked(prefilled.handle):
-            handle, tokens = prefilled.handle, self._engine.decode(prefilled.handle)
-        else:  # the state is gone (evicted, dropped, another process): recompute prompt + tokens so far
-            completion = (*request.resume_token_ids, prefilled.first_token_id)
-            engine_request = self._engine_request(request, self._prompt_ids(request), completion)
-            handle = uuid.uuid4().hex
-            tokens = self._engine.generate(engine_request, handle=handle)
+        handle, tokens = await self._resume(request, prefilled)
+        if request.request_id in self._cancelled:  # cancelled while the KV was read and imported
+            self._engine.cancel(handle)
+            self._discard_stored(prefilled.handle)
+            raise Cancelled(f"request {request.request_id} was cancelled")
         self._handles.setdefault(request.request_id, set()).add(handle)
+        ended = False  # finished or cancelled: the stored KV is of no further use
         try:
             with _engine_errors():
                 async for token in tokens:
                     delta = stream.push(token)
+                    ended = delta.finish_reason is not None
                     yield delta
-                    if delta.finish_reason is not None:
+                    if ended:
                         return
+        except Cancelled:
+            ended = True
+            raise
         finally:
             await tokens.aclose()  # frees the sequence when the consumer walked away or a stop string hit
             self._forget(request.request_id, handle)
+            if ended:  # else (a crash, a takeover) a successor may still import it, until its TTL
+                self._discard_stored(prefilled.handle)
+
+    async def _resume(self, request: GenerationRequest, prefilled: Prefilled) -> tuple[str, AsyncIterator[int]]:
+        """The token stream after `prefilled`: the sequence parked here, else imported from the KV store,
+        else recomputed from prompt + tokens so far (same seeds, so the same tokens)."""
+        if self._engine.is_parked(prefilled.handle):
+            self.handoffs.local += 1
+            return prefilled.handle, self._engine.decode(prefilled.handle)
+        completion = (*request.resume_token_ids, prefilled.first_token_id)
+        engine_request = self._engine_request(request, self._prompt_ids(request), completion)
+        handle = uuid.uuid4().hex
+        if await self._import(prefilled.handle, engine_request, handle):
+            self.handoffs.imported += 1
+            return handle, self._engine.decode(handle)
+        self.handoffs.recomputed += 1
+        return handle, self._engine.generate(engine_request, handle=handle)
+
+    async def _import(self, stored: str, request: EngineRequest, handle: str) -> bool:
+        if self._store is None:
+            return False
+        try:
+            data = await asyncio.to_thread(self._store.get, stored)
+        except ValueError:  # not a handle a store accepts (another backend's, or forged)
+            return False
+        except OSError as exc:
+            log.warning("backend=%s KV store read failed (%s); recomputing", self.name, exc)
+            return False
+        if data is None:
+            return False
+        try:
+            await self._engine.import_kv(data, handle=handle, request=request)
+        except (KVMismatch, RequestTooLarge) as exc:  # another model or other tokens, or no room: recompute
+            log.info("backend=%s stored KV not usable (%s); recomputing", self.name, exc)
+            return False
+        return True
+
+    def _discard_stored(self, handle: str) -> None:
+        if self._store is not None:
+            try:
+                self._store.delete(handle)
+            except (ValueError, OSError):  # not a store handle, or already gone: nothing to free
+                pass
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         prefilled = await self.prefill(request)

@@ -111,10 +111,21 @@ class AsyncEngine:
         state = await self._in_model_thread(lambda: self.engine.export_kv(seq))
         return state.to_bytes()
 
-    async def import_kv(self, data: bytes, *, handle: str | None = None) -> str:
-        """Park an exported sequence here; `decode(handle)` continues it."""
-        state = KVState.from_bytes(data)
-        seq = await self._in_model_thread(lambda: self.engine.import_kv(state))
+    async def import_kv(self, data: bytes, *, handle: str | None = None, request: EngineRequest | None = None) -> str:
+        """Park an exported sequence here (as `request`, when given: `LLMEngine.import_kv`);
+        `decode(handle)` continues it. The bytes are parsed off the model thread; blocks are taken on
+        the event loop (as every allocation is) and only the copy into the KV pool runs on it."""
+        state = await asyncio.to_thread(KVState.from_bytes, data)
+        if self._closed:
+            raise EngineClosed("engine is closed")
+        seq = self.engine.reserve_import(state, self.engine.check_import(state, request))
+        try:
+            await self._in_model_thread(lambda: self.engine.runner.write_kv(seq.block_table, state.k, state.v))
+        except BaseException:
+            self.engine.block_manager.deallocate(seq)
+            raise
+        self.engine.finish_import(seq)
+        self._wake.set()
         handle = handle or uuid.uuid4().hex
         self._handles[handle] = seq
         return handle

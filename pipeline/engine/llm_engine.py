@@ -72,22 +72,48 @@ class LLMEngine:
         k, v = self.runner.read_kv(seq.block_table, seq.num_computed_tokens)
         return KVState(request=seq.to_request(), model=self.model_fingerprint, k=k, v=v)
 
-    def import_kv(self, state: KVState) -> Sequence:
-        """A parked sequence holding `state`'s KV in fresh blocks; resume it with `scheduler.unpark`."""
+    def import_kv(self, state: KVState, request: EngineRequest | None = None) -> Sequence:
+        """A parked sequence holding `state`'s KV in fresh blocks; resume it with `scheduler.unpark`.
+
+        With `request`, the sequence is `request` (its sampling, limits and stop tokens), and the state
+        only supplies K/V: its prompt and salt must be the request's and its completion a prefix of the
+        request's (a decode that resumes after a crash has more tokens than prefill had; the next step
+        computes those). Otherwise `KVMismatch`, and the caller recomputes."""
+        request = self.check_import(state, request)
+        seq = self.reserve_import(state, request)
+        self.runner.write_kv(seq.block_table, state.k, state.v)
+        self.finish_import(seq)
+        return seq
+
+    def check_import(self, state: KVState, request: EngineRequest | None) -> EngineRequest:
+        """The request the imported sequence will be; `KVMismatch` when the state does not fit it."""
         if state.model != self.model_fingerprint:
             raise KVMismatch(f"KV state of model {state.model}, this engine runs {self.model_fingerprint}")
-        seq = self.scheduler.new_sequence(state.request)
+        if request is None:
+            return state.request
+        if (state.request.prompt_ids, state.request.salt) != (request.prompt_ids, request.salt) or (
+            request.completion_ids[: len(state.request.completion_ids)] != state.request.completion_ids
+        ):
+            raise KVMismatch("the KV state belongs to other tokens than this request's")
+        return request
+
+    def reserve_import(self, state: KVState, request: EngineRequest) -> Sequence:
+        """`import_kv`'s bookkeeping half (on the scheduler's thread): a sequence with blocks for the
+        state's K/V, in no queue yet; write the K/V into them, then `finish_import`."""
+        seq = self.scheduler.new_sequence(request)
         computed = int(state.k.shape[1])
-        if computed != len(seq.token_ids) - 1:
+        if computed != len(state.request.prompt_ids) + len(state.request.completion_ids) - 1:
             raise KVMismatch(f"{computed} tokens of KV for {len(seq.token_ids)} tokens (expected one fewer)")
         if not self.block_manager.can_allocate(seq, computed, use_cache=False):
             raise RequestTooLarge(f"no room for {computed} imported tokens")
         self.block_manager.allocate(seq, computed, use_cache=False)
         seq.num_computed_tokens = computed
-        self.runner.write_kv(seq.block_table, state.k, state.v)
+        return seq
+
+    def finish_import(self, seq: Sequence) -> None:
+        """Register the written blocks in the prefix cache and park the sequence."""
         self.block_manager.commit(seq)
         self.scheduler.adopt_parked(seq)
-        return seq
 
     # -- speculative decoding hooks ---------------------------------------------------------------
 

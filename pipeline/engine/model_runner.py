@@ -18,6 +18,7 @@ CUDA-specific; on CUDA the same code runs with device tensors.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,9 +75,13 @@ class ModelRunner:
         per_block = model_config.kv_bytes_per_token(self.dtype.itemsize) * config.block_size
         self.num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
         shape = (model_config.num_layers, self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        # torch.empty: pages are touched (and count as resident) only once a block is written.
+        # torch.empty: pages are touched (and count as resident) only once a block is used. A block is
+        # zeroed the first time a step uses it (`_first_use`): attention reads whole blocks, masking the
+        # slots past a sequence's length, and uninitialised memory there may hold NaN, which a zero
+        # attention weight does not cancel (0 * NaN = NaN): it once turned a greedy token into 0.
         self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._zeroed = 0  # blocks 0 .. _zeroed - 1 have been zeroed (the block manager hands out fresh ones in order)
 
     @classmethod
     def from_path(cls, path: Path, config: EngineConfig) -> ModelRunner:
@@ -141,6 +146,7 @@ class ModelRunner:
 
     def write_kv(self, block_table: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Put K and V (as `read_kv` returns them) into positions 0.. of the given blocks."""
+        self._first_use(block_table)
         slots = self._slots(block_table, 0, k.shape[1]).to(self.device)
         flat = self.k_cache.shape[1] * self.block_size
         self.k_cache.view(k.shape[0], flat, *k.shape[2:]).index_copy_(1, slots, k.to(self.device, self.dtype))
@@ -197,7 +203,17 @@ class ModelRunner:
             out[p.row : p.row + p.n] = o[0].transpose(0, 1)
         return out
 
+    def _first_use(self, block_ids: Iterable[int]) -> None:
+        """Zero every block up to the highest id in `block_ids` that no step has used yet (block 0, the
+        padding of batched decodes, is always among them)."""
+        top = max(block_ids, default=-1) + 1
+        if top > self._zeroed:
+            self.k_cache[:, self._zeroed : top].zero_()
+            self.v_cache[:, self._zeroed : top].zero_()
+            self._zeroed = top
+
     def _plan(self, chunks: list[ScheduledChunk]) -> _Plan:
+        self._first_use(max(c.block_table, default=0) for c in chunks)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor] = []

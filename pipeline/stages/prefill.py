@@ -1,5 +1,6 @@
 """prefill: the context phase, for one pool. Computes the prompt, sends the first token at once (time to
-first token) as chunk 0, and hands decode the KV state by handle. A retriable backend failure (before
+first token) as chunk 0, and hands decode the KV state by handle (a backend with a KV store leaves it
+there, for a decode worker in another process, before the handle goes on). A retriable backend failure (before
 any token) sends the request on to the route's next fallback backend; it reports its backend's load,
 failures and time to first token on `llm.backend.health`."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 
-from pipeline.backends.base import SplitBackend
+from pipeline.backends.base import KVHandoff, SplitBackend
 from pipeline.backends.errors import BackendError
 from pipeline.errors import StageError
 from pipeline.routing.reroute import rerouted
@@ -66,6 +67,8 @@ class PrefillStage:
         stream = self.topics.stream or ""
         if prefilled.first_text:
             yield Out(stream, message.id, address.chunk(0, prefilled.first_text, (prefilled.first_token_id,)))
+        if prefilled.finish_reason is None and isinstance(self._backend, KVHandoff):
+            await self._backend.hand_off(prefilled)  # after the first token went: it costs no time to first token
         timings = {**message.timings, self.name: clock.ms()}
         if prefilled.finish_reason is not None:  # the first token already ended it
             sent = bool(prefilled.first_text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -13,10 +14,11 @@ import pytest_asyncio
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from pipeline.backends.base import Delta, GenerationRequest, Message
+from pipeline.backends.base import Delta, GenerationRequest, Message, Prefilled
 from pipeline.backends.errors import Cancelled, InvalidRequest
-from pipeline.backends.local import LocalBackend
+from pipeline.backends.local import HandoffCounts, LocalBackend
 from pipeline.backends.text_stream import TextStream
+from pipeline.engine.kv_store import FileKVStore
 from pipeline.models import GGUF_PACKAGE, convert_default_model, load_model
 
 MODEL_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "models"
@@ -228,3 +230,99 @@ def test_text_stream_never_splits_a_character(loaded: Loaded) -> None:
     assert all("\ufffd" not in d.text for d in deltas)
     assert "".join(d.text for d in deltas) == text
     assert deltas[-1].finish_reason == "length"
+
+
+# -- KV handoff between engines (as between a prefill and a decode process) -------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+
+@pytest_asyncio.fixture
+async def pair(loaded: Loaded, tmp_path: Path) -> AsyncIterator[tuple[LocalBackend, LocalBackend, FileKVStore, _Clock]]:
+    """A prefill-side and a decode-side backend, each with its own engine, over one file KV store."""
+    clock = _Clock()
+    store = FileKVStore(tmp_path / "kv", 64 * 2**20, 60.0, clock)
+    prefill_side, decode_side = LocalBackend(*loaded, kv_store=store), LocalBackend(*loaded, kv_store=store)
+    yield prefill_side, decode_side, store, clock
+    for side in (prefill_side, decode_side):
+        await side.aclose()
+
+
+async def _handed_off(side: LocalBackend, request: GenerationRequest) -> Prefilled:
+    prefilled = await side.prefill(request)
+    assert await side.hand_off(prefilled)
+    assert side.kv_store.drop(prefilled.handle)  # as if prefill ran in another process: nothing parked on the decode side
+    return prefilled
+
+
+@pytest.mark.asyncio
+async def test_decode_in_another_engine_imports_the_kv_and_equals_one_process(pair, reference: list[int]) -> None:  # type: ignore[no-untyped-def]
+    prefill_side, decode_side, store, _ = pair
+    prefilled = await _handed_off(prefill_side, POEM)
+    assert store.get(prefilled.handle) is not None
+    deltas = await collect(decode_side.decode(POEM, prefilled))
+    assert [prefilled.first_token_id, *ids_of(deltas)] == reference  # transformers' greedy output, token for token
+    one_process = await collect(prefill_side.generate(replace(POEM, request_id="whole")))
+    assert ids_of(one_process) == reference
+    assert decode_side.handoffs == HandoffCounts(imported=1) and prefill_side.handoffs.published == 1
+    assert store.get(prefilled.handle) is None  # a finished decode frees the stored KV
+    assert decode_side.active_sequences == 0 and len(decode_side.kv_store) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_missing_or_expired_handle_falls_back_to_recompute(pair, reference: list[int]) -> None:  # type: ignore[no-untyped-def]
+    prefill_side, decode_side, store, clock = pair
+    gone = await _handed_off(prefill_side, POEM)
+    store.delete(gone.handle)
+    expired = await _handed_off(prefill_side, replace(POEM, request_id="expired"))
+    clock.offset = store.ttl_s + 1
+    for prefilled in (gone, expired):
+        deltas = await collect(decode_side.decode(POEM, prefilled))
+        assert [prefilled.first_token_id, *ids_of(deltas)] == reference
+    assert decode_side.handoffs == HandoffCounts(recomputed=2)
+
+
+@pytest.mark.asyncio
+async def test_stored_kv_of_other_tokens_is_not_used(pair, reference: list[int]) -> None:  # type: ignore[no-untyped-def]
+    prefill_side, decode_side, store, _ = pair
+    other = await _handed_off(prefill_side, chat("other", "Name three colours.", max_tokens=N))
+    mine = await prefill_side.prefill(POEM)
+    prefill_side.kv_store.drop(mine.handle)
+    forged = replace(mine, handle=other.handle)  # a handle naming another prompt's KV
+    deltas = await collect(decode_side.decode(POEM, forged))
+    assert [mine.first_token_id, *ids_of(deltas)] == reference
+    assert decode_side.handoffs == HandoffCounts(recomputed=1)
+
+
+@pytest.mark.asyncio
+async def test_a_successor_resumes_from_the_stored_kv_plus_the_tokens_sent(pair, reference: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """A decode worker died after sending k tokens: its successor imports prefill's KV (prompt + first
+    token) and computes only the k tokens after it, then goes on exactly where the stream stopped."""
+    prefill_side, decode_side, _, _ = pair
+    prefilled = await _handed_off(prefill_side, POEM)
+    k = 6
+    resumed = replace(POEM, resume_token_ids=tuple(reference[: k - 1]), resume_sent_chars=len(detok(decode_side, reference[: k - 1])))
+    progress = replace(prefilled, first_token_id=reference[k - 1])
+    deltas = await collect(decode_side.decode(resumed, progress))
+    assert ids_of(deltas) == reference[k:]
+    assert decode_side.handoffs == HandoffCounts(imported=1)
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_decode_frees_the_stored_kv(pair) -> None:  # type: ignore[no-untyped-def]
+    prefill_side, decode_side, store, _ = pair
+    request = chat("to-cancel-2", "Tell me a long story about a dragon.", max_tokens=200)
+    prefilled = await _handed_off(prefill_side, request)
+    seen = 0
+    with pytest.raises(Cancelled):
+        async for _ in decode_side.decode(request, prefilled):
+            seen += 1
+            if seen == 2:
+                await decode_side.cancel(request.request_id)
+    assert seen == 2 and store.get(prefilled.handle) is None

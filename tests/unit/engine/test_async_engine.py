@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.errors import SequenceAborted, UnknownHandle
 from pipeline.engine.params import EngineRequest
+from pipeline.engine.scheduler import SchedulerOutput
+from pipeline.engine.sequence import Sequence
 from tests.unit.engine.conftest import Loaded, chat_ids, make_engine
 
 
@@ -40,6 +45,48 @@ async def test_cancel_stops_a_running_stream_and_frees_its_blocks(loaded: Loaded
     assert len(seen) == 2
     with pytest.raises(UnknownHandle):
         [t async for t in engine.decode("h1")]
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and engine.num_active == 0
+    await engine.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_cancel_during_a_step_stops_the_sequence_within_that_step(loaded: Loaded) -> None:
+    """The exact bound: the step running when the cancel lands is the last one that computes the
+    sequence, its token is never appended or delivered, and no later step feeds the sequence (while
+    another sequence keeps the engine stepping)."""
+    engine = AsyncEngine(make_engine(loaded))
+    loop = asyncio.get_running_loop()
+    cancel_in = 4  # step 1 is the prefill (one chunk); the cancel lands while step 4 computes
+    fed: list[set[int]] = []
+    seqs: dict[int, Sequence] = {}
+    landed = threading.Event()
+    execute = engine.engine.execute
+
+    def spy(output: SchedulerOutput) -> list[int | None]:
+        fed.append({chunk.seq.seq_id for chunk in output.chunks})
+        seqs.update((chunk.seq.seq_id, chunk.seq) for chunk in output.chunks)
+        if len(fed) == cancel_in:
+            loop.call_soon_threadsafe(lambda: (engine.cancel("target"), landed.set()))
+            assert landed.wait(120)  # the cancel has run on the event loop while this step computes
+        return execute(output)
+
+    engine.engine.execute = spy  # type: ignore[method-assign]
+
+    async def drain(request: EngineRequest, handle: str) -> list[int]:
+        return [t async for t in engine.generate(request, handle=handle)]
+
+    other = asyncio.create_task(drain(EngineRequest(chat_ids(loaded, "Count to twenty."), 16), "other"))
+    received: list[int] = []
+    with pytest.raises(SequenceAborted):
+        async for token in engine.generate(EngineRequest(chat_ids(loaded, "Write a long story."), 100), handle="target"):
+            received.append(token)
+    assert len(await other) == 16 and len(fed) > cancel_in + 2  # the engine stepped on after the cancel
+    [target] = [s for s in seqs.values() if s.max_tokens == 100]
+    assert target.seq_id in fed[cancel_in - 1]
+    assert all(target.seq_id not in step for step in fed[cancel_in:])  # no step after the one in flight
+    assert target.num_completion_tokens == cancel_in - 1  # that step's token was discarded
+    assert received == target.completion_ids[: len(received)]  # nothing after the cancel was delivered
     bm = engine.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and engine.num_active == 0
     await engine.aclose()
