@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -115,6 +116,26 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def free_kafka_port() -> int:
+    """A free port whose next one is free too: Kafka's controller listens on port + 1 (infra/kafka/start.sh).
+    Below the ephemeral range (32768+), where the outgoing connections of a busy test run would take
+    port + 1 between this check and the broker's start."""
+    for _ in range(200):
+        port = random.randrange(20_000, 32_000)
+        if all(_bindable(p) for p in (port, port + 1)):
+            return port
+    raise RuntimeError("no two free ports in a row")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -32,7 +32,7 @@ from pipeline.gateway.redis_keys import RedisKeyStore
 from pipeline.runner import Runner
 from pipeline.sdk import Client
 from pipeline.settings import BackendSettings, Settings
-from tests.integration.conftest import ROOT, _free_port
+from tests.integration.conftest import ROOT, _free_port, free_kafka_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "instant"
@@ -59,7 +59,7 @@ def jsonl(n: int, *, max_tokens: int = 4, prefix: str = "req") -> bytes:
 @pytest.fixture(scope="module")
 def own_services() -> Iterator[Settings]:
     """Kafka and Redis of this module's own: its stages share the session stack's consumer group names."""
-    kafka_port, redis_port = _free_port(), _free_port()
+    kafka_port, redis_port = free_kafka_port(), _free_port()
     state = ROOT / ".state" / f"test-batch-{kafka_port}"
     shutil.rmtree(state, ignore_errors=True)
     subprocess.run([ROOT / "infra" / "services.sh", "start", state, str(kafka_port), str(redis_port)], check=True)
