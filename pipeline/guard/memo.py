@@ -7,7 +7,8 @@ text and which checks it needs, not on the tenant: the tenant's policy and thres
 verdicts afterwards (`GuardStage.sanitise`). The key still names the tenant: a memo shared between tenants
 would answer faster for a text another tenant sent, and the time would tell a caller what others ask.
 So the memo is keyed by a digest of the tenant, the text and the checks, holds no text, lives in the
-guard process only, and forgets the least recently used entries past its size (`guard.verdict_memo`). Lookups are counted in `sluice_guard_verdict_memo_total{result="hit"|"miss"}`.
+guard process only, and forgets the least recently used entries past its size (`guard.verdict_memo`).
+Lookups are counted in `sluice_guard_verdict_memo_total{result="hit"|"miss"}`.
 """
 
 from __future__ import annotations
