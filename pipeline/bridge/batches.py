@@ -153,12 +153,7 @@ class BatchApi:
         """OpenAI's files.list: `purpose`, `limit` (1 to 10,000), `order` (desc, asc) and `after`."""
         owner = await self.owner(request)
         query = request.query_params
-        try:
-            limit = int(query.get("limit", "10000"))
-        except ValueError:
-            raise Invalid("`limit` must be an integer", "limit") from None
-        if not 1 <= limit <= 10_000:
-            raise Invalid("`limit` must be 1 to 10000", "limit")
+        limit = _limit(query.get("limit", "10000"), 10_000)
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise Invalid("`order` must be asc or desc", "order")
@@ -219,12 +214,7 @@ class BatchApi:
     async def list(self, request: HttpRequest) -> Response:
         owner = await self.owner(request)
         after = request.query_params.get("after")
-        try:
-            limit = int(request.query_params.get("limit", "20"))
-        except ValueError:
-            raise Invalid("`limit` must be an integer", "limit") from None
-        if not 1 <= limit <= MAX_LIST:
-            raise Invalid(f"`limit` must be 1 to {MAX_LIST}", "limit")
+        limit = _limit(request.query_params.get("limit", "20"), MAX_LIST)
         batches, more = await self.store.list(owner.tenant, after, limit)
         data = [b.to_openai(await self.store.counts(b.id)) for b in batches]
         return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
@@ -289,6 +279,17 @@ def _answering(handler: Handler) -> Handler:
 def _bearer(request: HttpRequest) -> str | None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
+def _limit(raw: str, most: int) -> int:
+    """A list endpoint's `limit` query parameter, 1 to `most`."""
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise Invalid("`limit` must be an integer", "limit") from None
+    if not 1 <= limit <= most:
+        raise Invalid(f"`limit` must be 1 to {most}", "limit")
+    return limit
 
 
 async def _capped(stream: AsyncGenerator[bytes, None], cap: int) -> AsyncGenerator[bytes, None]:
