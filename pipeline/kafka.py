@@ -11,6 +11,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.structs import TopicPartition
 
 from pipeline.settings import Settings
 from topics.registry import TopicSpec, all_topics
@@ -71,12 +72,14 @@ async def broadcast_consumer(
     (or, `from_start`, from their beginning: a compacted table read whole).
 
     It returns once it holds every partition and knows its position, so nothing produced after the call
-    is missed (a reply listener must be in place before its request is sent)."""
+    is missed (a reply listener must be in place before its request is sent). The partitions are assigned
+    by hand, once: a subscription would be re-assigned, and reset to the end, whenever a metadata refresh
+    under load briefly lacks a topic, skipping what was produced meanwhile. Partitions added to a topic
+    later are not read until the consumer is made again."""
     consumer = AIOKafkaConsumer(
-        *topics,
         bootstrap_servers=settings.kafka.bootstrap,
         client_id=client_id,
-        group_id=None,  # no group: aiokafka assigns this consumer every partition of the topics
+        group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="latest",
         fetch_max_wait_ms=500,
@@ -84,14 +87,19 @@ async def broadcast_consumer(
     )
     await consumer.start()
     try:
+        consumer.assign([TopicPartition(topic, 0) for topic in topics])  # makes the client fetch their metadata
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while {tp.topic for tp in consumer.assignment()} != set(topics):
+        while not all(consumer.partitions_for_topic(topic) for topic in topics):
             if asyncio.get_running_loop().time() > deadline:
                 raise LookupError(f"no partitions for {topics} after {timeout_s} s: run `sluice topics create`")
             await asyncio.sleep(0.05)
+        partitions = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t))]
+        consumer.assign(partitions)
         if from_start:
-            await consumer.seek_to_beginning(*consumer.assignment())
-        for tp in consumer.assignment():
+            await consumer.seek_to_beginning(*partitions)
+        else:
+            await consumer.seek_to_end(*partitions)
+        for tp in partitions:
             await consumer.position(tp)
     except BaseException:
         await consumer.stop()
