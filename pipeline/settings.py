@@ -102,6 +102,11 @@ class BackendSettings:
     kv_store_dir: str = ""
     kv_store_mib: int = 2048  # the store's bound: the oldest entries are evicted to stay under it
     kv_store_ttl_s: float = 120.0  # an entry older than this is gone (decode recomputes)
+    # local: speculative decoding in the engine's decode steps (docs/engine.md). "ngram": prompt lookup drafts
+    # up to num_draft_tokens tokens per sequence and step, verified in the same batched forward (output under
+    # greedy is unchanged; it pays when answers copy from the prompt: edits, extraction, code); "off": none
+    speculative: Literal["off", "ngram"] = "off"
+    num_draft_tokens: int = 4  # 1..16: the most drafts per step; the length adapts between 1 and this
 
     @property
     def splits(self) -> bool:
@@ -218,6 +223,9 @@ class Settings:
         for b in self.backends:
             if b.kv_store_dir and (b.kind != "local" or b.kv_store_mib < 1 or b.kv_store_ttl_s <= 0):
                 raise SettingsError(f"backend {b.name!r}: kv_store_dir needs kind local, kv_store_mib >= 1 and kv_store_ttl_s > 0")
+        for b in self.backends:
+            if b.speculative != "off" and (b.kind != "local" or not 1 <= b.num_draft_tokens <= 16):
+                raise SettingsError(f"backend {b.name!r}: speculative needs kind local and num_draft_tokens 1..16")
         for pool in self.pools:
             if len({b.splits for b in self.backends if b.pool == pool}) > 1:
                 raise SettingsError(f"pool {pool!r} mixes backends with and without the prefill/decode split")

@@ -29,7 +29,14 @@ def _build(settings: Settings, config: BackendSettings) -> Backend:
             from pipeline.engine.kv_store import FileKVStore
 
             store = FileKVStore(Path(config.kv_store_dir), config.kv_store_mib * 2**20, config.kv_store_ttl_s)
-        backend = LocalBackend.from_path(path, name=config.name, max_batch=config.max_batch, kv_store=store)
+        speculative = None
+        if config.speculative == "ngram":
+            from pipeline.engine.params import SpeculativeParams
+
+            speculative = SpeculativeParams(num_draft_tokens=config.num_draft_tokens)
+        backend = LocalBackend.from_path(
+            path, name=config.name, max_batch=config.max_batch, kv_store=store, speculative=speculative
+        )
         # running, waiting and KV usage at /metrics; here, not in LocalBackend: Triton's environment
         # (sluice_llm runs the engine inside it) has no prometheus_client, and Triton has metrics of its own
         from pipeline.observability import collectors

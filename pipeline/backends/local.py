@@ -46,7 +46,7 @@ from pipeline.engine.errors import (
 from pipeline.engine.kv_store import KVStore
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.model_runner import ModelRunner
-from pipeline.engine.params import EngineRequest, Priority, SamplingParams
+from pipeline.engine.params import EngineRequest, Priority, SamplingParams, SpeculativeParams
 from pipeline.models import END_OF_TURN
 
 __all__ = ["HandoffCounts", "LocalBackend"]
@@ -78,10 +78,12 @@ class LocalBackend:
         eos_ids: frozenset[int] | None = None,
         engine_config: EngineConfig | None = None,
         kv_store: KVStore | None = None,
+        speculative: SpeculativeParams | None = None,
     ) -> None:
         """`model` is a transformers Llama-family model (its weights are shared, not copied) or a
         ready `ModelRunner`; `max_batch` sequences run per step, `kv_capacity` prefilled ones wait;
-        `kv_store` is where prefilled KV waits for decode workers in other processes (None: nowhere)."""
+        `kv_store` is where prefilled KV waits for decode workers in other processes (None: nowhere);
+        `speculative` turns on n-gram speculative decoding for every request (None: off)."""
         self.name = name
         self._tokenizer = tokenizer
         config = engine_config or EngineConfig(max_num_seqs=max_batch, max_parked=kv_capacity)
@@ -93,11 +95,13 @@ class LocalBackend:
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._handles: dict[str, set[str]] = {}  # request id -> handles of its live sequences
         self._store = kv_store
+        self._speculative = speculative
         self.handoffs = HandoffCounts()
 
     @classmethod
     def from_path(
-        cls, path: Path, *, device: str = "cpu", name: str = "local", max_batch: int = 16, kv_store: KVStore | None = None
+        cls, path: Path, *, device: str = "cpu", name: str = "local", max_batch: int = 16,
+        kv_store: KVStore | None = None, speculative: SpeculativeParams | None = None,
     ) -> LocalBackend:
         """A backend over a checkpoint written by `pipeline.models.convert_default_model` (weights are
         read straight into the engine; no transformers model is built)."""
@@ -105,7 +109,10 @@ class LocalBackend:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         generation = GenerationConfig.from_pretrained(path, local_files_only=True)
         runner = ModelRunner.from_path(path, config)
-        return cls(runner, tokenizer, name=name, eos_ids=_eos_ids(generation, tokenizer), engine_config=config, kv_store=kv_store)
+        return cls(
+            runner, tokenizer, name=name, eos_ids=_eos_ids(generation, tokenizer), engine_config=config,
+            kv_store=kv_store, speculative=speculative,
+        )
 
     @property
     def engine(self) -> AsyncEngine:
@@ -267,6 +274,7 @@ class LocalBackend:
             stop_token_ids=self._eos_ids,
             priority=Priority.BATCH if request.priority == "batch" else Priority.INTERACTIVE,
             salt=request.tenant,  # prefix-cache blocks are never shared across tenants
+            speculative=self._speculative,
         )
 
     @contextmanager

@@ -229,7 +229,8 @@ class AsyncEngine:
                 queue = self._listeners.get(seq.seq_id)
                 if queue is None:
                     continue
-                queue.put_nowait(seq.token_ids[-1])
+                for token in seq.token_ids[len(seq.token_ids) - seq.num_new_tokens :]:  # 1..k+1 with speculation
+                    queue.put_nowait(token)
                 if seq.is_done:
                     queue.put_nowait(None)
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load, save
 
 from pipeline.engine.errors import KVMismatch
-from pipeline.engine.params import EngineRequest, Priority, SamplingParams
+from pipeline.engine.params import EngineRequest, Priority, SamplingParams, SpeculativeParams
 
 __all__ = ["KVState"]
 
@@ -37,6 +37,7 @@ class KVState:
             "stop_token_ids": json.dumps(sorted(r.stop_token_ids)),
             "priority": str(int(r.priority)),
             "salt": r.salt,
+            "speculative": json.dumps(asdict(r.speculative) if r.speculative else None),
         }
         return save({"k": self.k.contiguous(), "v": self.v.contiguous()}, metadata=header)
 
@@ -53,12 +54,18 @@ class KVState:
                 stop_token_ids=frozenset(json.loads(header["stop_token_ids"])),
                 priority=Priority(int(header["priority"])),
                 salt=header["salt"],
+                speculative=_speculative(header.get("speculative")),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise KVMismatch(f"not a KV state this engine can read: {exc}") from exc
         if header.get("version") != _VERSION:
             raise KVMismatch(f"KV state version {header.get('version')!r}, expected {_VERSION}")
         return cls(request=request, model=header["model"], k=tensors["k"], v=tensors["v"])
+
+
+def _speculative(raw: str | None) -> SpeculativeParams | None:
+    fields = json.loads(raw) if raw else None  # absent: written before speculation was per request
+    return SpeculativeParams(**fields) if fields else None
 
 
 def _header(data: bytes) -> dict[str, str]:

@@ -41,7 +41,7 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[Sequence]:
-        """One step; returns the sequences that got a new token (their last token id)."""
+        """One step; returns the sequences that got new tokens (their last `num_new_tokens` ids)."""
         output = self.scheduler.schedule()
         sampled = self.execute(output)
         return self.scheduler.update_from_output(output, sampled)

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from pipeline.engine.config import EngineConfig, ModelConfig
 from pipeline.engine.llama import LlamaWeights, apply_rotary, mlp, rms_norm, rotary
 from pipeline.engine.sampler import sample_batch
-from pipeline.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pipeline.engine.scheduler import ScheduledChunk, SchedulerOutput, StepTokens
 from pipeline.engine.sequence import Sequence
+from pipeline.engine.verify import verify
 
 __all__ = ["ModelRunner"]
 
@@ -100,29 +101,39 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         return self.model_config.kv_bytes_per_token(self.dtype.itemsize)
 
-    def run(self, output: SchedulerOutput) -> list[int | None]:
-        """Compute the step and sample; returns one entry per chunk (None where it did not sample).
-        Blocking: the async engine calls it in its model thread."""
+    def run(self, output: SchedulerOutput) -> list[StepTokens]:
+        """Compute the step and sample; returns one entry per chunk (`StepTokens`: None where it did not
+        sample, the accepted tokens where it verified drafts). Blocking: the async engine calls it in its
+        model thread."""
         chunks = list(output.chunks)
         if not chunks:
             return []
-        rows, row = [], 0
+        rows: list[int] = []
+        row = 0
         for chunk in chunks:
             row += len(chunk.token_ids)
-            if chunk.sample:
+            if chunk.num_drafts:  # every position: row i scores the token after token_ids[i]
+                rows.extend(range(row - len(chunk.token_ids), row))
+            elif chunk.sample:
                 rows.append(row - 1)
+        results: list[StepTokens] = [None] * len(chunks)
         with torch.inference_mode():
-            logits = self._forward(chunks, torch.tensor(rows, dtype=torch.long, device=self.device))
-            sampling = [c for c in chunks if c.sample]
-            tokens = iter(
-                sample_batch(
-                    logits.float(),
-                    [c.seq.sampling for c in sampling],
-                    [c.seq.token_ids for c in sampling],
-                    [c.completion_index for c in sampling],
+            logits = self._forward(chunks, torch.tensor(rows, dtype=torch.long, device=self.device)).float()
+            per_chunk = logits.split([len(c.token_ids) if c.num_drafts else int(c.sample) for c in chunks])
+            plain = [i for i, c in enumerate(chunks) if c.sample and not c.num_drafts]
+            if plain:
+                drawn = sample_batch(
+                    torch.cat([per_chunk[i] for i in plain]),
+                    [chunks[i].seq.sampling for i in plain],
+                    [chunks[i].seq.token_ids for i in plain],
+                    [chunks[i].completion_index for i in plain],
                 )
-            )
-        return [next(tokens) if c.sample else None for c in chunks]
+                for i, token in zip(plain, drawn, strict=True):
+                    results[i] = token
+            for i, chunk in enumerate(chunks):
+                if chunk.num_drafts:
+                    results[i] = verify(chunk, per_chunk[i])
+        return results
 
     def forward_tokens(self, seq: Sequence, token_ids: list[int]) -> torch.Tensor:
         """Feed `token_ids` at positions `seq.num_computed_tokens ...`, write their KV, advance

@@ -6,7 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-__all__ = ["EngineRequest", "Priority", "SamplingParams"]
+__all__ = ["EngineRequest", "Priority", "SamplingParams", "SpeculativeParams"]
 
 
 class Priority(IntEnum):
@@ -39,6 +39,22 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class SpeculativeParams:
+    """Speculative decoding inside the engine's decode steps (scheduler.py): n-gram prompt lookup drafts up
+    to `num_draft_tokens` tokens per step, verified with the other sequences' work in the same forward."""
+
+    num_draft_tokens: int = 4  # the most drafts verified in one step (the adaptive length starts here)
+    adaptive: bool = True  # move the length between 1 and num_draft_tokens with the acceptance rate
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be 1..{MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}")
+
+
+MAX_DRAFT_TOKENS = 16
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One generation as the engine takes it: token ids in, token ids out (text is the caller's business)."""
 
@@ -49,3 +65,4 @@ class EngineRequest:
     stop_token_ids: frozenset[int] = frozenset()
     priority: Priority = Priority.INTERACTIVE
     salt: str = ""  # the tenant: prefix-cache blocks are shared only between requests with the same salt
+    speculative: SpeculativeParams | None = None  # None: one token per decode step

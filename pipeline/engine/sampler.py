@@ -14,7 +14,7 @@ import torch
 
 from pipeline.engine.params import SamplingParams
 
-__all__ = ["apply_penalty", "sample_batch", "sample_token", "token_probs"]
+__all__ = ["apply_penalty", "sample_batch", "sample_token", "seeded_generator", "token_probs"]
 
 _MASK63 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive seeds apart
@@ -33,9 +33,15 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int, hi
     logits = apply_penalty(logits, params, history)
     if params.greedy:
         return int(torch.argmax(logits))
-    generator = torch.Generator(device=logits.device)
-    generator.manual_seed(((params.seed & _MASK63) * _GOLDEN + position) & _MASK63)
+    generator = seeded_generator(params, position, logits.device)
     return int(torch.multinomial(token_probs(logits, params), 1, generator=generator))
+
+
+def seeded_generator(params: SamplingParams, position: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of the draw for the completion token at index `position`."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(((params.seed & _MASK63) * _GOLDEN + position) & _MASK63)
+    return generator
 
 
 def apply_penalty(logits: torch.Tensor, params: SamplingParams, history: Ids[int]) -> torch.Tensor:

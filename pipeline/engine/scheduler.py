@@ -21,21 +21,37 @@ more the more sequences it holds (a CPU), a backfill slows interactive answers b
 (batch_every - 1 + cost of a full step / cost of an interactive one) / batch_every instead of the full
 step's cost; a step that would otherwise compute nothing feeds the batch lane anyway. Without
 interactive work the batch lane runs every step, at full batched throughput.
+
+Speculative decoding (a request with `speculative` set): once every running sequence has its chunk
+and waiting ones are admitted, each decode of such a sequence is extended with up to k drafts from
+n-gram prompt lookup (`NGramProposer` over its tokens so far, k from its `AdaptiveDraftLength`, cut to
+the budget left and to max_tokens), if blocks for the drafts are free; otherwise it decodes plainly
+this step (drafts never preempt, delay or displace other work). The runner scores every position of
+such a chunk and returns the tokens it accepts (1..k+1); `update_from_output` appends them up to a
+stop token or max_tokens and rolls the rejected drafts' KV back (`BlockManager.truncate`: the
+sequence's length and block table shrink, freed blocks return to the pool, and only blocks whose
+tokens are final are ever registered in the prefix cache).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.config import EngineConfig
+from pipeline.engine.drafting import NGramProposer
 from pipeline.engine.errors import RequestTooLarge
 from pipeline.engine.params import EngineRequest, Priority
 from pipeline.engine.sequence import Sequence, SequenceStatus
 
-__all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput", "StepTokens"]
+
+# What the runner gives back for one chunk: None (no sample: a prefill chunk short of the prompt's end),
+# one sampled token, or for a chunk with drafts the tokens verification accepted (drafts kept, then one
+# token of the target's own).
+StepTokens = int | tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,7 @@ class ScheduledChunk:
     block_table: tuple[int, ...]  # the sequence's blocks, covering at least start + len positions
     sample: bool  # True when the chunk reaches the sequence's last token: sample one new token
     completion_index: int  # completion index of the token sampled (seeds reproducible sampling)
+    num_drafts: int = 0  # token_ids[1:] are drafts to verify: score every position, accept 1..num_drafts + 1 tokens
 
 
 @dataclass(frozen=True)
@@ -99,6 +116,9 @@ class Scheduler:
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # by seq_id, oldest first
         self.step_count = 0
         self._next_id = 0
+        self.proposer = NGramProposer()  # drafts for speculative sequences (prompt lookup, no model)
+        self.spec_proposed = 0  # draft tokens verified since start (a counter for tests and metrics)
+        self.spec_accepted = 0  # of those, the ones kept
 
     @property
     def num_unfinished(self) -> int:
@@ -136,6 +156,7 @@ class Scheduler:
         if yielding and not chunks:  # nothing interactive could run after all: the batch lane does
             for seq in list(self.running):
                 budget = self._feed(seq, budget, chunks, scheduled, preempted, dropped)
+        budget = self._speculate(budget, chunks)  # drafts take only what the step's other work left
         decode_first = sorted(chunks, key=lambda c: len(c.token_ids) > 1)
         total = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(tuple(decode_first), total, tuple(preempted), tuple(dropped))
@@ -172,26 +193,45 @@ class Scheduler:
             budget -= n
         return budget
 
-    def update_from_output(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+    def update_from_output(self, output: SchedulerOutput, sampled: list[StepTokens]) -> list[Sequence]:
         """Account for a finished step: advance computed tokens, register full blocks, append sampled
-        tokens, finish or park sequences. `sampled[i]` belongs to `output.chunks[i]` (None when it did not
-        sample). Sequences that left meanwhile (aborted) are skipped. Returns the sequences that got a token."""
+        tokens, finish or park sequences. `sampled[i]` belongs to `output.chunks[i]` (see `StepTokens`).
+        A chunk with drafts appends its accepted tokens up to the first that ends the sequence and rolls
+        back the KV of the rest. Sequences that left meanwhile (aborted) are skipped. Returns the
+        sequences that got tokens (`seq.num_new_tokens` of them, at the end of `seq.token_ids`)."""
         progressed: list[Sequence] = []
-        for chunk, token in zip(output.chunks, sampled, strict=True):
+        for chunk, tokens in zip(output.chunks, sampled, strict=True):
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != chunk.start:
                 continue  # aborted, or preempted and re-admitted, while the step ran
             seq.num_computed_tokens += len(chunk.token_ids)
-            self.block_manager.commit(seq)
-            if token is None:
+            if tokens is None:
+                self.block_manager.commit(seq)
                 continue
-            seq.token_ids.append(token)
+            accepted = (tokens,) if isinstance(tokens, int) else tokens
+            seq.num_new_tokens = 0
+            for token in accepted:
+                seq.token_ids.append(token)
+                seq.num_new_tokens += 1
+                if seq.reached_stop():
+                    break
+            if chunk.num_drafts:
+                self._count_drafts(seq, chunk.num_drafts, len(accepted) - 1)
+                # the KV of the tokens fed past the last kept one (rejected or cut drafts) goes
+                self.block_manager.truncate(seq, seq.num_computed_tokens - (len(seq.token_ids) - 1))
+            self.block_manager.commit(seq)
             progressed.append(seq)
             if seq.reached_stop():
                 self._finish(seq, SequenceStatus.FINISHED)
             elif seq.park_after_first:
                 self._park(seq)
         return progressed
+
+    def _count_drafts(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        self.spec_proposed += proposed
+        self.spec_accepted += accepted
+        if seq.draft_length is not None:
+            seq.draft_length.observe(proposed, accepted)
 
     def abort(self, seq: Sequence) -> bool:
         """Stop `seq` wherever it is and free its blocks; False if it had already ended."""
@@ -220,6 +260,28 @@ class Scheduler:
         seq = Sequence.from_request(request, seq_id=self._next_id, arrival=self.step_count)
         self._next_id += 1
         return seq
+
+    def _speculate(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """Extend the decode chunks of speculative sequences with drafts, while budget and free blocks
+        allow (a sequence whose drafts do not fit decodes plainly); returns the budget left."""
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            if budget <= 0:
+                break
+            if seq.draft_length is None or chunk.num_drafts or len(chunk.token_ids) != 1 or not chunk.sample:
+                continue
+            if seq.park_after_first:
+                continue
+            k = min(seq.draft_length.k, budget, seq.max_tokens - seq.num_completion_tokens - 1)
+            drafts = self.proposer.propose(seq.token_ids, k)[:k] if k > 0 else []
+            if not drafts or not self.block_manager.can_allocate(seq, 1 + len(drafts)):
+                continue
+            self.block_manager.allocate(seq, 1 + len(drafts))
+            chunks[i] = replace(
+                chunk, token_ids=(*chunk.token_ids, *drafts), block_table=tuple(seq.block_table), num_drafts=len(drafts)
+            )
+            budget -= len(drafts)
+        return budget
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], dropped: list[Sequence], yielding: bool = False) -> int:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:

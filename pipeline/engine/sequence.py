@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from pipeline.engine.params import EngineRequest, Priority, SamplingParams
+from pipeline.engine.drafting import AdaptiveDraftLength, ngram_draft_length
+from pipeline.engine.params import EngineRequest, Priority, SamplingParams, SpeculativeParams
 
 __all__ = ["Sequence", "SequenceStatus"]
 
@@ -38,6 +39,13 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     park_after_first: bool = False  # stop being scheduled after the next sampled token (prefill/decode split)
     preemptions: int = 0
+    speculative: SpeculativeParams | None = None  # drafts verified in its decode steps (None: one token a step)
+    draft_length: AdaptiveDraftLength | None = None  # set with `speculative`: the next step's draft length
+    num_new_tokens: int = 0  # tokens the last step appended (1, or up to k + 1 with speculation)
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None and self.draft_length is None:
+            self.draft_length = ngram_draft_length(self.speculative.num_draft_tokens, self.speculative.adaptive)
 
     @classmethod
     def from_request(cls, request: EngineRequest, seq_id: int, arrival: int) -> Sequence:
@@ -51,6 +59,7 @@ class Sequence:
             priority=request.priority,
             salt=request.salt,
             arrival=arrival,
+            speculative=request.speculative,
         )
 
     def to_request(self) -> EngineRequest:
@@ -63,6 +72,7 @@ class Sequence:
             stop_token_ids=self.stop_token_ids,
             priority=self.priority,
             salt=self.salt,
+            speculative=self.speculative,
         )
 
     def __len__(self) -> int:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from pipeline.engine.drafting import AdaptiveDraftLength, NGramProposer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -86,31 +88,6 @@ def to_probs(logits: Tensor, temperature: float) -> Tensor:
 
 def _draw(probs: Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-@dataclass(frozen=True)
-class NGramProposer:
-    """Prompt lookup decoding: the tokens that followed the most recent earlier occurrence of the last n tokens.
-
-    n goes from `max_n` down to `min_n`; the first n with a match wins. No model: it costs microseconds
-    and shines when the answer copies from the prompt (summaries, rewrites, code edits).
-    """
-
-    max_n: int = 3
-    min_n: int = 2  # a one-token match is mostly chance, and a wasted verification costs more than a plain step
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_n <= self.max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got {self.min_n}..{self.max_n}")
-
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        ids = list(token_ids)
-        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            suffix, last = ids[-n:], ids[-1]
-            for start in range(len(ids) - n - 1, -1, -1):  # an occurrence with at least one token after it
-                if ids[start + n - 1] == last and ids[start : start + n] == suffix:
-                    return ids[start + n : start + n + k]
-        return []
 
 
 class DraftModelProposer:
@@ -207,36 +184,6 @@ def accept_rejection_sampling(
         return out
     out.append(_draw(target_probs[len(draft_tokens)], generator))
     return out
-
-
-@dataclass
-class AdaptiveDraftLength:
-    """Draft length k from the running acceptance rate: one longer while it is high, one shorter while low.
-
-    The rate is an exponential moving average of accepted/proposed per step. Fixed k: min_k = max_k = k.
-    """
-
-    k: int = 4
-    min_k: int = 1
-    max_k: int = 8
-    smoothing: float = 0.3  # weight of the newest step in the running rate
-    raise_above: float = 0.7
-    lower_below: float = 0.4
-    rate: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.min_k <= self.k <= self.max_k:
-            raise ValueError(f"need 0 <= min_k <= k <= max_k, got {self.min_k}, {self.k}, {self.max_k}")
-        self.rate = (self.raise_above + self.lower_below) / 2  # neutral until something is observed
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        if proposed == 0:
-            return  # the proposer had no guess: nothing learnt about its accuracy
-        self.rate += self.smoothing * (accepted / proposed - self.rate)
-        if self.rate > self.raise_above:
-            self.k = min(self.k + 1, self.max_k)
-        elif self.rate < self.lower_below:
-            self.k = max(self.k - 1, self.min_k)
 
 
 @dataclass

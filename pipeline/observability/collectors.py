@@ -1,6 +1,7 @@
 """Metrics read at scrape time from objects that already know them: the engine's scheduler (running and
-waiting sequences, KV blocks in use, as vLLM reports them) and route's view of backend health (which
-backends are ejected). Objects are held weakly: a closed engine or stage drops out of the output."""
+waiting sequences, KV blocks in use, as vLLM reports them; speculative draft tokens proposed and
+accepted) and route's view of backend health (which backends are ejected). Objects are held weakly: a
+closed engine or stage drops out of the output."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import REGISTRY
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 
@@ -22,17 +23,21 @@ class EngineCollector(Collector):
     def add(self, name: str, engine: Any) -> None:
         self._engines[name] = engine
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         running = GaugeMetricFamily("sluice_num_requests_running", "Sequences in the engine's running batch", labels=["engine"])
         waiting = GaugeMetricFamily("sluice_num_requests_waiting", "Sequences waiting for the engine's batch", labels=["engine"])
         kv = GaugeMetricFamily("sluice_kv_cache_usage_perc", "Share of the engine's KV-cache blocks in use (0 to 1)", labels=["engine"])
+        spec = CounterMetricFamily("sluice_engine_spec_tokens", "Speculative draft tokens proposed and accepted",
+                                   labels=["engine", "outcome"])
         for name, engine in list(self._engines.items()):
             scheduler, blocks = engine.scheduler, engine.block_manager
             running.add_metric([name], len(scheduler.running))
             waiting.add_metric([name], len(scheduler.waiting))
             total = blocks.num_blocks
             kv.add_metric([name], (total - blocks.num_free_blocks) / total if total else 0.0)
-        yield from (running, waiting, kv)
+            spec.add_metric([name, "proposed"], scheduler.spec_proposed)
+            spec.add_metric([name, "accepted"], scheduler.spec_accepted)
+        yield from (running, waiting, kv, spec)
 
 
 class HealthCollector(Collector):

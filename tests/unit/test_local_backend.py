@@ -326,3 +326,34 @@ async def test_a_cancelled_decode_frees_the_stored_kv(pair) -> None:  # type: ig
             if seen == 2:
                 await decode_side.cancel(request.request_id)
     assert seen == 2 and store.get(prefilled.handle) is None
+
+
+COPY = chat(
+    "copy",
+    "Repeat the following text exactly, word for word:\n\nThe quick brown fox jumps over the lazy dog. It was a "
+    "sunny day in the small village, and the children were playing near the old stone bridge.",
+    max_tokens=32,
+)
+
+
+@pytest.mark.asyncio
+async def test_speculative_settings_reach_the_engine_and_keep_the_output(backend: LocalBackend, tmp_path: Path) -> None:
+    from pipeline import backends
+    from pipeline.settings import load
+
+    config = tmp_path / "sluice.toml"
+    config.write_text(
+        f'[runtime]\nmodel_cache = "{MODEL_CACHE}"\n\n[[backends]]\nname = "spec"\nkind = "local"\n'
+        'model = "smollm2-135m-instruct"\npool = "local"\nspeculative = "ngram"\nnum_draft_tokens = 3\n'
+    )
+    spec = backends.load(load(config, {}))["spec"]
+    assert isinstance(spec, LocalBackend)
+    try:
+        got = await collect(spec.generate(COPY))
+    finally:
+        await spec.aclose()
+    scheduler = spec.engine.engine.scheduler
+    assert scheduler.spec_accepted > 0 and spec._speculative is not None and spec._speculative.num_draft_tokens == 3
+    plain = await collect(backend.generate(replace(COPY, request_id="copy-plain")))
+    assert ids_of(got) == ids_of(plain) and text_of(got) == text_of(plain)
+    assert backend.engine.engine.scheduler.spec_proposed == 0  # off unless configured

@@ -109,3 +109,23 @@ def test_config_check_reports_an_invalid_file_and_exits_2(tmp_path: Path, monkey
     monkeypatch.setenv("SLUICE_CONFIG", str(tmp_path / "bad.toml"))
     assert cli.main(["config", "check"]) == 2
     assert "`bridge.prot` is not a key of [bridge]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("entry", "expected"), [
+    ('kind = "instant"\nspeculative = "ngram"\n', "speculative needs kind local"),
+    ('speculative = "ngram"\nnum_draft_tokens = 0\n', "num_draft_tokens 1..16"),
+    ('speculative = "ngram"\nnum_draft_tokens = 17\n', "num_draft_tokens 1..16"),
+    ('speculative = "medusa"\n', "invalid enum value 'medusa' (allowed: one of 'off', 'ngram')"),
+    ('speculative = "ngram"\ndraft_tokens = 4\n', "`backends[0].draft_tokens` is not a key of [backends[0]]"),
+])
+def test_speculative_decoding_settings_are_checked(tmp_path: Path, entry: str, expected: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        load_text(tmp_path, f'[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\n{entry}')
+    assert expected in str(caught.value)
+
+
+def test_speculative_decoding_is_off_by_default_and_read_when_set(tmp_path: Path) -> None:
+    assert all(b.speculative == "off" for b in load(DEFAULT_CONFIG, {}).backends)
+    entry = '[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\nspeculative = "ngram"\nnum_draft_tokens = 6\n'
+    [backend] = load_text(tmp_path, entry).backends
+    assert (backend.speculative, backend.num_draft_tokens) == ("ngram", 6)

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.config import EngineConfig
-from pipeline.engine.params import EngineRequest, Priority
-from pipeline.engine.scheduler import Scheduler, SchedulerOutput
+from pipeline.engine.params import EngineRequest, Priority, SpeculativeParams
+from pipeline.engine.scheduler import Scheduler, SchedulerOutput, StepTokens
 from pipeline.engine.sequence import Sequence, SequenceStatus
 
 
@@ -20,8 +20,13 @@ def make(num_blocks: int = 12, block_size: int = 4, **limits: int) -> Scheduler:
     return Scheduler(config, BlockManager(num_blocks, block_size), max_model_len=1000)
 
 
-def fake_run(output: SchedulerOutput, rng: random.Random) -> list[int | None]:
-    return [rng.randrange(8) if c.sample else None for c in output.chunks]
+def fake_run(output: SchedulerOutput, rng: random.Random) -> list[StepTokens]:
+    """A random token per sampling chunk; for a chunk with drafts, a random number of them kept, then one."""
+    return [
+        (*c.token_ids[1 : 1 + rng.randint(0, c.num_drafts)], rng.randrange(8)) if c.num_drafts
+        else rng.randrange(8) if c.sample else None
+        for c in output.chunks
+    ]
 
 
 def check_invariants(s: Scheduler, live: list[Sequence]) -> None:
@@ -57,11 +62,14 @@ def test_random_workloads_free_every_block(ops: list[tuple[str, int]], budget: i
         if op == "add":
             prompt = tuple(r.choice([1, 2]) for _ in range(r.randint(1, 3 * block_size)))  # shared prefixes
             request = EngineRequest(prompt, max_tokens=r.randint(1, 6), salt=r.choice(["", "t"]),
-                                    priority=r.choice(list(Priority)))
+                                    priority=r.choice(list(Priority)),
+                                    stop_token_ids=r.choice([frozenset(), frozenset({7})]),
+                                    speculative=r.choice([None, SpeculativeParams(r.randint(1, 4))]))
             if s.block_manager.blocks_for(len(prompt) + request.max_tokens) <= 10:
                 live.append(s.add(request, park_after_first=r.random() < 0.3))
         elif op == "step":
             out = s.schedule()
+            assert out.num_batched_tokens == sum(len(c.token_ids) for c in out.chunks) <= budget
             preemptions += len(out.preempted)
             if live and r.random() < 0.2:  # a cancel lands while the step runs
                 s.abort(r.choice(live))
@@ -81,6 +89,9 @@ def test_random_workloads_free_every_block(ops: list[tuple[str, int]], budget: i
         check_invariants(s, live)
     assert not s.num_unfinished and not s.parked
     assert all(seq.is_done for seq in live)
+    for seq in live:  # nothing past max_tokens or after a stop token, however many tokens a step gave
+        assert seq.num_completion_tokens <= seq.max_tokens
+        assert not set(seq.completion_ids[:-1]) & seq.stop_token_ids
     assert s.block_manager.num_free_blocks == 10 and all(b.ref_count == 0 for b in s.block_manager.blocks)
 
 
@@ -185,3 +196,28 @@ def test_batch_every_one_is_the_old_policy() -> None:
         out = s.schedule()
         assert batch in [c.seq for c in out.chunks]
         s.update_from_output(out, [0 if c.sample else None for c in out.chunks])
+
+
+def test_drafts_take_only_free_blocks_and_roll_back_what_verification_rejects() -> None:
+    s = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a = s.add(EngineRequest((1, 2, 3, 1, 2, 3, 1), max_tokens=8, speculative=SpeculativeParams(4)))
+    s.update_from_output(s.schedule(), [2])  # prefill: 7 tokens in 2 blocks, then token 2
+    b = s.add(EngineRequest((5, 6, 7, 8, 9), max_tokens=3))
+    out = s.schedule()  # b takes the last two blocks: a decodes without drafts, and nobody is preempted
+    assert [(c.seq, c.num_drafts) for c in out.chunks] == [(a, 0), (b, 0)] and not out.preempted
+    s.update_from_output(out, [3, 9])
+    s.abort(b)
+    out = s.schedule()  # (1, 2, 3) occurred before, followed by 1, 2, 3: three drafts, one more block
+    [chunk] = out.chunks
+    assert chunk.token_ids == (3, 1, 2, 3) and chunk.num_drafts == 3 and chunk.start == 8
+    assert len(a.block_table) == 3 and s.block_manager.num_free_blocks == 1
+    s.update_from_output(out, [(1, 2, 5)])  # two drafts kept, then the target's own token
+    assert a.completion_ids == [2, 3, 1, 2, 5] and a.num_new_tokens == 3
+    assert a.num_computed_tokens == len(a.token_ids) - 1 == 11  # the rejected draft's KV is gone
+    assert (s.spec_proposed, s.spec_accepted) == (3, 2)
+    rng = random.Random(3)
+    while s.num_unfinished:
+        out = s.schedule()
+        s.update_from_output(out, fake_run(out, rng))
+    assert a.status is SequenceStatus.FINISHED and a.num_completion_tokens == 8
+    assert s.block_manager.num_free_blocks == 4

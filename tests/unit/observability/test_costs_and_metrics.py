@@ -75,7 +75,7 @@ def test_observe_counts_outcome_tokens_cost_and_reasons() -> None:
 
 def test_engine_and_health_collectors_read_at_scrape_time() -> None:
     class Engine:  # an LLMEngine's shape
-        scheduler = SimpleNamespace(running=[1, 2], waiting=[1, 2, 3])
+        scheduler = SimpleNamespace(running=[1, 2], waiting=[1, 2, 3], spec_proposed=5, spec_accepted=3)
         block_manager = SimpleNamespace(num_blocks=10, num_free_blocks=4)
 
     engine = Engine()
@@ -83,6 +83,8 @@ def test_engine_and_health_collectors_read_at_scrape_time() -> None:
     assert sample("sluice_num_requests_running", engine="unit-engine") == 2
     assert sample("sluice_num_requests_waiting", engine="unit-engine") == 3
     assert sample("sluice_kv_cache_usage_perc", engine="unit-engine") == pytest.approx(0.6)
+    assert sample("sluice_engine_spec_tokens_total", engine="unit-engine", outcome="proposed") == 5
+    assert sample("sluice_engine_spec_tokens_total", engine="unit-engine", outcome="accepted") == 3
 
     class View:
         def member(self, name: str, now: float) -> SimpleNamespace:
