@@ -37,12 +37,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--random-weights", action="store_true", help="a larger Llama shape with random weights")
     parser.add_argument("--random-layers", type=int, default=LARGE_LLAMA["num_hidden_layers"], help="fewer for a smoke test")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default; 1 is steadier on a shared machine)")
 
 
 def load_model(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """(transformers model, tokenizer or None); the engine shares the model's weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if args.random_weights:
         torch.manual_seed(0)
