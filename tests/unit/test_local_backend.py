@@ -276,6 +276,22 @@ async def test_decode_in_another_engine_imports_the_kv_and_equals_one_process(pa
 
 
 @pytest.mark.asyncio
+async def test_seeded_sampling_after_handoff_equals_one_process(pair) -> None:  # type: ignore[no-untyped-def]
+    """Under temperature too: the imported sequence draws what the single process drew (seeded per
+    completion index), and so does the recompute when the handle is gone."""
+    prefill_side, decode_side, store, _ = pair
+    sampled = replace(POEM, request_id="sampled-handoff", temperature=0.9, top_p=0.9, seed=77)
+    one_process = ids_of(await collect(prefill_side.generate(sampled)))
+    prefilled = await _handed_off(prefill_side, sampled)
+    handed = [prefilled.first_token_id, *ids_of(await collect(decode_side.decode(sampled, prefilled)))]
+    gone = await _handed_off(prefill_side, sampled)
+    store.delete(gone.handle)
+    recomputed = [gone.first_token_id, *ids_of(await collect(decode_side.decode(sampled, gone)))]
+    assert handed == one_process == recomputed and len(one_process) == N
+    assert decode_side.handoffs == HandoffCounts(imported=1, recomputed=1)
+
+
+@pytest.mark.asyncio
 async def test_a_missing_or_expired_handle_falls_back_to_recompute(pair, reference: list[int]) -> None:  # type: ignore[no-untyped-def]
     prefill_side, decode_side, store, clock = pair
     gone = await _handed_off(prefill_side, POEM)
