@@ -128,7 +128,7 @@ def build_prompts(count: int, target_tokens: int) -> tuple[list[str], list[int]]
                 break
             text += answer[:1500] + "\n"
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:target_tokens]
-        prompt = str(tokenizer.decode(ids)) + "\n\nSummary:"
+        prompt = str(tokenizer.decode(ids)) + "\n\nSummary: this document"  # mid-sentence: rarely ends at once
         prompts.append(prompt)
         lengths.append(len(tokenizer(prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]))
     return prompts, lengths
@@ -182,6 +182,10 @@ def main() -> None:
                 for mode in MODES if (repeat + i) % 2 == 0 else MODES[::-1]:
                     results[mode].append(one(mode, prompt, f"r{repeat}{mode}{i}"))
                 h, r = results["handoff"][-1], results["recompute"][-1]
+                if h[0].prefilled.finish_reason is not None:  # the first token ended it: there is no decode
+                    print(f"round {repeat + 1} prompt {i + 1}: the first token finished the request; left out")
+                    del results["handoff"][-1], results["recompute"][-1]
+                    continue
                 if h[1].token_ids != r[1].token_ids:
                     raise AssertionError(f"prompt {i} round {repeat + 1}: handoff and recompute outputs differ")
                 print(f"round {repeat + 1} prompt {i + 1}: decode start {h[1].start_s:.3f} s handoff / "
