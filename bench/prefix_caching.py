@@ -6,12 +6,13 @@ with the cache unable to hit); "cached" requests share one tenant, whose system-
 warm-up request computed. TTFT is from `add_request` to the first sampled token (engine steps only,
 no Kafka), one request at a time.
 
-    .venv/bin/python -m bench.prefix_caching [--requests 8]
+    .venv/bin/python -m bench.prefix_caching [--requests 20] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from bench.engine_common import add_model_args, load_model, make_engine, peak_rss_mib, sync
@@ -69,6 +70,7 @@ def main() -> None:
     engine = make_engine(model, config)
     ttft(engine, prompts[0], salt="warm-up")  # compiles nothing, but touches every code path once
     ttft(engine, prompts[0], salt="shared")  # fills the shared tenant's cache with the system prompt
+    load = os.getloadavg()[0]
     cached, uncached, hit_tokens = [], [], []
     for i in range(args.requests):
         ms, _ = ttft(engine, prompts[1 + 2 * i], salt=f"cold-{i}")
@@ -85,7 +87,8 @@ def main() -> None:
     print(row("cached (shared system prompt)", cached))
     ratio = sorted(uncached)[len(uncached) // 2] / sorted(cached)[len(cached) // 2]
     print(f"**p50 ratio: {ratio:.1f}x** (target >= 5x)")
-    print(f"KV bytes per token: {engine.runner.kv_bytes_per_token}; peak RSS {peak_rss_mib():.0f} MiB")
+    print(f"KV bytes per token: {engine.runner.kv_bytes_per_token}; peak RSS {peak_rss_mib():.0f} MiB; "
+          f"{args.threads or 'default'} torch thread(s); load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end")
 
 
 if __name__ == "__main__":
