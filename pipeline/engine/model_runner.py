@@ -151,9 +151,10 @@ class ModelRunner:
     def read_kv(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the first `num_tokens` positions, [layers, num_tokens, kv_heads, head_dim], on CPU."""
         blocks = torch.tensor(block_table, dtype=torch.long, device=self.device)
-        k = self.k_cache[:, blocks].flatten(1, 2)[:, :num_tokens]
-        v = self.v_cache[:, blocks].flatten(1, 2)[:, :num_tokens]
-        return k.cpu(), v.cpu()
+        # index_select copies whole blocks; `cache[:, blocks]` went element by element (5x slower here)
+        k = self.k_cache.index_select(1, blocks).flatten(1, 2)[:, :num_tokens]
+        v = self.v_cache.index_select(1, blocks).flatten(1, 2)[:, :num_tokens]
+        return k.contiguous().cpu(), v.contiguous().cpu()
 
     def write_kv(self, block_table: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Put K and V (as `read_kv` returns them) into positions 0.. of the given blocks."""
