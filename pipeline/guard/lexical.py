@@ -70,9 +70,11 @@ class LexicalModel:
                    data["lex_coef"].astype(np.float32), float(data["lex_b"]))
 
 
-def fit(texts: list[str], labels: np.ndarray, *, min_df: int = 3, max_features: int = 200_000, c: float = 4.0) -> LexicalModel:
+def fit(texts: list[str], labels: np.ndarray, *, min_df: int = 3, max_features: int = 200_000, c: float = 4.0,
+        weights: np.ndarray | None = None) -> LexicalModel:
     """The vocabulary (n-grams in at least `min_df` texts, the `max_features` most frequent), the idf
-    and a class-balanced logistic regression, all from the training texts."""
+    and a class-balanced logistic regression (`weights` multiply rows' weights), all from the training
+    texts."""
     from sklearn.linear_model import LogisticRegression
 
     counts = _counts(texts)
@@ -83,5 +85,5 @@ def fit(texts: list[str], labels: np.ndarray, *, min_df: int = 3, max_features: 
     idf = (np.log((1 + len(texts)) / (1 + df[columns])) + 1.0).astype(np.float32)
     vocabulary = LexicalModel(columns, idf, np.zeros(len(columns), np.float32), 0.0)
     x = vocabulary.features(texts)[:, columns]
-    model = LogisticRegression(C=c, class_weight="balanced", max_iter=2000).fit(x, labels)
+    model = LogisticRegression(C=c, class_weight="balanced", max_iter=2000).fit(x, labels, sample_weight=weights)
     return LexicalModel(columns, idf, model.coef_[0].astype(np.float32), float(model.intercept_[0]))

@@ -8,9 +8,9 @@ character n-grams) and measures it.
    (cached under the model cache, so a second run takes seconds).
 2. Fits candidates on the TRAIN splits only (class-balanced): heads over the embedding (a logistic
    regression, MLPs with one or two hidden layers, one weighing the chat prompts three times, and the
-   mean of five seeds of the two-layer MLP), the lexical model (`lexical.py`: char 2-5-gram TF-IDF and
-   a logistic regression) alone, and each head with the lexical model (their logits averaged); all
-   seeded, so a run reproduces the same weights on the same machine.
+   mean of five seeds of the two-layer MLP), two lexical models (`lexical.py`: char 2-5-gram TF-IDF and
+   a logistic regression, chat prompts weighed once or three times) alone, and each head with each
+   lexical model (their logits averaged); all seeded, so a run reproduces the same weights on the same machine.
 3. Chooses on the VALIDATION splits only: for each candidate, the threshold is the lowest at which the
    guard's decision (classifier, texts under four words left to the patterns, a pattern hit = 1.0)
    refuses at most 1% of the validation chat prompts and 5% of each corpus's validation benign texts;
@@ -123,12 +123,13 @@ def with_threshold_at_default(model: InjectionModel, threshold: float) -> Inject
 
 
 def candidates(x: np.ndarray, y: np.ndarray, chat: np.ndarray, texts: list[str]) -> dict[str, InjectionModel]:
-    """Every head alone, the lexical model alone, and every head with the lexical model."""
+    """Every head alone, each lexical model (chat prompts weighed once or three times) alone, and every
+    head with each lexical model."""
     fitted = heads(x, y, chat)
-    lexical = fit_lexical(texts, y)
+    lexicals = {"lexical": fit_lexical(texts, y), "lexical (chat weight 3)": fit_lexical(texts, y, weights=np.where(chat, 3.0, 1.0))}
     out = {name: InjectionModel(head, None) for name, head in fitted.items()}
-    out["lexical"] = InjectionModel([], lexical)
-    out |= {f"{name} + lexical": InjectionModel(head, lexical) for name, head in fitted.items()}
+    out |= {name: InjectionModel([], lexical) for name, lexical in lexicals.items()}
+    out |= {f"{name} + {lex}": InjectionModel(head, lexical) for name, head in fitted.items() for lex, lexical in lexicals.items()}
     return out
 
 
