@@ -20,8 +20,10 @@ async def test_starts_are_spaced_by_the_rate() -> None:
         starts.append(time.monotonic())
 
     assert await feed(list(range(6)), run, Admission(10, rate=50.0), asyncio.Event())
-    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    assert len(starts) == 6 and min(gaps) >= 0.015  # 1 / 50 s apart, less timer slack
+    # Start k comes no sooner than k / 50 s after the first (less timer slack). Gaps between neighbours
+    # are not the claim: a start that a busy machine delayed is followed by its on-time successor.
+    assert len(starts) == 6
+    assert all(at - starts[0] >= k / 50 - 0.003 for k, at in enumerate(starts)), [at - starts[0] for at in starts]
 
 
 async def test_a_stop_cancels_the_lines_in_flight_and_starts_no_more() -> None:
