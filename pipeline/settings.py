@@ -106,7 +106,7 @@ class BackendSettings:
     # up to num_draft_tokens tokens per sequence and step, verified in the same batched forward (output under
     # greedy is unchanged; it pays when answers copy from the prompt: edits, extraction, code); "off": none
     speculative: Literal["off", "ngram"] = "off"
-    num_draft_tokens: int = 4  # 1..16: the most drafts per step; the length adapts between 1 and this
+    num_draft_tokens: int = 8  # 1..16: the most drafts per step (8: chosen on DEV prompts by bench.speculative_batched); adapts between 1 and this
 
     @property
     def splits(self) -> bool:
