@@ -95,7 +95,7 @@ async def input_guard(n: int, rng: random.Random) -> list[str]:
     _ = guard.check([[TextCheck(t, True)] for t in texts[:16]])
     print(f"input guard refused {refused} of {len(texts)} benign prompts")
     return [row("input guard: guard stage handler (PII + injection)", handler), row("  PII alone (Presidio + spaCy NER)", pii),
-            row("  injection alone (MiniLM int8 + MLP head + patterns)", injection)]
+            row("  injection alone (MiniLM int8 head + lexical model + patterns)", injection)]
 
 
 async def run(stage: GuardStage, message: Admitted) -> bool:
