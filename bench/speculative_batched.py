@@ -23,18 +23,16 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
 from bench.speculative import GROUNDED as DEV_PROMPTS
+from bench.speculative import MODEL_CACHE
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.model_runner import ModelRunner
 from pipeline.engine.params import EngineRequest, SpeculativeParams
 from pipeline.models import convert_default_model, load_model
-
-MODEL_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "models"
 
 NOTICE = (
     "Dear residents, the water supply on Elm Street will be interrupted on Tuesday from eight in the morning "
