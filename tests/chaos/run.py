@@ -99,9 +99,14 @@ async def run_profile(profile: Profile, seed: int | None = None) -> Report:
     loop.add_signal_handler(signal.SIGTERM, task.cancel)  # a TERMed run still stops its workers and services
     try:
         with _log_to(state / "harness.log"):
-            return await _run_profile(profile, seed, ports, state)
+            report = await _run_profile(profile, seed, ports, state)
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+    if not report.ok:  # the next run clears `state`: keep the evidence
+        kept = state.with_name(f"{state.name}-failed-{time.strftime('%Y%m%dT%H%M%S')}")
+        shutil.copytree(state, kept, dirs_exist_ok=True)
+        say(f"kept this failed run's state (topics' segments, Redis's append-only file, worker logs) in {kept}")
+    return report
 
 
 async def _run_profile(profile: Profile, seed: int, ports: harness.Ports, state: Path) -> Report:
