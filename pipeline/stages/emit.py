@@ -92,6 +92,9 @@ class EmitStage:
                                                            *settings.observability.tenant_labels)))
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
         self._carried: dict[str, list[Chunk]] = {}  # chunks held behind a gap when a request was reset
+        # Requests one of whose acknowledged writes failed: that message is being retried, so a gap in
+        # them may be a chunk still on its way, not a lost one (see `_terminal_or_wait`).
+        self._unsure: set[str] = set()
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
 
     async def aclose(self) -> None:
@@ -106,6 +109,7 @@ class EmitStage:
         if request_id is None:
             self._sent.clear()
             self._carried.clear()
+            self._unsure.clear()  # every message in flight is redelivered after a rebalance
         elif (sent := self._sent.pop(request_id, None)) is not None and (held := sent.order.held()):
             self._carried[request_id] = held  # their messages may be done: keep them, they are the client's
 
@@ -134,7 +138,9 @@ class EmitStage:
         if not await self._store.write(_key(rid), {}, owner=self._owner):  # still ours? (a paused worker's is not)
             sent.fenced = True
             raise InfraUnavailable("taken over by another emit worker")
+        self._wait_for_retries(rid, message, sent)
         sent.finished = True
+        self._unsure.discard(rid)
         terminal = self._terminal(message, sent, clock)
         terminal = costs.priced(terminal, self._prices, self._billed(terminal).usage)
         costs.observe(terminal, self._tenant_label(terminal.tenant), self._models)
@@ -190,6 +196,13 @@ class EmitStage:
         self._sent.move_to_end(rid)
         return sent
 
+    def _wait_for_retries(self, rid: str, message: Done | Failed, sent: _Sent) -> None:
+        """A terminal event that finds chunks missing while an earlier message of its request is being
+        retried (its acknowledged write failed: the broker or Redis was away) waits for that retry: the
+        request's later messages do not wait for it, and ending now would call a late chunk lost."""
+        if rid in self._unsure and (sent.order.gap() or message.chunks > sent.order.next_seq):
+            raise InfraUnavailable("an earlier message of this request is being retried; its chunks may still come")
+
     def _terminal(self, message: Done | Failed, sent: _Sent, clock: Stopwatch) -> Done | Failed:
         """The event the client gets: the chunk count and digest of what it received, or, when chunks
         are missing (a gap, or fewer than the stream claims), `stream_incomplete`."""
@@ -231,10 +244,17 @@ class EmitStage:
             async with sent.writing:
                 if position and position <= sent.stored:
                     return
-                if not await self._store.write(_key(rid), fields, owner=self._owner):
+                try:
+                    written = await self._store.write(_key(rid), fields, owner=self._owner)
+                except BaseException:
+                    self._unsure.add(rid)  # this message is retried; its chunks may reach the client again
+                    raise
+                if not written:
                     sent.fenced = True  # the runner tries the message again, after `reset`: re-read the store
                     raise InfraUnavailable("taken over by another emit worker")
                 sent.stored = max(sent.stored, position)
+                if position:
+                    self._unsure.discard(rid)  # a write went through after the failed one: the retry ran
 
         return acked
 

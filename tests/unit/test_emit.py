@@ -138,3 +138,52 @@ async def test_the_stored_position_never_moves_back_when_acknowledgements_land_o
     await second[0].acked()  # the later write lands first (two connections, two writes in flight)
     await first[0].acked()
     assert (await store.read(RID + "#emit"))["emitted"] == b"2"
+
+
+class FlakyStore(MemoryStateStore):
+    """A store whose next `fail` writes raise as Redis does while it restarts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = 0
+
+    async def write(self, key: str, fields, *, owner: str | None = None) -> bool:  # type: ignore[no-untyped-def]
+        if self.fail:
+            self.fail -= 1
+            raise InfraUnavailable("redis state store: ConnectionError")
+        return await super().write(key, fields, owner=owner)
+
+
+@pytest.mark.asyncio
+async def test_a_terminal_waits_for_a_chunk_whose_message_is_being_retried() -> None:
+    """Chaos found it: chunk 1's acknowledged write fails (Redis restarting), so handling.py retries that
+    message after `reset`; the request's later messages go on meanwhile, rebuild the progress from the
+    store and hold chunk 2 behind the gap. The terminal event must not call chunk 1 lost: it waits."""
+    store = FlakyStore()
+    stage = emit(store)
+    [c0] = [o async for o in stage.handle(chunk(0))]
+    await c0.acked()
+    [c1] = [o async for o in stage.handle(chunk(1))]
+    store.fail = 1
+    with pytest.raises(InfraUnavailable):
+        await c1.acked()  # chunk 1 reached the client; its position did not reach the store
+    await stage.reset(RID)  # handling.py, before it retries chunk 1's message
+    assert [o async for o in stage.handle(chunk(2))] == []  # rebuilt at 1 from the store: 2 waits for 1
+    with pytest.raises(InfraUnavailable):  # the terminal event is retried too, not ended as stream_incomplete
+        [o async for o in stage.handle(done(3))]
+    await stage.reset(RID)
+    retried = [o async for o in stage.handle(chunk(1))]  # chunk 1's retry: 1 again (the client drops it), then 2
+    assert [o.value.seq for o in retried] == [1, 2]
+    for out in retried:
+        await out.acked()
+    await stage.reset(RID)
+    sent = await replies(stage, done(3))
+    assert isinstance(sent[0], Done) and sent[0].chunks == 3
+
+
+@pytest.mark.asyncio
+async def test_a_gap_with_no_retry_pending_still_ends_as_stream_incomplete() -> None:
+    store = FlakyStore()
+    stage = emit(store)
+    sent = await replies(stage, chunk(0), chunk(2), done(3))
+    assert isinstance(sent[-1], Failed) and sent[-1].code == ErrorCode.stream_incomplete
