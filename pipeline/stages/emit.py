@@ -93,7 +93,7 @@ class EmitStage:
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
         self._carried: dict[str, list[Chunk]] = {}  # chunks held behind a gap when a request was reset
         # Requests one of whose acknowledged writes failed: that message is being retried, so a gap in
-        # them may be a chunk still on its way, not a lost one (see `_terminal_or_wait`).
+        # them may be a chunk still on its way, not a lost one (`_wait_for_retries`).
         self._unsure: set[str] = set()
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
 
