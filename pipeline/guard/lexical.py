@@ -9,6 +9,7 @@ here), and the learnt part is three arrays in the injection npz (`lex_columns`, 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,13 +18,17 @@ N_FEATURES = 2**20
 KEYS = ("lex_columns", "lex_idf", "lex_coef", "lex_b")
 
 
-def _counts(texts: list[str]):  # type: ignore[no-untyped-def]
+@functools.cache
+def _vectorizer():  # type: ignore[no-untyped-def]
     from sklearn.feature_extraction.text import HashingVectorizer
 
-    vectorizer = HashingVectorizer(
+    return HashingVectorizer(
         analyzer="char_wb", ngram_range=(2, 5), n_features=N_FEATURES, alternate_sign=False, norm=None, dtype=np.float32
     )
-    return vectorizer.transform(texts)
+
+
+def _counts(texts: list[str]):  # type: ignore[no-untyped-def]
+    return _vectorizer().transform(texts)
 
 
 @dataclass(frozen=True)
