@@ -22,10 +22,9 @@ import argparse
 import asyncio
 import os
 import random
-import statistics
 import time
 
-from bench.stats import row
+from bench.stats import percentile, row
 from pipeline.errors import StageError
 from pipeline.guard.context_limit import ContextLimit
 from pipeline.guard.loader import InputGuard
@@ -110,8 +109,10 @@ async def main() -> None:
     print("| tenant interactive, 300-character prompts | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")
     print(row("alone", alone))
     print(row(f"while tenant bulk has {args.large} x 32 KB in the guard", loaded))
-    p50, p99 = (lambda xs: statistics.median(xs)), (lambda xs: statistics.quantiles(xs, n=100, method="inclusive")[98])
-    print(f"delay added by the bulk tenant: p50 {p50(loaded) - p50(alone):+.1f} ms, p99 {p99(loaded) - p99(alone):+.1f} ms, "
+    def added(q: float) -> float:
+        return percentile(loaded, q) - percentile(alone, q)
+
+    print(f"delay added by the bulk tenant: p50 {added(50):+.1f} ms, p99 {added(99):+.1f} ms, "
           f"max {max(loaded) - max(alone):+.1f} ms (max under load {max(loaded):.0f} ms, max alone {max(alone):.0f} ms); "
           f"load average {os.getloadavg()[0]:.2f}")
 
