@@ -13,8 +13,9 @@ Spans follow OpenTelemetry's messaging conventions (`messaging.system`, `messagi
 `messaging.destination.name`, `messaging.consumer.group.name`, `messaging.destination.partition.id`,
 `messaging.kafka.offset`, `messaging.message.body.size`). Sampling is parent-based: a client decides
 (`observability.sample_ratio`) and every stage follows the `traceparent` flag it received, so a trace is
-kept whole or not at all. Export is batched in a background thread (BatchSpanProcessor) over OTLP/HTTP;
-a full queue drops spans, it never slows a stage.
+kept whole or not at all. Export is batched in a background thread (BatchSpanProcessor) over OTLP/HTTP
+with sluice's own protobuf encoder (pipeline.observability.otlp: the same bytes, a third of the CPU); a
+full queue drops spans, it never slows a stage.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from pipeline import metrics
 from pipeline.observability.config import ObservabilitySettings
+from pipeline.observability.otlp import OtlpHttpExporter
 from pipeline.observability.recent import TRACES
 
 Headers = Sequence[tuple[str, bytes]]
@@ -55,9 +57,7 @@ def install(settings: ObservabilitySettings | None = None, exporter: SpanExporte
     sampler = sampler or ParentBased(TraceIdRatioBased(settings.sample_ratio))
     provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}), sampler=sampler)
     if exporter is None and settings.otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter(endpoint=settings.otlp_endpoint, timeout=settings.otlp_timeout_s)
+        exporter = OtlpHttpExporter(settings.otlp_endpoint, settings.otlp_timeout_s)
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(
             exporter, max_queue_size=settings.export_queue, max_export_batch_size=settings.export_batch,
