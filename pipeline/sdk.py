@@ -36,8 +36,8 @@ from pipeline.gateway.principal import sign_with_key
 from pipeline.observability.watch import RequestWatch
 from pipeline.producing import Producer
 from pipeline.sequencing import Sequencer
-from pipeline.stage import address_of
 from pipeline.settings import Settings
+from pipeline.stage import address_of
 from topics import codec, registry
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
