@@ -21,6 +21,7 @@ full queue drops spans, it never slows a stage.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -30,10 +31,11 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import TraceState
 
 from pipeline import metrics
 from pipeline.observability.config import ObservabilitySettings
+from pipeline.observability.lean import LeanTracerProvider
 from pipeline.observability.otlp import OtlpHttpExporter
 from pipeline.observability.recent import TRACES
 
@@ -44,18 +46,24 @@ tracer = trace.get_tracer("sluice")
 MAX_HEADER_BYTES = 512  # a traceparent is 55 bytes; W3C lets tracestate reach 512 characters
 _TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 CONSUMER, PRODUCER = trace.SpanKind.CONSUMER, trace.SpanKind.PRODUCER
-_W3C = TraceContextTextMapPropagator()  # traceparent and tracestate only: no baggage crosses a hop
+# W3C trace context (no baggage crosses a hop): version-trace_id-span_id-flags, lower-case hex, as
+# opentelemetry's TraceContextTextMapPropagator matches it (a future version may append fields).
+_TRACEPARENT = re.compile(r"\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?\s*")
+_ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
 _options = {"producer_spans": False}  # set once by install(), like the tracer provider itself
 
 
 def install(settings: ObservabilitySettings | None = None, exporter: SpanExporter | None = None,
             sampler: Sampler | None = None) -> TracerProvider:
     """Sets the process's tracer provider (once per process: OpenTelemetry ignores a second one and says
-    so). `sampler` replaces the configured ratio (a benchmark switches it). Spans are exported in batches to `exporter`, else to `settings.otlp_endpoint` over OTLP/HTTP,
-    else nowhere (they are still made, so trace context still flows to processes that do export)."""
+    so). `sampler` replaces the configured ratio (a benchmark switches it). Spans are recorded by sluice's
+    lean recorder (or, `observability.recorder = "sdk"`, the SDK's) and exported in batches to `exporter`,
+    else to `settings.otlp_endpoint` over OTLP/HTTP, else nowhere (they are still made, so trace context
+    still flows to processes that do export, and the dashboard shows the last ones)."""
     settings = settings or ObservabilitySettings()
     sampler = sampler or ParentBased(TraceIdRatioBased(settings.sample_ratio))
-    provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}), sampler=sampler)
+    kind = LeanTracerProvider if settings.recorder == "lean" else TracerProvider
+    provider = kind(resource=Resource.create({"service.name": settings.service_name}), sampler=sampler)
     if exporter is None and settings.otlp_endpoint:
         exporter = OtlpHttpExporter(settings.otlp_endpoint, settings.otlp_timeout_s)
     if exporter is not None:
@@ -70,11 +78,12 @@ def install(settings: ObservabilitySettings | None = None, exporter: SpanExporte
 
 
 def extract(headers: Iterable[Any] | None) -> context.Context:
-    """The trace context a record's headers carry. Never raises: headers come from any producer, and a
-    trace link is advisory, so a header that is not a (str, bytes) pair, a value that is not ASCII or
-    is longer than `MAX_HEADER_BYTES`, or a propagator that fails on what is left, only costs the link
-    (the span starts a new trace)."""
-    carrier: dict[str, str] = {}
+    """The trace context a record's headers carry (W3C `traceparent` and `tracestate`, read as OpenTelemetry's
+    TraceContextTextMapPropagator reads them, without its per-call carrier and getter). Never raises:
+    headers come from any producer, and a trace link is advisory, so a header that is not a (str, bytes)
+    pair, a value that is not ASCII or is longer than `MAX_HEADER_BYTES`, or a value the format refuses,
+    only costs the link (the span starts a new trace)."""
+    parent = state = None
     try:
         for item in headers or ():
             if not isinstance(item, tuple | list) or len(item) != 2:
@@ -83,17 +92,32 @@ def extract(headers: Iterable[Any] | None) -> context.Context:
             if not (isinstance(key, str) and key in _TRACE_KEYS and isinstance(value, bytes)):
                 continue
             if len(value) <= MAX_HEADER_BYTES and value.isascii():
-                carrier[key] = value.decode("ascii")
-        return _W3C.extract(carrier)
-    except Exception:  # a headers object that fails to iterate, or a propagator that fails: no link
+                if key == "traceparent":
+                    parent = value.decode("ascii")
+                else:
+                    state = value.decode("ascii")
+        match = _TRACEPARENT.fullmatch(parent) if parent is not None else None
+        if match is None:
+            return context.get_current()
+        version, trace_id, span_id, flags, rest = match.groups()
+        if version == "ff" or (version == "00" and rest) or trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
+            return context.get_current()
+        span_context = trace.SpanContext(int(trace_id, 16), int(span_id, 16), True, trace.TraceFlags(int(flags, 16)),
+                                         TraceState.from_header([state]) if state is not None else None)
+        return trace.set_span_in_context(trace.NonRecordingSpan(span_context), context.get_current())
+    except Exception:  # a headers object that fails to iterate, a tracestate the parser refuses: no link
         return context.get_current()
 
 
 def inject(ctx: context.Context | None = None) -> list[tuple[str, bytes]]:
-    """Headers for `ctx` (default: the current span's context)."""
-    carrier: dict[str, str] = {}
-    _W3C.inject(carrier, context=ctx)
-    return [(k, v.encode("latin-1")) for k, v in carrier.items()]
+    """Headers for `ctx` (default: the current span's context): `traceparent`, and `tracestate` when it has entries."""
+    span_context = trace.get_current_span(ctx).get_span_context()
+    if not span_context.is_valid:
+        return []
+    headers = [("traceparent", f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{span_context.trace_flags:02x}".encode())]
+    if span_context.trace_state:
+        headers.append(("tracestate", span_context.trace_state.to_header().encode("latin-1")))
+    return headers
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ class ObservabilitySettings:
     otlp_endpoint: str = ""  # OTLP/HTTP traces endpoint (SLUICE_OTLP_ENDPOINT); empty: spans are made but not exported
     otlp_timeout_s: float = 10.0  # per export call
     sample_ratio: float = 1.0  # traces started here that are recorded (parent-based: a stage follows its parent)
+    recorder: str = "lean"  # "lean": sluice's span recorder (pipeline.observability.lean); "sdk": OpenTelemetry SDK's
     producer_spans: bool = False  # a PRODUCER span per produced message (OpenTelemetry's "send"); off: half the spans
     export_batch: int = 512  # spans per OTLP export call (BatchSpanProcessor)
     export_queue: int = 8192  # spans held for export; past it the newest are dropped, never waited for
@@ -29,6 +30,8 @@ class ObservabilitySettings:
         found = []
         if not 0.0 <= self.sample_ratio <= 1.0:
             found.append(f"observability.sample_ratio must be between 0 and 1, got {self.sample_ratio}")
+        if self.recorder not in ("lean", "sdk"):
+            found.append(f"observability.recorder must be \"lean\" or \"sdk\", got {self.recorder!r}")
         if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
             found.append("observability.otlp_endpoint must be an http:// or https:// URL (OTLP over HTTP)")
         if min(self.export_batch, self.export_queue, self.export_delay_ms) < 1 or self.export_batch > self.export_queue:

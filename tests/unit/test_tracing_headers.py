@@ -85,3 +85,29 @@ def test_accepts_a_value_at_the_size_limit_and_not_past_it() -> None:
 
     assert len(state(tracing.MAX_HEADER_BYTES)) > 0
     assert len(state(tracing.MAX_HEADER_BYTES + 1)) == 0
+
+
+_W3C = [
+    TRACEPARENT, b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00", b"  " + TRACEPARENT + b" ",
+    b"01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-future", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-x",
+    b"ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", b"00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+    b"00-" + b"0" * 32 + b"-b7ad6b7169203331-01", b"00-0af7651916cd43dd8448eb211c80319c-" + b"0" * 16 + b"-01",
+    b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-ff", b"0-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+]
+
+
+@pytest.mark.parametrize("traceparent", _W3C)
+@pytest.mark.parametrize("tracestate", [None, b"vendor=value,other=x", b"not a tracestate"])
+def test_reads_what_opentelemetrys_propagator_reads(traceparent: bytes, tracestate: bytes | None) -> None:
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier = {"traceparent": traceparent.decode()} | ({"tracestate": tracestate.decode()} if tracestate else {})
+    headers = [("traceparent", traceparent)] + ([("tracestate", tracestate)] if tracestate else [])
+    theirs = trace.get_current_span(TraceContextTextMapPropagator().extract(carrier)).get_span_context()
+    ours = trace.get_current_span(tracing.extract(headers)).get_span_context()
+    assert ours == theirs
+    assert (ours.trace_flags, ours.trace_state, ours.is_remote) == (theirs.trace_flags, theirs.trace_state, theirs.is_remote)
+    if ours.is_valid:  # and what it reads, it writes back as the propagator does
+        written: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(written, context=tracing.extract(headers))
+        assert tracing.inject(tracing.extract(headers)) == [(k, v.encode()) for k, v in written.items()]
