@@ -37,6 +37,7 @@ from opentelemetry.util._decorator import _agnosticcontextmanager
 MAX_ATTRIBUTES = 128  # per span, event or link (the SDK's default limit)
 MAX_EVENTS = MAX_LINKS = 128
 _SCALARS = (str, bool, int, float, bytes)
+_PLAIN = frozenset(_SCALARS)  # exact classes, checked by identity: no subclass walks
 _SAMPLED, _NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
 _UNSET = Status(StatusCode.UNSET)
 _bits = random.getrandbits
@@ -81,7 +82,11 @@ class LeanSpan(trace.Span):
         self.instrumentation_scope = scope
         self._processor = processor
         if attributes:
-            self.set_attributes(attributes)
+            for key, value in attributes.items():  # the common case inline: a scalar, under the limit
+                if value.__class__ in _PLAIN and len(self.attributes) < MAX_ATTRIBUTES:
+                    self.attributes[key] = value
+                else:
+                    self.set_attribute(key, value)
 
     def get_span_context(self) -> SpanContext:
         return self.context

@@ -84,10 +84,31 @@ def _any_value(value: Any) -> bytes:
     raise TypeError(f"an attribute value of type {type(value).__name__} has no OTLP form")
 
 
+_pairs: dict[tuple[bytes, str, Any], bytes] = {}  # an encoded attribute by (tag, key, value): the same few repeat on every span
+_MAX_PAIRS = 8192
+
+
+def _pair(tag: bytes, key: str, value: Any) -> bytes:
+    return _ld(tag, _ld(_KV_KEY, key.encode()) + _ld(_KV_VALUE, _any_value(value)))
+
+
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
+    """Encoded KeyValues; a string or bool value (topic, stage and outcome names) is encoded once per
+    process and looked up afterwards (bounded: past `_MAX_PAIRS` new pairs are encoded every time)."""
     if not attributes:
         return b""
-    return b"".join(_ld(tag, _ld(_KV_KEY, key.encode()) + _ld(_KV_VALUE, _any_value(value))) for key, value in attributes.items())
+    out = []
+    for key, value in attributes.items():
+        if value.__class__ is str or value.__class__ is bool:
+            cached = _pairs.get((tag, key, value))
+            if cached is None:
+                cached = _pair(tag, key, value)
+                if len(_pairs) < _MAX_PAIRS:
+                    _pairs[(tag, key, value)] = cached
+            out.append(cached)
+        else:
+            out.append(_pair(tag, key, value))
+    return b"".join(out)
 
 
 def _count(tag: bytes, n: int) -> bytes:
