@@ -162,7 +162,10 @@ async def measure(settings: Settings, switch: Switch, provider: object, args: ar
     await asyncio.gather(*(r.ready.wait() for r in runners))
     results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": []} for m in ("on", "off")}
     async with Client(settings) as client:
-        await latency(client, 60, args.rate, args.max_tokens)  # warm-up
+        for mode in ("on", "off"):  # warm-up of both modes and both loads, not recorded: the first closed-loop
+            switch.on = mode == "on"  # pass of a run was measured 10-15% slower whichever mode it measured
+            await latency(client, 60, args.rate, args.max_tokens)
+            await throughput(client, args.concurrency, args.seconds / 2, args.max_tokens)
         for r in range(args.rounds):
             for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
                 switch.on = mode == "on"
