@@ -19,6 +19,7 @@ class Outcome:
     status: int  # 0: no answer (timeout, connection error)
     latency_ms: float
     body: bytes = b""
+    error: str = ""  # with status 0: why (the exception's class)
 
 
 class Pool:
@@ -31,11 +32,25 @@ class Pool:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        conn = self._idle.pop() if self._idle else await asyncio.open_connection(self.host, self.port)
-        reader, writer = conn
+        reused = False
+        while self._idle and not reused:
+            reader, writer = self._idle.pop()
+            reused = not reader.at_eof()
+            if not reused:
+                writer.close()  # the server closed it while it was idle (its keep-alive timeout)
+        if not reused:
+            reader, writer = await asyncio.open_connection(self.host, self.port)
         try:
             writer.write(f"POST {path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            head = await reader.readuntil(b"\r\n\r\n")
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as exc:
+                if not (reused and exc.partial == b""):
+                    raise
+                # A kept-alive connection the server closed (idle past its timeout) as this request was
+                # written: it read nothing of it, so it is sent once more, on a new connection.
+                writer.close()
+                return await self.post(path, body)
             status = int(head[9:12])
             lower = head.lower()
             if b"transfer-encoding: chunked" in lower:
@@ -50,7 +65,7 @@ class Pool:
         if b"connection: close" in lower:
             writer.close()
         else:
-            self._idle.append(conn)
+            self._idle.append((reader, writer))
         return status, payload
 
     def close(self) -> None:
@@ -77,8 +92,8 @@ async def paced_posts(pool: Pool, path: str, bodies: list[bytes], rate: float, t
         t = time.perf_counter()
         try:
             status, payload = await asyncio.wait_for(pool.post(path, body), timeout_s)
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
-            return Outcome(0, (time.perf_counter() - t) * 1000)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            return Outcome(0, (time.perf_counter() - t) * 1000, error=type(exc).__name__)
         return Outcome(status, (time.perf_counter() - t) * 1000, payload)
 
     start = time.perf_counter()

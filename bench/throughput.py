@@ -217,7 +217,8 @@ async def load(system: str, port: int, rate: float, seconds: float, max_tokens: 
     errors: dict[str, int] = {}
     for o in outcomes:
         if o.status != 200:
-            errors[str(o.status or "no_answer")] = errors.get(str(o.status or "no_answer"), 0) + 1
+            kind = str(o.status) if o.status else f"no_answer:{o.error}"
+            errors[kind] = errors.get(kind, 0) + 1
     lat = [o.latency_ms for o in ok] or [float("nan")]
     cpu = {g: round((after[g] - before[g]) * 1000 / max(len(ok), 1), 3) for g in groups}
     return Result(system, rate, repeat, n, len(ok), errors, round(len(ok) / elapsed, 1), round(percentile(lat, 50), 2),
@@ -278,7 +279,9 @@ async def run(args: argparse.Namespace) -> None:
                     ports[system] = LITELLM_PORT
             for system in systems:
                 await wait_ready(ports[system], PATH, body(0, args.max_tokens))
-                await load(system, ports[system], 50, 6, args.max_tokens, {}, -1)  # warm up (the broker's JIT too)
+                # Warm up, the broker's JIT too: its C2 compiler was still taking ~1 ms of CPU per request
+                # after 50 s of load, and the 6 s this used to be doubled the broker's figure at 50/s.
+                await load(system, ports[system], args.warmup_rate, args.warmup_s, args.max_tokens, {}, -1)
             for system in systems:  # what each process spends with no load at all (heartbeats, polls, commits)
                 if system != "direct":
                     groups = {**infra, system: servers[system].tree()}
@@ -322,6 +325,8 @@ def main() -> None:
     parser.add_argument("--guards", action="store_true", help="sluice with its guard and postguard stages")
     parser.add_argument("--before", default="7c2a0d9", help="the commit the before-* systems run")
     parser.add_argument("--linger-ms", type=int, default=0, help="sluice's producers' linger (kafka.linger_ms)")
+    parser.add_argument("--warmup-s", type=float, default=30.0, help="seconds of load per system before the steps")
+    parser.add_argument("--warmup-rate", type=float, default=60.0, help="requests per second of the warm-up")
     parser.add_argument("--idle-s", type=float, default=5.0, help="seconds of no load, to measure what idling costs")
     parser.add_argument("--out", default="", help="write every result here as JSON")
     asyncio.run(run(parser.parse_args()))
