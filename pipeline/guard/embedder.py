@@ -41,8 +41,18 @@ def load_embedder(model_cache: Path, threads: int = 1) -> MiniLmEmbedder:
     return MiniLmEmbedder(convert_minilm(model_cache), threads)
 
 
+@functools.cache
+def load_tuned_embedder(model_cache: Path, threads: int = 1) -> MiniLmEmbedder:
+    """The injection guard's fine-tuned encoder (`finetune.py`), built from the shipped adapters the
+    first time (seconds, offline; `make setup` does it ahead). Loaded once per process."""
+    from pipeline.guard.finetune import build  # here: finetune imports this module
+
+    return MiniLmEmbedder(build(model_cache), threads)
+
+
 class MiniLmEmbedder:
     def __init__(self, model_dir: Path, threads: int = 1) -> None:
+        self.model_dir = model_dir
         model, tokenizer = model_dir / "model.onnx", model_dir / "tokenizer.json"
         for path in (model, tokenizer):
             if not path.is_file():

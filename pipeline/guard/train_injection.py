@@ -1,16 +1,19 @@
 """Trains the prompt-injection classifier (a head over MiniLM embeddings and/or a lexical model over
 character n-grams) and measures it.
 
-    make train-guard        (= python -m pipeline.guard.train_injection; minutes, most of it embedding)
+    make train-guard        (= python -m pipeline.guard.finetune train, then this; ~30 min on 2 cores)
     python -m pipeline.guard.train_injection --evaluate PATH   (measure a weights file at threshold 0.8)
 
-1. Embeds every split of every corpus in `injection_data.py` one text at a time, as the guard does
-   (cached under the model cache, so a second run takes seconds).
-2. Fits candidates on the TRAIN splits only (class-balanced): heads over the embedding (a logistic
+1. Embeds every split of every corpus in `injection_data.py` one text at a time, as the guard does, with
+   the base encoder and, when `data/injection_lora.npz` exists, the validation and test splits with the
+   encoder fine-tuned for injection (`finetune.py`) (cached under the model cache, so a second run
+   takes seconds).
+2. Fits candidates on the TRAIN splits only (class-balanced): heads over the base embedding (a logistic
    regression, MLPs with one or two hidden layers, one weighing the chat prompts three times, and the
-   mean of five seeds of the two-layer MLP), two lexical models (`lexical.py`: char 2-5-gram TF-IDF and
-   a logistic regression, chat prompts weighed once or three times) alone, and each head with each
-   lexical model (their logits averaged); all seeded, so a run reproduces the same weights on the same machine.
+   mean of five seeds of the two-layer MLP), the fine-tuned encoder with the layer trained with it, two
+   lexical models (`lexical.py`: char 2-5-gram TF-IDF and a logistic regression, chat prompts weighed
+   once or three times) alone, and each head with each lexical model (their logits averaged); all
+   seeded, so a run reproduces the same weights on the same machine.
 3. Chooses on the VALIDATION splits only: for each candidate, the threshold is the lowest at which the
    guard's decision (classifier, texts under four words left to the patterns, a pattern hit = 1.0)
    refuses at most 1% of the validation chat prompts and 5% of each corpus's validation benign texts;
@@ -31,10 +34,12 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from pipeline.guard.embedder import load_embedder
+from pipeline.guard.embedder import MiniLmEmbedder, load_embedder
+from pipeline.guard.finetune import ADAPTERS, build, digest, head_layer
 from pipeline.guard.injection import WEIGHTS, InjectionModel, Layers, classifier_applies, load_model, matches_pattern
 from pipeline.guard.injection_data import CORPORA, SPLITS, Split, embeddings, load_split
 from pipeline.guard.lexical import fit as fit_lexical
@@ -45,13 +50,16 @@ FPR_CAP = {"sharegpt-chat": 0.01, "s-labs": 0.05, "neuralchemy": 0.05}  # on val
 Head = list[Layers]  # member networks whose logits are averaged
 
 
-def guard_scores(model: InjectionModel, split: Split, x: np.ndarray) -> np.ndarray:
+Inputs = dict[str, np.ndarray]  # a split's embeddings by encoder ("base", "tuned")
+
+
+def guard_scores(model: InjectionModel, split: Split, xs: Inputs) -> np.ndarray:
     """What the guard compares with the threshold, for each text of the split."""
-    probs = model.probabilities(split.texts, x) * np.array([classifier_applies(t) for t in split.texts])
+    probs = model.probabilities(split.texts, xs[model.encoder]) * np.array([classifier_applies(t) for t in split.texts])
     return np.maximum(probs, np.array([matches_pattern(t) for t in split.texts], dtype=np.float64))
 
 
-def threshold_for(model: InjectionModel, valid: dict[str, tuple[Split, np.ndarray]]) -> float:
+def threshold_for(model: InjectionModel, valid: dict[str, tuple[Split, Inputs]]) -> float:
     """The lowest threshold meeting every FPR_CAP on validation."""
     needed = 0.0
     for corpus, cap in FPR_CAP.items():
@@ -62,7 +70,7 @@ def threshold_for(model: InjectionModel, valid: dict[str, tuple[Split, np.ndarra
     return min(needed, 1.0)
 
 
-def injection_recall(model: InjectionModel, valid: dict[str, tuple[Split, np.ndarray]], threshold: float) -> float:
+def injection_recall(model: InjectionModel, valid: dict[str, tuple[Split, Inputs]], threshold: float) -> float:
     hits = total = 0
     for split, x in valid.values():
         scores = guard_scores(model, split, x)[split.labels == 1]
@@ -93,7 +101,7 @@ def heads(x: np.ndarray, y: np.ndarray, chat: np.ndarray) -> dict[str, Head]:
     return out
 
 
-def report(model: InjectionModel, test: dict[str, tuple[Split, np.ndarray]], threshold: float) -> dict[str, dict[str, float]]:
+def report(model: InjectionModel, test: dict[str, tuple[Split, Inputs]], threshold: float) -> dict[str, dict[str, float]]:
     from sklearn.metrics import roc_auc_score, roc_curve
 
     out: dict[str, dict[str, float]] = {}
@@ -119,30 +127,34 @@ def with_threshold_at_default(model: InjectionModel, threshold: float) -> Inject
     logit = lambda p: math.log(p / (1 - p))  # noqa: E731
     shift = logit(DEFAULT_THRESHOLD) - logit(min(max(threshold, 1e-6), 1 - 1e-6))
     head = [[*layers[:-1], (layers[-1][0], (layers[-1][1] + shift).astype(np.float32))] for layers in model.head]
-    return InjectionModel(head, model.lexical.shifted(shift) if model.lexical else None)
+    return InjectionModel(head, model.lexical.shifted(shift) if model.lexical else None, model.encoder)
 
 
-def candidates(x: np.ndarray, y: np.ndarray, chat: np.ndarray, texts: list[str]) -> dict[str, InjectionModel]:
+def candidates(x: np.ndarray, y: np.ndarray, chat: np.ndarray, texts: list[str], tuned: Layers | None) -> dict[str, InjectionModel]:
     """Every head alone, each lexical model (chat prompts weighed once or three times) alone, and every
-    head with each lexical model."""
-    fitted = heads(x, y, chat)
+    head with each lexical model; the heads over the base embedding are fitted here, `tuned` is the
+    layer trained with the fine-tuned encoder (finetune.py) over its own embedding."""
+    fitted = {name: (head, "base") for name, head in heads(x, y, chat).items()}
+    if tuned is not None:
+        fitted["fine-tuned encoder"] = ([tuned], "tuned")
     lexicals = {"lexical": fit_lexical(texts, y), "lexical (chat weight 3)": fit_lexical(texts, y, weights=np.where(chat, 3.0, 1.0))}
-    out = {name: InjectionModel(head, None) for name, head in fitted.items()}
+    out = {name: InjectionModel(head, None, encoder) for name, (head, encoder) in fitted.items()}
     out |= {name: InjectionModel([], lexical) for name, lexical in lexicals.items()}
-    out |= {f"{name} + {lex}": InjectionModel(head, lexical) for name, head in fitted.items() for lex, lexical in lexicals.items()}
+    out |= {f"{name} + {lex}": InjectionModel(head, lexical, encoder)
+            for name, (head, encoder) in fitted.items() for lex, lexical in lexicals.items()}
     return out
 
 
 def arrays(model: InjectionModel) -> dict[str, np.ndarray]:
     head = {f"m{j}_{k}{i}": v for j, layers in enumerate(model.head) for i, (w, b) in enumerate(layers) for k, v in (("w", w), ("b", b))}
-    return head | (model.lexical.arrays() if model.lexical else {})
+    return head | (model.lexical.arrays() if model.lexical else {}) | {"encoder": np.array(model.encoder)}
 
 
-def load_all(split_name: str, embed) -> dict[str, tuple[Split, np.ndarray]]:  # type: ignore[no-untyped-def]
+def load_all(split_name: str, embedders: dict[str, Any]) -> dict[str, tuple[Split, Inputs]]:
     out = {}
     for corpus in CORPORA:
         split = load_split(corpus, split_name)
-        out[corpus] = (split, embed(split))
+        out[corpus] = (split, {encoder: embed(split) for encoder, embed in embedders.items()})
     return out
 
 
@@ -153,20 +165,27 @@ def main() -> None:
     args = parser.parse_args()
     settings = Settings()
     embedder = load_embedder(settings.model_cache, threads=2)
-    embed = lambda split: embeddings(split, embedder, settings.model_cache / "injection-embeddings")  # noqa: E731
+    embedders = {"base": lambda split: embeddings(split, embedder, settings.model_cache / "injection-embeddings")}
+    tuned = None
+    if ADAPTERS.is_file():  # the fine-tuned encoder (python -m pipeline.guard.finetune train) and its layer
+        tuned_embedder = MiniLmEmbedder(build(settings.model_cache), threads=2)
+        cache = settings.model_cache / f"injection-embeddings-tuned-{digest()}"
+        embedders["tuned"] = lambda split: embeddings(split, tuned_embedder, cache)
+        tuned = [head_layer()]  # one affine map: a logistic layer
     started = time.perf_counter()
-    data = {name: load_all(name, embed) for name in SPLITS}
+    # The tuned encoder's layer is already trained: only validation and test need its embeddings.
+    data = {name: load_all(name, embedders if name != "train" else {"base": embedders["base"]}) for name in SPLITS}
     print(f"embedded (or read back) every split in {time.perf_counter() - started:.0f} s", flush=True)
     if args.evaluate:
         print(json.dumps(report(load_model(args.evaluate), data["test"], DEFAULT_THRESHOLD), indent=2))
         return
-    x = np.concatenate([x for _, x in data["train"].values()])
+    x = np.concatenate([xs["base"] for _, xs in data["train"].values()])
     y = np.concatenate([s.labels for s, _ in data["train"].values()])
     chat = np.concatenate([np.full(len(s.labels), c == "sharegpt-chat") for c, (s, _) in data["train"].items()])
     texts = [t for s, _ in data["train"].values() for t in s.texts]
     chosen: tuple[float, str, InjectionModel, float] | None = None
     considered = {}
-    for name, model in candidates(x, y, chat, texts).items():
+    for name, model in candidates(x, y, chat, texts, tuned).items():
         threshold = threshold_for(model, data["validation"])
         recall = injection_recall(model, data["validation"], threshold)
         considered[name] = {"threshold": round(threshold, 6), "validation_injections_refused": round(recall, 4)}
