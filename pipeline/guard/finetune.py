@@ -26,7 +26,6 @@ import os
 import random
 import shutil
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ import numpy as np
 
 from pipeline.checkpoints import MARKER, is_converted, publish_checkpoint
 from pipeline.guard.errors import GuardModelMissing
-from pipeline.guard.minilm_onnx import _CHECK, _MIN_COSINE, source_dir
+from pipeline.guard.minilm_onnx import _CHECK, _MIN_COSINE, export_int8, source_dir
 
 ADAPTERS = Path(__file__).resolve().parent / "data" / "injection_lora.npz"
 DIRNAME = "injection-minilm-int8"  # under the model cache, suffixed with the adapters' digest
@@ -156,11 +155,9 @@ def build(cache_dir: Path, adapters: Path = ADAPTERS) -> Path:
     if is_converted(target):
         return target
     import torch
-    from onnxruntime.quantization import QuantType, quantize_dynamic
     from transformers import AutoModel
 
-    source = source_dir()
-    model = AutoModel.from_pretrained(source, local_files_only=True).eval()
+    model = AutoModel.from_pretrained(source_dir(), local_files_only=True).eval()
     modules = _lora_modules(model)
     with np.load(adapters) as data, torch.no_grad():
         for name, linear in modules.items():
@@ -169,17 +166,7 @@ def build(cache_dir: Path, adapters: Path = ADAPTERS) -> Path:
     staging = cache_dir / f".{target.name}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    names = ["input_ids", "attention_mask", "token_type_ids"]
-    example = tuple(torch.ones(1, 8, dtype=torch.long) for _ in names)
-    axes = {n: {0: "batch", 1: "tokens"} for n in [*names, "last_hidden_state"]}
-    with torch.inference_mode(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        torch.onnx.export(model, example, str(staging / "float32.onnx"), input_names=names, output_names=["last_hidden_state"],
-                          dynamic_axes=axes, opset_version=17, dynamo=False)
-    quantize_dynamic(str(staging / "float32.onnx"), str(staging / "model.onnx"), weight_type=QuantType.QInt8, per_channel=True)
-    (staging / "float32.onnx").unlink()
-    shutil.copy(source / "tokenizer.json", staging / "tokenizer.json")
+    export_int8(model, staging)
     _verify(model, staging)
     (staging / MARKER).write_text(f"all-MiniLM-L6-v2 with {adapters.name} merged; int8 dynamic quantisation\n")
     return publish_checkpoint(staging, target)

@@ -41,8 +41,6 @@ def convert_minilm(cache_dir: Path) -> Path:
     target = cache_dir / DIRNAME
     if is_converted(target):
         return target
-    import torch
-    from onnxruntime.quantization import QuantType, quantize_dynamic
     from transformers import AutoModel
 
     source = source_dir()
@@ -52,6 +50,17 @@ def convert_minilm(cache_dir: Path) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     model = AutoModel.from_pretrained(source, local_files_only=True).eval()
+    export_int8(model, staging)
+    _verify(model, staging)
+    (staging / MARKER).write_text(f"converted from {SOURCE_PACKAGE}; int8 dynamic quantisation\n")
+    return publish_checkpoint(staging, target)
+
+
+def export_int8(model, staging: Path) -> None:  # type: ignore[no-untyped-def]
+    """`staging/model.onnx` (the encoder, int8 dynamic quantisation) and the base tokenizer."""
+    import torch
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
     names = ["input_ids", "attention_mask", "token_type_ids"]
     example = tuple(torch.ones(1, 8, dtype=torch.long) for _ in names)
     axes = {n: {0: "batch", 1: "tokens"} for n in [*names, "last_hidden_state"]}
@@ -66,10 +75,7 @@ def convert_minilm(cache_dir: Path) -> Path:
         )
     quantize_dynamic(str(staging / "float32.onnx"), str(staging / "model.onnx"), weight_type=QuantType.QInt8, per_channel=True)
     (staging / "float32.onnx").unlink()
-    shutil.copy(source / "tokenizer.json", staging / "tokenizer.json")
-    _verify(model, staging)
-    (staging / MARKER).write_text(f"converted from {SOURCE_PACKAGE}; int8 dynamic quantisation\n")
-    return publish_checkpoint(staging, target)
+    shutil.copy(source_dir() / "tokenizer.json", staging / "tokenizer.json")
 
 
 def _verify(model, converted: Path) -> None:  # type: ignore[no-untyped-def]
