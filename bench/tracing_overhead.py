@@ -224,11 +224,12 @@ def main() -> None:
     env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:48092", "SLUICE_REDIS_URL": args.redis or "redis://127.0.0.1:45379/0"}
     settings = settings_module.load(env=env)
     settings = replace(settings, profile="bare", runtime=replace(settings.runtime, max_in_flight=256))
-    sink = subprocess.Popen([sys.executable, "-c", SINK, str(args.sink_port)])
     state = ROOT / ".state" / "bench-tracing"
-    if not args.bootstrap:
+    if not args.bootstrap:  # a run that died may have left its services holding the state dir
+        subprocess.run([ROOT / "infra" / "services.sh", "stop", state], check=False, capture_output=True)
         subprocess.run(["rm", "-rf", str(state)], check=True)
         subprocess.run([ROOT / "infra" / "services.sh", "start", state, "48092", "45379"], check=True)
+    sink = subprocess.Popen([sys.executable, "-c", SINK, str(args.sink_port)])
     try:
         observe = ObservabilitySettings(otlp_endpoint=f"http://127.0.0.1:{args.sink_port}/v1/traces")
         switch = Switch()
