@@ -1,7 +1,7 @@
 """Fine-tunes all-MiniLM-L6-v2 end to end for prompt injection, with low-rank adapters (LoRA), and builds
 the served int8 ONNX encoder from them.
 
-    python -m pipeline.guard.finetune train     (make train-guard runs it first; ~20 min on 2 cores)
+    python -m pipeline.guard.finetune train     (make train-guard runs it first; ~10 min on 2 cores)
     python -m pipeline.guard.finetune build CACHE_DIR   (merge + export + quantise, seconds; make setup
                                                         builds it with --if-served: when the served head reads it)
 
@@ -123,7 +123,7 @@ def train(out: Path = ADAPTERS, epochs: int = 2, batch: int = 32, seed: int = 0)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad()
-            total += float(loss)
+            total += loss.item()
             step += 1
             if step % 100 == 0:
                 print(f"  epoch {epoch + 1} step {step}/{steps}: loss {total / (step - epoch * len(batches)):.4f}, "
