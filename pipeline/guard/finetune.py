@@ -33,7 +33,7 @@ import numpy as np
 
 from pipeline.checkpoints import MARKER, is_converted, publish_checkpoint
 from pipeline.guard.errors import GuardModelMissing
-from pipeline.guard.minilm_onnx import _CHECK, _MIN_COSINE, export_int8, source_dir
+from pipeline.guard.minilm_onnx import export_int8, source_dir, verify
 
 ADAPTERS = Path(__file__).resolve().parent / "data" / "injection_lora.npz"
 DIRNAME = "injection-minilm-int8"  # under the model cache, suffixed with the adapters' digest
@@ -167,23 +167,9 @@ def build(cache_dir: Path, adapters: Path = ADAPTERS) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     export_int8(model, staging)
-    _verify(model, staging)
+    verify(model, staging, "tuned MiniLM")
     (staging / MARKER).write_text(f"all-MiniLM-L6-v2 with {adapters.name} merged; int8 dynamic quantisation\n")
     return publish_checkpoint(staging, target)
-
-
-def _verify(model: Any, converted: Path) -> None:
-    import torch
-
-    from pipeline.guard.embedder import MiniLmEmbedder
-
-    embedder = MiniLmEmbedder(converted)
-    ids, mask = embedder.tokenize(_CHECK)
-    with torch.inference_mode():
-        hidden = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state.numpy()
-    cosine = (embedder.embed(_CHECK) * embedder.pool(hidden, mask)).sum(axis=1)
-    if float(cosine.min()) < _MIN_COSINE:
-        raise GuardModelMissing(f"int8 tuned MiniLM drifted from float32: cosine {np.round(cosine, 4).tolist()}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,7 +51,7 @@ def convert_minilm(cache_dir: Path) -> Path:
     staging.mkdir(parents=True)
     model = AutoModel.from_pretrained(source, local_files_only=True).eval()
     export_int8(model, staging)
-    _verify(model, staging)
+    verify(model, staging)
     (staging / MARKER).write_text(f"converted from {SOURCE_PACKAGE}; int8 dynamic quantisation\n")
     return publish_checkpoint(staging, target)
 
@@ -78,7 +78,8 @@ def export_int8(model, staging: Path) -> None:  # type: ignore[no-untyped-def]
     shutil.copy(source_dir() / "tokenizer.json", staging / "tokenizer.json")
 
 
-def _verify(model, converted: Path) -> None:  # type: ignore[no-untyped-def]
+def verify(model, converted: Path, what: str = "MiniLM") -> None:  # type: ignore[no-untyped-def]
+    """Raises unless the int8 model in `converted` embeds the check sentences like float32 `model`."""
     import numpy as np
     import torch
 
@@ -92,7 +93,7 @@ def _verify(model, converted: Path) -> None:  # type: ignore[no-untyped-def]
     expected = embedder.pool(hidden, mask)
     cosine = (got * expected).sum(axis=1)
     if float(cosine.min()) < _MIN_COSINE:
-        raise GuardModelMissing(f"int8 MiniLM drifted from float32: cosine {np.round(cosine, 4).tolist()}")
+        raise GuardModelMissing(f"int8 {what} drifted from float32: cosine {np.round(cosine, 4).tolist()}")
 
 
 def main(argv: list[str] | None = None) -> None:
