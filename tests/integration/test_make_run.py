@@ -5,6 +5,7 @@ make for it. The run gets its own ports and state directory, so it does not touc
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,12 +19,22 @@ pytestmark = pytest.mark.integration
 
 
 def free_ports(n: int) -> list[int]:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65536 and all(_free(base + i) for i in range(n)):
+    """n bindable ports in a row (Kafka's controller takes the broker's port + 1), below the ephemeral
+    range (32768+), where a busy test run's outgoing connections could take one before the service binds."""
+    for _ in range(500):
+        base = random.randrange(20_000, 32_000 - n)
+        if all(_bindable(base + i) for i in range(n)):
             return [base + i for i in range(n)]
+    raise RuntimeError(f"no {n} free ports in a row")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def _free(port: int) -> bool:
