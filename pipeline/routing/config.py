@@ -45,7 +45,8 @@ class RoutingSettings:
     health_stale_s: float = 5.0  # a report older than this says nothing
     affinity_chars: int = 1000  # the prompt's first characters (about 250 tokens) pick a preferred backend (0: off)
     affinity_min_chars: int = 256  # shorter prompts are spread by load only
-    affinity_max_load: float = 1.25  # the preferred backend is passed over above this times the mean load
+    affinity_max_load: float = 1.25  # a prefix's backend is passed over above this times the mean share of traffic
+    affinity_slack: int = 3  # ...or when it runs more than this many requests above the mean now
     rules: tuple[RouteRule, ...] = ()
 
     def problems(self, backends: frozenset[str]) -> list[str]:

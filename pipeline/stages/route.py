@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from pipeline.errors import StageError
 from pipeline.observability import collectors
+from pipeline.routing.affinity import PrefixAffinity
 from pipeline.routing.choose import choose
 from pipeline.routing.config import RouteRule
 from pipeline.routing.health import HealthView
@@ -48,6 +49,7 @@ class RouteStage:
         self.health = HealthView(settings.routing)
         collectors.watch_health(self.health, tuple(self._backends))  # sluice_backend_ejected at /metrics
         self._rng = rng or random.Random()
+        self._affinity = PrefixAffinity(settings.routing)
 
     async def on_table(self, record: BackendHealth) -> None:
         self.health.apply(record)
@@ -66,7 +68,7 @@ class RouteStage:
         now = time.time()
         members = {n: self.health.member(n, now) for n in names}
         objective = rule.ttft_p95_ms if rule is not None else 0.0
-        ordered = choose(names, members, prefix, self._routing, objective, self._rng)
+        ordered = choose(names, members, prefix, self._routing, objective, self._rng, self._affinity)
         first = self._backends[ordered[0]]
         return Route(backend=first.name, pool=first.pool, fallbacks=tuple(ordered[1:]))
 

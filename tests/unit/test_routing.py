@@ -1,4 +1,4 @@
-"""Routing: rules, health and ejection, power of two choices, prefix affinity with bounded load, and a
+"""Routing: rules, health and ejection, power of two choices, prefix affinity within a share of traffic, and a
 request moved on to its fallback when its backend fails before the first chunk."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from pipeline.backends.errors import ModelError
 from pipeline.errors import StageError
 from pipeline.gateway.config import ModelPrice
+from pipeline.routing.affinity import PrefixAffinity
 from pipeline.routing.choose import choose
 from pipeline.routing.config import RouteRule, RoutingSettings
 from pipeline.routing.health import UNKNOWN, HealthView, Member
@@ -59,15 +60,31 @@ async def test_a_latency_objective_prefers_backends_that_meet_it() -> None:
     assert all(choose(NAMES, view, "", ROUTING, ttft_objective_ms=500)[0] != "a" for _ in range(50))
 
 
-async def test_prefix_affinity_sends_a_shared_prefix_to_one_backend_until_it_is_overloaded() -> None:
-    prefix = "You are a support agent for ACME. " * 40
-    firsts = {choose(NAMES, members(), prefix + f"question {i}", ROUTING)[0] for i in range(30)}
-    assert len(firsts) == 1  # the first 1,000 characters decide
-    preferred = firsts.pop()
-    busy = members(**{preferred: 0.9, **{n: 0.2 for n in NAMES if n != preferred}})
-    assert choose(NAMES, busy, prefix, ROUTING)[0] != preferred  # over 1.25x the mean: it spills over
-    short = {choose(NAMES, members(), f"hi {i}", ROUTING, rng=random.Random(i))[0] for i in range(30)}
+async def test_prefix_affinity_keeps_each_prefix_on_the_backend_it_was_placed_on() -> None:
+    affinity = PrefixAffinity(ROUTING)
+    prefixes = [f"You are support agent number {k} for ACME. " * 40 for k in range(6)]
+    placed: dict[int, set[str]] = {k: set() for k in range(6)}
+    for i in range(120):
+        k = i % 6
+        placed[k].add(choose(NAMES, members(), prefixes[k] + f"question {i}", ROUTING, affinity=affinity)[0])
+    assert all(len(backends) == 1 for backends in placed.values())  # the first 1,000 characters decide
+    assert Counter(next(iter(b)) for b in placed.values()) == {"a": 2, "b": 2, "c": 2}  # new prefixes spread
+    short = {choose(NAMES, members(), f"hi {i}", ROUTING, rng=random.Random(i), affinity=affinity)[0] for i in range(30)}
     assert len(short) > 1  # short prompts are spread by load
+
+
+async def test_a_prefix_moves_when_its_backend_is_busy_now_or_takes_more_than_its_share() -> None:
+    affinity = PrefixAffinity(ROUTING)
+    prefix = "You are a support agent for ACME. " * 40
+    view = {n: Member(load=0.0, ejected=False, ttft_p95_ms=0.0, known=True, unit=1 / 16) for n in NAMES}
+    owner = choose(NAMES, view, prefix, ROUTING, affinity=affinity)[0]
+    busy = {**view, owner: dataclasses.replace(view[owner], load=5 / 16)}  # 5 running, 0 elsewhere: over mean + 3
+    moved = choose(NAMES, busy, prefix, ROUTING, affinity=affinity)[0]
+    assert moved != owner
+    assert choose(NAMES, view, prefix, ROUTING, affinity=affinity)[0] == moved  # it stays where it moved
+    hot = [choose(NAMES, view, prefix + str(i), ROUTING, affinity=affinity)[0] for i in range(300)]
+    assert max(Counter(hot).values()) / 100 <= 1.3  # one hot prefix alone still spreads within the bound
+    assert len(set(hot[-30:])) < 3  # ...a few backends at a time, not every request somewhere else
 
 
 async def test_a_failure_streak_ejects_for_a_growing_term_and_a_success_ends_it() -> None:
