@@ -18,6 +18,8 @@ async def run_stages(names: list[str] | None, settings: Settings, stop: asyncio.
     nodes = assemble.nodes_of(settings, names)
     pools = frozenset(n.pool for n in nodes if n.pool is not None)
     backends = await asyncio.to_thread(backend_registry.load, settings, pools) if pools else {}
+    if stop.is_set():  # a signal came while the models loaded: nothing started, nothing to drain
+        return
     stages = assemble.build(nodes, settings, backends, worker=str(os.getpid()))
     await serve.run_stages(stages, settings, stop, instance=str(os.getpid()))
 

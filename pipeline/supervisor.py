@@ -27,6 +27,7 @@ from pipeline.settings import Settings
 log = logging.getLogger(__name__)
 
 HEALTHY_S = 60.0
+STOP_GRACE_S = 30.0  # after SIGINT/SIGTERM, children still running after this are killed
 MAX_BACKOFF_S = 30.0
 
 
@@ -62,12 +63,14 @@ class Supervisor:
             for child in list(self.children):
                 self._tend(child, now)
             time.sleep(0.2)
+        deadline = time.monotonic() + STOP_GRACE_S  # one grace period for all children, not one each
         for child in self.children:
             if child.process is not None:
                 try:
-                    child.process.wait(timeout=30)
+                    child.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
                     child.process.kill()
+                    child.process.wait()
         return 0
 
     def _tend(self, child: Child, now: float) -> None:

@@ -1,0 +1,28 @@
+"""`sluice run`'s supervisor stops its children on a signal within one grace period for all of them
+(a child still loading its models may not answer SIGTERM at once; make's stop waits for all of this)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from pipeline import supervisor
+from pipeline.supervisor import Child, Supervisor
+
+DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+
+
+def test_children_that_ignore_sigterm_are_killed_after_one_shared_grace_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervisor, "STOP_GRACE_S", 1.5)
+    children = [Child(f"deaf-{i}", [sys.executable, "-c", DEAF]) for i in range(3)]
+    boss = Supervisor(children)
+    monkeypatch.setattr(supervisor.signal, "signal", lambda *_: None)  # the test's own process keeps its handlers
+    threading.Timer(1.0, boss.stop).start()
+    started = time.monotonic()
+    assert boss.run() == 0
+    took = time.monotonic() - started
+    assert all(c.process is not None and c.process.poll() is not None for c in children)  # none left behind
+    assert took < 1.0 + 1.5 + 1.0  # one grace period in all (three, one per child, would be 4.5 s)
