@@ -12,6 +12,9 @@ same prompts must not be answered from the cache) in this process with the local
    `batch.max_in_flight` lines at once), from creation to completed (tokens/s, from the output file);
 3. interactive latency, idle: `--probes` short requests one after another (p50, p99);
 4. the same probes while a larger backfill keeps the engine busy (p50, p99), then that job is cancelled.
+
+`--step-trace` also prints the engine's steps during 3 and 4 (how many, how long, with which lanes'
+rows: bench/step_trace.py), to tell what slows a probe: the steps it shares or what runs beside them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import msgspec
 
 from bench.services import own_services
 from bench.stats import percentile
+from bench.step_trace import StepTrace
 from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
@@ -107,8 +111,9 @@ async def probe(client: Client, n: int, max_tokens: int) -> list[float]:
     return latencies
 
 
-def local_backend(settings: Settings, batch_every: int) -> dict[str, Backend]:
-    """The default model as `backends.load` builds it, with the engine's `batch_every` chosen here."""
+def local_backend(settings: Settings, batch_every: int | None, hold_ms: float | None) -> dict[str, Backend]:
+    """The default model as `backends.load` builds it, with the engine's `batch_every` and
+    `handoff_hold_ms` chosen here (None: EngineConfig's)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -120,15 +125,18 @@ def local_backend(settings: Settings, batch_every: int) -> dict[str, Backend]:
     torch.set_num_threads(settings.runtime.torch_threads)
     path = settings.model_cache / MODEL_DIRNAME
     spec = settings.backends[0]
-    config = EngineConfig(max_num_seqs=spec.max_batch, batch_every=batch_every)
+    chosen = {"batch_every": batch_every, "handoff_hold_ms": hold_ms}
+    config = EngineConfig(max_num_seqs=spec.max_batch, **{k: v for k, v in chosen.items() if v is not None})
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return {spec.name: LocalBackend(ModelRunner.from_path(path, config), tokenizer, name=spec.name, engine_config=config)}
 
 
 async def measure(settings: Settings, args: argparse.Namespace) -> None:
+    trace = StepTrace.install() if args.step_trace else None
     await kafka.create_topics(settings)
     stop = asyncio.Event()
-    backends = backend_registry.load(settings) if args.batch_every is None else local_backend(settings, args.batch_every)
+    default = args.batch_every is None and args.handoff_hold_ms is None
+    backends = backend_registry.load(settings) if default else local_backend(settings, args.batch_every, args.handoff_hold_ms)
     stages = assemble.build(assemble.nodes_of(settings), settings, backends, worker="bench")
     runners = [Runner(s, settings, instance="bench") for s in stages]
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
@@ -156,12 +164,16 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
             backfill_tps = batch_tokens / backfill_s
             print(f"backfill ({job.status.value}): {batch_tokens} tokens in {backfill_s:.1f} s = {backfill_tps:.1f} tokens/s", flush=True)
 
+            idle_window = time.perf_counter()
             idle = await probe(client, args.probes, args.probe_tokens)
+            idle_window = (idle_window, time.perf_counter())
             print(f"probes idle: p50 {percentile(idle, 50):.0f} ms, p99 {percentile(idle, 99):.0f} ms", flush=True)
             load = await backfill.submit(jsonl(texts * 8, args.max_tokens * 2))
             await backfill.wait(load, frozenset({Status.in_progress}))
             await asyncio.sleep(5.0)  # the engine fills with batch-lane sequences
+            busy_window = time.perf_counter()
             busy = await probe(client, args.probes, args.probe_tokens)
+            busy_window = (busy_window, time.perf_counter())
             counts = await backfill.store.counts(load)
             print(f"probes during a backfill: p50 {percentile(busy, 50):.0f} ms, p99 {percentile(busy, 99):.0f} ms "
                   f"({counts.completed} backfill lines finished meanwhile)", flush=True)
@@ -173,11 +185,14 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
             await worker
             await backfill.store.aclose()
     await asyncio.gather(*tasks)
+    if trace is not None:
+        print(trace.summary(*idle_window, "probes idle"))
+        print(trace.summary(*busy_window, "probes during a backfill"))
     b = settings.batch
     print(f"\n| what | figure |\n| --- | --- |\n"
           f"| interactive, one at a time ({len(texts)} prompts, max_tokens {args.max_tokens}) | {interactive_tps:.1f} tokens/s |\n"
           f"| backfill, the same prompts (batch lane, max_in_flight {b.max_in_flight}, max_batch "
-          f"{settings.backends[0].max_batch}, batch_every {args.batch_every or 'default'}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
+          f"{settings.backends[0].max_batch}, batch_every {args.batch_every or 'default'}, handoff_hold_ms {'default' if args.handoff_hold_ms is None else args.handoff_hold_ms}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
           f"| interactive p50 / p99, idle ({args.probes} probes, max_tokens {args.probe_tokens}) | "
           f"{percentile(idle, 50):.0f} / {percentile(idle, 99):.0f} ms |\n"
           f"| interactive p50 / p99, during a backfill | {percentile(busy, 50):.0f} / {percentile(busy, 99):.0f} ms "
@@ -192,6 +207,8 @@ def main() -> None:
     parser.add_argument("--probe-tokens", type=int, default=8)
     parser.add_argument("--max-in-flight", type=int, default=None, help="batch.max_in_flight (default: the config's)")
     parser.add_argument("--batch-every", type=int, default=None, help="the engine's batch_every (default: EngineConfig's)")
+    parser.add_argument("--handoff-hold-ms", type=float, default=None, help="the engine's handoff_hold_ms (default: EngineConfig's)")
+    parser.add_argument("--step-trace", action="store_true", help="print the engine's steps while the probes ran")
     args = parser.parse_args()
     with own_services("bench-backfill", 48192, 48479) as env:
         settings = settings_module.load(env=env)

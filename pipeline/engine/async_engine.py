@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ from typing import TypeVar
 from pipeline.engine.errors import EngineClosed, SequenceAborted, StepFailed, UnknownHandle
 from pipeline.engine.kv_transfer import KVState
 from pipeline.engine.llm_engine import LLMEngine
-from pipeline.engine.params import EngineRequest
+from pipeline.engine.params import EngineRequest, Priority
 from pipeline.engine.sequence import Sequence, SequenceStatus
 
 __all__ = ["AsyncEngine"]
@@ -47,6 +48,11 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        # After an interactive prefill, the batch lane waits up to `handoff_hold_ms` for the sequence's decode
+        # to begin (the prefilled message's hop to the decode stage) rather than start a full batch step
+        # that the decode would then wait behind; an export (the decode runs elsewhere) or the decode ends it.
+        self._due: dict[int, float] = {}  # interactive parked sequences -> until when the batch lane waits for them
+        self._hold_for = engine.scheduler.config.handoff_hold_ms / 1000
 
     @property
     def num_active(self) -> int:
@@ -108,6 +114,8 @@ class AsyncEngine:
         seq = self._handles.get(handle)
         if seq is None or seq.status is not SequenceStatus.PARKED:
             raise UnknownHandle(f"no parked sequence under handle {handle[:8]}")
+        if self._due.pop(seq.seq_id, None) is not None:  # its decode runs elsewhere: the batch lane need not wait
+            self._wake.set()
         state = await self._in_model_thread(lambda: self.engine.export_kv(seq))
         return state.to_bytes()
 
@@ -125,6 +133,7 @@ class AsyncEngine:
             self.engine.block_manager.deallocate(seq)
             raise
         self.engine.finish_import(seq)
+        self._expect_decode(seq)
         self._wake.set()
         handle = handle or uuid.uuid4().hex
         self._handles[handle] = seq
@@ -210,12 +219,13 @@ class AsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            output = scheduler.schedule()
+            hold = self._hold_s()
+            output = scheduler.schedule(hold_batch=hold > 0)
             self._forget(output.dropped)
-            if output.is_empty:  # nothing fits yet: wait until a cancel or release frees blocks
+            if output.is_empty:  # nothing fits yet, or a decode is due: wait for a wake-up (a release, a decode)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), IDLE_RECHECK_S)
+                    await asyncio.wait_for(self._wake.wait(), min(hold, IDLE_RECHECK_S) if hold else IDLE_RECHECK_S)
                 continue
             try:
                 sampled = await loop.run_in_executor(self._executor, self.engine.execute, output)
@@ -226,6 +236,7 @@ class AsyncEngine:
                     self._abort(chunk.seq, error)
                 continue
             for seq in scheduler.update_from_output(output, sampled):
+                self._expect_decode(seq)
                 queue = self._listeners.get(seq.seq_id)
                 if queue is None:
                     continue
@@ -233,6 +244,20 @@ class AsyncEngine:
                     queue.put_nowait(token)
                 if seq.is_done:
                     queue.put_nowait(None)
+
+    def _expect_decode(self, seq: Sequence) -> None:
+        if self._hold_for and seq.status is SequenceStatus.PARKED and seq.priority is Priority.INTERACTIVE:
+            self._due[seq.seq_id] = time.monotonic() + self._hold_for
+
+    def _hold_s(self) -> float:
+        """How long the batch lane should still wait for a due decode (0: not at all)."""
+        if not self._due:
+            return 0.0
+        now, parked = time.monotonic(), self.engine.scheduler.parked
+        for seq_id, until in list(self._due.items()):
+            if until <= now or seq_id not in parked:  # its decode began, it left, or the wait is over
+                del self._due[seq_id]
+        return max(self._due.values(), default=now) - now
 
     def _forget(self, dropped: tuple[Sequence, ...]) -> None:
         if dropped:

@@ -66,7 +66,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens fed to the model in one step (prefill chunks plus decodes)
     max_parked: int = 64  # prefilled sequences waiting for their decode; the oldest is dropped beyond this
     aging_steps: int = 32  # a batch-lane request waiting this many steps is admitted as if interactive
-    batch_every: int = 4  # while interactive sequences run, the batch lane is fed on every n-th step only (1: always)
+    batch_every: int = 8  # while interactive sequences run, the batch lane is fed on every n-th step only (1: always)
+    handoff_hold_ms: float = 50.0  # after an interactive prefill, the batch lane waits up to this for its decode (0: never)
     device: str = "cpu"
     dtype: str = "float32"  # float32, bfloat16 or float16
 
@@ -82,6 +83,8 @@ class EngineConfig:
         bad = {k: v for k, v in positive.items() if v < 1}
         if bad:
             raise ValueError(f"engine limits must be at least 1: {bad}")
+        if self.handoff_hold_ms < 0:
+            raise ValueError(f"handoff_hold_ms must not be negative, got {self.handoff_hold_ms}")
         if self.num_blocks < 0 or (self.num_blocks == 0 and self.kv_cache_bytes < 1):
             raise ValueError("num_blocks must be positive, or 0 with a positive kv_cache_bytes")
         if self.dtype not in ("float32", "bfloat16", "float16"):

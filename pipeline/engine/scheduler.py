@@ -19,8 +19,11 @@ Batch work yields to interactive work step by step: while an interactive sequenc
 waiting, the batch lane is fed (and admitted) only on every `batch_every`-th step, so on a device where a step costs
 more the more sequences it holds (a CPU), a backfill slows interactive answers by about
 (batch_every - 1 + cost of a full step / cost of an interactive one) / batch_every instead of the full
-step's cost; a step that would otherwise compute nothing feeds the batch lane anyway. Without
-interactive work the batch lane runs every step, at full batched throughput.
+step's cost; a step that would otherwise compute nothing feeds the batch lane anyway, unless the
+caller holds the batch lane because an interactive sequence's decode is due any moment (AsyncEngine:
+between a prefill and its decode, `handoff_hold_ms`), so that its first decode step does not wait
+behind a full batch step. Without interactive work the batch lane runs every step, at full batched
+throughput.
 
 Speculative decoding (a request with `speculative` set): once every running sequence has its chunk
 and waiting ones are admitted, each decode of such a sequence is extended with up to k drafts from
@@ -137,8 +140,10 @@ class Scheduler:
         self.waiting.queues[seq.priority].append(seq)
         return seq
 
-    def schedule(self) -> SchedulerOutput:
-        """Choose this step's chunks and allocate their blocks (see the module docstring for the policy)."""
+    def schedule(self, hold_batch: bool = False) -> SchedulerOutput:
+        """Choose this step's chunks and allocate their blocks (see the module docstring for the policy).
+        `hold_batch`: interactive work is about to arrive (a prefilled sequence's decode), so the batch
+        lane sits this step out even when nothing else would run (the step may then be empty)."""
         self.step_count += 1
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
@@ -146,14 +151,14 @@ class Scheduler:
         dropped: list[Sequence] = []
         self.running.sort(key=lambda s: (s.priority, s.arrival, s.seq_id))
         scheduled: set[int] = set()
-        yielding = self._batch_yields()
+        yielding = hold_batch or self._batch_yields()
         for seq in list(self.running):
             if yielding and seq.priority is Priority.BATCH:
                 continue
             budget = self._feed(seq, budget, chunks, scheduled, preempted, dropped)
         if not preempted:
             budget = self._admit(budget, chunks, dropped, yielding)
-        if yielding and not chunks:  # nothing interactive could run after all: the batch lane does
+        if yielding and not chunks and not hold_batch:  # nothing interactive could run after all: the batch lane does
             for seq in list(self.running):
                 budget = self._feed(seq, budget, chunks, scheduled, preempted, dropped)
         budget = self._speculate(budget, chunks)  # drafts take only what the step's other work left

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.errors import SequenceAborted, UnknownHandle
-from pipeline.engine.params import EngineRequest
+from pipeline.engine.params import EngineRequest, Priority
 from pipeline.engine.scheduler import SchedulerOutput
 from pipeline.engine.sequence import Sequence
 from tests.unit.engine.conftest import Loaded, chat_ids, make_engine
@@ -89,4 +89,45 @@ async def test_a_cancel_during_a_step_stops_the_sequence_within_that_step(loaded
     assert received == target.completion_ids[: len(received)]  # nothing after the cancel was delivered
     bm = engine.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and engine.num_active == 0
+    await engine.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_batch_lane_waits_for_a_prefilled_interactive_sequence_s_decode(loaded: Loaded) -> None:
+    """Between an interactive prefill and its decode (the prefilled message's hop), no batch-only step
+    starts, up to `handoff_hold_ms`: the decode's first step does not wait behind one."""
+    engine = AsyncEngine(make_engine(loaded, handoff_hold_ms=2000))
+    fed: list[set[Priority]] = []
+    execute = engine.engine.execute
+
+    def spy(output: SchedulerOutput) -> list[int | None]:
+        fed.append({chunk.seq.priority for chunk in output.chunks})
+        return execute(output)
+
+    engine.engine.execute = spy  # type: ignore[method-assign]
+    backfill = asyncio.create_task(
+        anext(engine.generate(EngineRequest(chat_ids(loaded, "Write a long story."), 100, priority=Priority.BATCH))))
+    await backfill  # the batch lane is running
+    first, handle = await engine.prefill(EngineRequest(chat_ids(loaded, "Count to five."), 8))
+    steps_at_prefill = len(fed)
+    await asyncio.sleep(0.3)  # the hop to the decode stage, exaggerated
+    assert len(fed) == steps_at_prefill  # no batch step started meanwhile
+    rest = [t async for t in engine.decode(handle)]
+    assert len(rest) == 7 and Priority.INTERACTIVE in fed[steps_at_prefill]
+    await asyncio.sleep(0.3)
+    assert len(fed) > steps_at_prefill + 7  # batch steps resumed once the decode began
+    await engine.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_hold_ends_when_its_time_is_up(loaded: Loaded) -> None:
+    engine = AsyncEngine(make_engine(loaded, handoff_hold_ms=100))
+    stream = engine.generate(EngineRequest(chat_ids(loaded, "Write a long story."), 100, priority=Priority.BATCH))
+    await anext(stream)
+    _, handle = await engine.prefill(EngineRequest(chat_ids(loaded, "Count to five."), 8))  # never decoded here
+    steps = engine.engine.scheduler.step_count
+    await asyncio.sleep(1.0)
+    assert engine.engine.scheduler.step_count > steps + 1  # the batch lane ran again after 100 ms
+    assert engine.is_parked(handle)
+    await stream.aclose()
     await engine.aclose()

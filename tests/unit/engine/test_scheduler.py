@@ -221,3 +221,18 @@ def test_drafts_take_only_free_blocks_and_roll_back_what_verification_rejects() 
         s.update_from_output(out, fake_run(out, rng))
     assert a.status is SequenceStatus.FINISHED and a.num_completion_tokens == 8
     assert s.block_manager.num_free_blocks == 4
+
+
+def test_holding_the_batch_lane_leaves_a_step_empty_rather_than_run_batch_work() -> None:
+    s = make(num_blocks=64, block_size=4, batch_every=4)
+    s.add(EngineRequest((1, 2), max_tokens=100, priority=Priority.BATCH))
+    assert s.schedule(hold_batch=True).is_empty  # a decode is due: no full batch step for it to wait behind
+    inter = s.add(EngineRequest((3, 4), max_tokens=100))
+    out = s.schedule(hold_batch=True)
+    assert [c.seq for c in out.chunks] == [inter]
+    s.update_from_output(out, [0 for _ in out.chunks])
+    s.update_from_output(out := s.schedule(), [0 for _ in out.chunks])  # step 3: the batch lane yields
+    assert len(out.chunks) == 1 and s.step_count == 3
+    s.update_from_output(out := s.schedule(), [0 if c.sample else None for c in out.chunks])
+    assert len(out.chunks) == 2  # not held: step 4 is the batch lane's
+    assert s.schedule(hold_batch=True).chunks[0].seq is inter  # held: only interactive work

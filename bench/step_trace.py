@@ -1,0 +1,70 @@
+"""What the engine's steps were while a benchmark ran: each step's start, duration and rows by lane,
+recorded by wrapping `LLMEngine.execute` (the model part of a step) for the benchmark's process only.
+
+    trace = StepTrace.install()
+    ... run ...
+    print(trace.summary(window_start, window_end, "probes during a backfill"))
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from pipeline.engine import llm_engine
+from pipeline.engine.params import Priority
+from pipeline.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class Step:
+    start: float
+    seconds: float
+    gap: float  # since the previous step ended
+    interactive_rows: int
+    batch_rows: int
+
+
+class StepTrace:
+    def __init__(self) -> None:
+        self.steps: list[Step] = []
+        self._last_end = 0.0
+
+    @classmethod
+    def install(cls) -> StepTrace:
+        trace = cls()
+        execute = llm_engine.LLMEngine.execute
+
+        def traced(engine: llm_engine.LLMEngine, output: SchedulerOutput) -> list[int | None]:
+            start = time.perf_counter()
+            try:
+                return execute(engine, output)
+            finally:
+                trace.record(start, time.perf_counter(), output)
+
+        llm_engine.LLMEngine.execute = traced  # type: ignore[method-assign]
+        return trace
+
+    def record(self, start: float, end: float, output: SchedulerOutput) -> None:
+        interactive = sum(1 for c in output.chunks if c.seq.priority is Priority.INTERACTIVE)
+        gap = start - self._last_end if self._last_end else 0.0
+        self.steps.append(Step(start, end - start, gap, interactive, len(output.chunks) - interactive))
+        self._last_end = end
+
+    def summary(self, start: float, end: float, label: str) -> str:
+        """Mean duration and count of the steps between `start` and `end` (perf_counter), by kind."""
+        steps = [s for s in self.steps if start <= s.start < end]
+        kinds = {
+            "interactive rows only": [s for s in steps if s.interactive_rows and not s.batch_rows],
+            "interactive and batch rows": [s for s in steps if s.interactive_rows and s.batch_rows],
+            "batch rows only": [s for s in steps if s.batch_rows and not s.interactive_rows],
+        }
+        lines = [f"  steps, {label}:"]
+        for kind, found in kinds.items():
+            if found:
+                lines.append(f"    {kind}: {len(found)}, mean {1000 * statistics.fmean(s.seconds for s in found):.1f} ms "
+                             f"(p50 {1000 * statistics.median(s.seconds for s in found):.1f}), "
+                             f"{statistics.fmean(s.interactive_rows + s.batch_rows for s in found):.1f} rows, "
+                             f"gap before it {1000 * statistics.fmean(s.gap for s in found):.1f} ms")
+        return "\n".join(lines)
