@@ -124,12 +124,12 @@ def free_kafka_port() -> int:
     port + 1 between this check and the broker's start."""
     for _ in range(200):
         port = random.randrange(20_000, 32_000)
-        if all(_bindable(p) for p in (port, port + 1)):
+        if all(bindable(p) for p in (port, port + 1)):
             return port
     raise RuntimeError("no two free ports in a row")
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import bindable
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 
@@ -23,18 +25,9 @@ def free_ports(n: int) -> list[int]:
     range (32768+), where a busy test run's outgoing connections could take one before the service binds."""
     for _ in range(500):
         base = random.randrange(20_000, 32_000 - n)
-        if all(_bindable(base + i) for i in range(n)):
+        if all(bindable(base + i) for i in range(n)):
             return [base + i for i in range(n)]
     raise RuntimeError(f"no {n} free ports in a row")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def _free(port: int) -> bool:
