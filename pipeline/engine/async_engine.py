@@ -51,8 +51,11 @@ class AsyncEngine:
         # After an interactive prefill, the batch lane waits up to `handoff_hold_ms` for the sequence's decode
         # to begin (the prefilled message's hop to the decode stage) rather than start a full batch step
         # that the decode would then wait behind; an export (the decode runs elsewhere) or the decode ends it.
+        # Holds never add up to more than `handoff_hold_ms` in a row: then one step runs unheld, so a decode
+        # stage that lags while prefills keep coming cannot starve the batch lane.
         self._due: dict[int, float] = {}  # interactive parked sequences -> until when the batch lane waits for them
         self._hold_for = engine.scheduler.config.handoff_hold_ms / 1000
+        self._held_since: float | None = None
 
     @property
     def num_active(self) -> int:
@@ -252,12 +255,22 @@ class AsyncEngine:
     def _hold_s(self) -> float:
         """How long the batch lane should still wait for a due decode (0: not at all)."""
         if not self._due:
+            self._held_since = None
             return 0.0
         now, parked = time.monotonic(), self.engine.scheduler.parked
         for seq_id, until in list(self._due.items()):
             if until <= now or seq_id not in parked:  # its decode began, it left, or the wait is over
                 del self._due[seq_id]
-        return max(self._due.values(), default=now) - now
+        hold = max(self._due.values(), default=now) - now
+        if hold <= 0:
+            self._held_since = None
+            return 0.0
+        if self._held_since is None:
+            self._held_since = now
+        if now - self._held_since >= self._hold_for:  # held long enough in a row: this step runs unheld
+            self._held_since = None
+            return 0.0
+        return min(hold, self._held_since + self._hold_for - now)
 
     def _forget(self, dropped: tuple[Sequence, ...]) -> None:
         if dropped:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -129,5 +130,30 @@ async def test_the_hold_ends_when_its_time_is_up(loaded: Loaded) -> None:
     await asyncio.sleep(1.0)
     assert engine.engine.scheduler.step_count > steps + 1  # the batch lane ran again after 100 ms
     assert engine.is_parked(handle)
+    await stream.aclose()
+    await engine.aclose()
+
+
+@pytest.mark.asyncio
+async def test_overlapping_holds_never_starve_the_batch_lane(loaded: Loaded) -> None:
+    """Prefills that keep coming while their decodes lag re-arm the hold again and again; the batch
+    lane still gets a step after each `handoff_hold_ms` held in a row."""
+    engine = AsyncEngine(make_engine(loaded, handoff_hold_ms=300))
+    fed: list[tuple[float, set[Priority]]] = []
+    execute = engine.engine.execute
+
+    def spy(output: SchedulerOutput) -> list[int | None]:
+        fed.append((time.monotonic(), {chunk.seq.priority for chunk in output.chunks}))
+        return execute(output)
+
+    engine.engine.execute = spy  # type: ignore[method-assign]
+    stream = engine.generate(EngineRequest(chat_ids(loaded, "Write a long story."), 200, priority=Priority.BATCH))
+    await anext(stream)
+    start = time.monotonic()
+    while time.monotonic() - start < 1.5:  # prefills back to back, none decoded: each re-arms the hold
+        await engine.prefill(EngineRequest(chat_ids(loaded, "Count to three."), 8))
+        await asyncio.sleep(0.01)
+    batch_only = [at for at, lanes in fed if at > start and lanes == {Priority.BATCH}]
+    assert len(batch_only) >= 3  # about one per 300 ms held in a row (none without the cap)
     await stream.aclose()
     await engine.aclose()
