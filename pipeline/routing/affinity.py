@@ -1,16 +1,19 @@
-"""Prefix affinity: a long prompt goes to the backend that its prefix was placed on, where its KV blocks
+"""Prefix affinity: a long prompt goes to a backend that its prefix was placed on, where its KV blocks
 are likely cached, as long as that backend is not carrying more than its share.
 
 A prefix (the prompt's first `affinity_chars` characters, kept only as a digest) seen for the first time
 is placed on the candidate that this route process has sent the least traffic to lately (a decayed count
 of its own choices), so prefixes spread evenly and the backends' caches do not all hold every prefix.
-Later requests with that prefix go to its backend unless that backend has lately taken more than
-`affinity_max_load` times the mean share of traffic (give or take `affinity_slack` requests, so that a
-few requests do not decide), or runs more than `affinity_slack` requests above the mean now (from the
-health reports); then the prefix moves to the least loaded candidate, which caches it from then on. Balance over time comes from where new prefixes and one-off prompts are placed, so a burst
-does not scatter a prefix over every cache (what a bound on the momentary load alone did: docs/benchmarks.md).
+Later requests with that prefix go to the backend it was placed on unless that backend has lately taken
+more than `affinity_max_load` times the mean share of traffic (give or take `affinity_slack` requests,
+so that a few requests do not decide), or runs more than `affinity_slack` requests above the mean now
+(from the health reports); then the prefix is placed on one more backend, the least loaded of the
+others, and its requests go to whichever of its backends has had the least traffic and is within its
+share. A prefix that alone is more than one backend's share so ends up on several; the others stay on
+one. Balance over time comes from where new prefixes and one-off prompts are placed, so a burst does not
+scatter a prefix over every cache (what a bound on the momentary load alone did: docs/benchmarks.md).
 
-The table is per route process: with several, a prefix may be placed on up to one backend per process.
+The table is per route process: with several, each places prefixes on its own.
 """
 
 from __future__ import annotations
@@ -28,21 +31,24 @@ DECAY = 0.99  # per choice: the traffic count looks back over about the last 100
 class PrefixAffinity:
     def __init__(self, settings: RoutingSettings) -> None:
         self._settings = settings
-        self._owner: OrderedDict[bytes, str] = OrderedDict()
+        self._owner: OrderedDict[bytes, list[str]] = OrderedDict()
         self._traffic: dict[str, float] = {}
 
     def preferred(self, healthy: list[str], members: dict[str, Member], prefix: str) -> str | None:
-        """The backend for this prefix (placing or moving it as needed), or None for a short prompt."""
+        """The backend for this prefix (placing it as needed), or None for a short prompt."""
         s = self._settings
         if not s.affinity_chars or len(prefix) < s.affinity_min_chars:
             return None
         key = hashlib.blake2b(prefix[: s.affinity_chars].encode(), digest_size=16).digest()
-        owner = self._owner.get(key)
-        if owner in healthy and self._within_share(owner, healthy, members):
-            self._owner.move_to_end(key)
-            return owner
-        chosen = min(healthy, key=lambda c: (self._traffic.get(c, 0.0), members[c].load, healthy.index(c)))
-        self._owner[key] = chosen
+        placed = self._owner.get(key, [])
+        within = [c for c in placed if c in healthy and self._within_share(c, healthy, members)]
+        if within:
+            chosen = min(within, key=lambda c: (self._traffic.get(c, 0.0), healthy.index(c)))
+        else:  # placed nowhere yet, or everywhere it is placed is over its share: one more backend
+            spare = [c for c in healthy if c not in placed] or healthy
+            chosen = min(spare, key=lambda c: (self._traffic.get(c, 0.0), members[c].load, healthy.index(c)))
+            placed = placed if chosen in placed else [*placed, chosen]
+        self._owner[key] = placed
         self._owner.move_to_end(key)
         if len(self._owner) > TABLE_SIZE:
             self._owner.popitem(last=False)

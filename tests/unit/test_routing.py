@@ -73,18 +73,20 @@ async def test_prefix_affinity_keeps_each_prefix_on_the_backend_it_was_placed_on
     assert len(short) > 1  # short prompts are spread by load
 
 
-async def test_a_prefix_moves_when_its_backend_is_busy_now_or_takes_more_than_its_share() -> None:
+async def test_a_prefix_spreads_to_another_backend_when_its_own_is_busy_or_takes_more_than_its_share() -> None:
     affinity = PrefixAffinity(ROUTING)
     prefix = "You are a support agent for ACME. " * 40
     view = {n: Member(load=0.0, ejected=False, ttft_p95_ms=0.0, known=True, unit=1 / 16) for n in NAMES}
     owner = choose(NAMES, view, prefix, ROUTING, affinity=affinity)[0]
     busy = {**view, owner: dataclasses.replace(view[owner], load=5 / 16)}  # 5 running, 0 elsewhere: over mean + 3
-    moved = choose(NAMES, busy, prefix, ROUTING, affinity=affinity)[0]
-    assert moved != owner
-    assert choose(NAMES, view, prefix, ROUTING, affinity=affinity)[0] == moved  # it stays where it moved
+    second = choose(NAMES, busy, prefix, ROUTING, affinity=affinity)[0]
+    assert second != owner
+    assert {choose(NAMES, view, prefix, ROUTING, affinity=affinity)[0] for _ in range(4)} == {owner, second}
     hot = [choose(NAMES, view, prefix + str(i), ROUTING, affinity=affinity)[0] for i in range(300)]
-    assert max(Counter(hot).values()) / 100 <= 1.3  # one hot prefix alone still spreads within the bound
-    assert len(set(hot[-30:])) < 3  # ...a few backends at a time, not every request somewhere else
+    assert max(Counter(hot).values()) / 100 <= 1.3  # one hot prefix alone spreads within the bound
+    cold = "You are a tax advisor. " * 60
+    placed = {choose(NAMES, view, cold + str(i), ROUTING, affinity=affinity)[0] for i in range(0, 300, 50)}
+    assert len(placed) == 1  # a prefix that is not more than one backend's share stays on one
 
 
 async def test_a_failure_streak_ejects_for_a_growing_term_and_a_success_ends_it() -> None:
