@@ -77,8 +77,15 @@ def test_a_signal_to_make_stops_everything_make_run_started(tmp_path: Path, sig:
     env.pop("SLUICE_CONFIG", None)
     log = (tmp_path / "make.log").open("wb")
     # -o setup: the environment is already set up; never reinstall it from a test
-    make = subprocess.Popen(["make", "-s", "-o", "setup", "run"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    # make as from a terminal, with SIGINT at its default: a test run started in the background by a
+    # non-interactive shell (`cmd &`) can inherit SIGINT ignored, and make keeps an ignored SIGINT
+    # ignored. A Python handler here is reset to the default in the child at exec; SIG_IGN would not be.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        make = subprocess.Popen(["make", "-s", "-o", "setup", "run"], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     started: set[int] = set()
     try:
         deadline = time.monotonic() + 180
