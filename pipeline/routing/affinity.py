@@ -7,10 +7,10 @@ of its own choices), so prefixes spread evenly and the backends' caches do not a
 Later requests with that prefix go to the backend it was placed on unless that backend has lately taken
 more than `affinity_max_load` times the mean share of traffic (give or take `affinity_slack` requests,
 so that a few requests do not decide), or runs more than `affinity_slack` requests above the mean now
-(from the health reports); then the prefix is placed on one more backend, the least loaded of the
-others, and its requests go to whichever of its backends has had the least traffic and is within its
-share. A prefix that alone is more than one backend's share so ends up on several; the others stay on
-one. Balance over time comes from where new prefixes and one-off prompts are placed, so a burst does not
+(from the health reports); then the prefix is placed on one more backend, the one of the others with
+the least recent traffic, and its requests go to whichever of its backends has had the least traffic
+and is within its share. A prefix that alone is more than one backend's share so ends up on several;
+the others stay on one. Balance over time comes from where new prefixes and one-off prompts are placed, so a burst does not
 scatter a prefix over every cache (what a bound on the momentary load alone did: docs/benchmarks.md).
 
 The table is per route process: with several, each places prefixes on its own.

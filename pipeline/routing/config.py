@@ -46,7 +46,7 @@ class RoutingSettings:
     affinity_chars: int = 1000  # the prompt's first characters (about 250 tokens) pick a preferred backend (0: off)
     affinity_min_chars: int = 256  # shorter prompts are spread by load only
     affinity_max_load: float = 1.25  # a prefix's backend is passed over above this times the mean share of traffic
-    affinity_slack: int = 3  # ...or when it runs more than this many requests above the mean now
+    affinity_slack: int = 3  # requests of slack on that share, and running above the mean now that pass it over too
     rules: tuple[RouteRule, ...] = ()
 
     def problems(self, backends: frozenset[str]) -> list[str]:
