@@ -42,6 +42,7 @@ class Backend:
         self.served = 0
 
     def cached(self, tokens: list[int]) -> int:
+        """Prompt tokens found in the cache (a block counts only if every block before it is there)."""
         hit = 0
         for end in range(BLOCK, len(tokens) + 1, BLOCK):
             if tuple(tokens[:end]) not in self.blocks:
@@ -51,14 +52,7 @@ class Backend:
 
     def prefill(self, tokens: list[int]) -> int:
         """Prompt tokens computed (not found in the cache); the prompt's blocks are cached after."""
-        hit = 0
-        for end in range(BLOCK, len(tokens) + 1, BLOCK):
-            key = tuple(tokens[:end])
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
-                hit = end
-            else:
-                break
+        hit = self.cached(tokens)
         for end in range(BLOCK, len(tokens) + 1, BLOCK):
             self.blocks[tuple(tokens[:end])] = None
             self.blocks.move_to_end(tuple(tokens[:end]))

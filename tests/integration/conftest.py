@@ -119,14 +119,18 @@ def _free_port() -> int:
 
 
 def free_kafka_port() -> int:
-    """A free port whose next one is free too: Kafka's controller listens on port + 1 (infra/kafka/start.sh).
-    Below the ephemeral range (32768+), where the outgoing connections of a busy test run would take
-    port + 1 between this check and the broker's start."""
-    for _ in range(200):
-        port = random.randrange(20_000, 32_000)
-        if all(bindable(p) for p in (port, port + 1)):
-            return port
-    raise RuntimeError("no two free ports in a row")
+    """A free port whose next one is free too: Kafka's controller listens on port + 1 (infra/kafka/start.sh)."""
+    return free_ports(2)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n bindable ports in a row, below the ephemeral range (32768+), where the outgoing connections of a
+    busy test run could take one between this check and the service's start."""
+    for _ in range(500):
+        base = random.randrange(20_000, 32_000 - n)
+        if all(bindable(base + i) for i in range(n)):
+            return [base + i for i in range(n)]
+    raise RuntimeError(f"no {n} free ports in a row")
 
 
 def bindable(port: int) -> bool:

@@ -5,7 +5,6 @@ make for it. The run gets its own ports and state directory, so it does not touc
 from __future__ import annotations
 
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -14,20 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import bindable
+from tests.integration.conftest import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
-
-
-def free_ports(n: int) -> list[int]:
-    """n bindable ports in a row (Kafka's controller takes the broker's port + 1), below the ephemeral
-    range (32768+), where a busy test run's outgoing connections could take one before the service binds."""
-    for _ in range(500):
-        base = random.randrange(20_000, 32_000 - n)
-        if all(bindable(base + i) for i in range(n)):
-            return [base + i for i in range(n)]
-    raise RuntimeError(f"no {n} free ports in a row")
 
 
 def _free(port: int) -> bool:

@@ -18,7 +18,8 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from bench.services import own_services
-from tests.integration.test_make_run import cmdline, descendants, free_ports
+from tests.integration.conftest import free_ports
+from tests.integration.test_make_run import cmdline, descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
