@@ -92,8 +92,9 @@ class EmitStage:
                                                            *settings.observability.tenant_labels)))
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
         self._carried: dict[str, list[Chunk]] = {}  # chunks held behind a gap when a request was reset
-        # Requests one of whose acknowledged writes failed: that message is being retried, so a gap in
-        # them may be a chunk still on its way, not a lost one (`_wait_for_retries`).
+        # Requests a message of which is being retried (its produce or its acknowledged write failed: the
+        # broker or Redis was away), so a gap in them may be a chunk still on its way, not a lost one
+        # (`_wait_for_retries`).
         self._unsure: set[str] = set()
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
 
@@ -110,8 +111,10 @@ class EmitStage:
             self._sent.clear()
             self._carried.clear()
             self._unsure.clear()  # every message in flight is redelivered after a rebalance
-        elif (sent := self._sent.pop(request_id, None)) is not None and (held := sent.order.held()):
-            self._carried[request_id] = held  # their messages may be done: keep them, they are the client's
+        else:  # handling.py, before it tries a message of this request again: its chunks may still come
+            self._unsure.add(request_id)  # (a produce that failed in a broker outage never reached `acked`)
+            if (sent := self._sent.pop(request_id, None)) is not None and (held := sent.order.held()):
+                self._carried[request_id] = held  # their messages may be done: keep them, they are the client's
 
     async def handle(self, message: StreamEvent) -> AsyncIterator[Out]:
         clock = Stopwatch()
@@ -198,7 +201,7 @@ class EmitStage:
 
     def _wait_for_retries(self, rid: str, message: Done | Failed, sent: _Sent) -> None:
         """A terminal event that finds chunks missing while an earlier message of its request is being
-        retried (its acknowledged write failed: the broker or Redis was away) waits for that retry: the
+        retried (its produce or acknowledged write failed: the broker or Redis was away) waits for that retry: the
         request's later messages do not wait for it, and ending now would call a late chunk lost."""
         if rid in self._unsure and (sent.order.gap() or message.chunks > sent.order.next_seq):
             raise InfraUnavailable("an earlier message of this request is being retried; its chunks may still come")

@@ -182,6 +182,29 @@ async def test_a_terminal_waits_for_a_chunk_whose_message_is_being_retried() -> 
 
 
 @pytest.mark.asyncio
+async def test_a_terminal_waits_for_a_chunk_whose_produce_failed() -> None:
+    """Chaos found it too (broker outage): chunk 1's produce to the reply topic fails, so its `acked`
+    never runs and only handling.py's `reset` says the message is being retried; chunk 2 goes out on
+    the renewed producer meanwhile. The terminal event must wait for chunk 1, not call it lost."""
+    stage = emit()
+    [c0] = [o async for o in stage.handle(chunk(0))]
+    await c0.acked()
+    [_lost] = [o async for o in stage.handle(chunk(1))]  # its produce fails: no acked
+    await stage.reset(RID)  # handling.py, before it retries chunk 1's message
+    assert [o async for o in stage.handle(chunk(2))] == []  # rebuilt at 1 from the store: 2 waits for 1
+    with pytest.raises(InfraUnavailable):
+        [o async for o in stage.handle(done(3))]
+    await stage.reset(RID)
+    retried = [o async for o in stage.handle(chunk(1))]
+    assert [o.value.seq for o in retried] == [1, 2]
+    for out in retried:
+        await out.acked()
+    await stage.reset(RID)
+    sent = await replies(stage, done(3))
+    assert isinstance(sent[0], Done) and sent[0].chunks == 3
+
+
+@pytest.mark.asyncio
 async def test_a_gap_with_no_retry_pending_still_ends_as_stream_incomplete() -> None:
     store = FlakyStore()
     stage = emit(store)
