@@ -16,6 +16,7 @@ from pipeline.routing.stats import BackendStats
 from pipeline.settings import BackendSettings, Settings
 from pipeline.stage import Stage
 from pipeline.state import MemoryStateStore, RedisStateStore, StateStore
+from pipeline.state.metered import MeteredStore
 from pipeline.topology import Node, graph, select
 
 
@@ -25,10 +26,11 @@ def nodes_of(settings: Settings, names: list[str] | None = None) -> list[Node]:
     return nodes if names is None else select(nodes, names)
 
 
-def state_store(settings: Settings) -> StateStore:
+def state_store(settings: Settings, stage: str) -> StateStore:
+    """The per-request state store of `stage`, counting its takeovers and fenced writes."""
     if settings.state.store == "memory":
-        return MemoryStateStore(settings.state.ttl_s)
-    return RedisStateStore(redis_client(settings), ttl_s=settings.state.ttl_s)
+        return MeteredStore(MemoryStateStore(settings.state.ttl_s), stage)
+    return MeteredStore(RedisStateStore(redis_client(settings), ttl_s=settings.state.ttl_s), stage)
 
 
 def exact_tier(settings: Settings) -> ExactTier:
@@ -73,7 +75,7 @@ def _build(node: Node, settings: Settings, backends: Mapping[str, Backend], work
 
     t, name = node.topics, node.name
     if node.kind == "ingest":
-        return IngestStage(settings, t, redis_gateway(settings), state_store(settings), name=name)
+        return IngestStage(settings, t, redis_gateway(settings), state_store(settings, name), name=name)
     if node.kind == "route":
         return RouteStage(settings, t, name=name)
     by_name = {b.name: b for b in settings.backends}
@@ -82,17 +84,17 @@ def _build(node: Node, settings: Settings, backends: Mapping[str, Backend], work
         return PrefillStage(backend, t, name=name, worker=worker, stats=_stats(by_name[backend.name], name, settings), backends=by_name)  # type: ignore[arg-type]
     if node.kind == "decode":
         backend = pool_backend(node, settings, backends)
-        return DecodeStage(backend, t, state_store(settings), name=name, stats=_stats(by_name[backend.name], name, settings),  # type: ignore[arg-type]
+        return DecodeStage(backend, t, state_store(settings, name), name=name, stats=_stats(by_name[backend.name], name, settings),  # type: ignore[arg-type]
                            backends=by_name, chunk_window_s=settings.runtime.chunk_window_ms / 1000)
     if node.kind == "generate":
         from pipeline.stages.generate import GenerateStage
 
         backend = pool_backend(node, settings, backends)
-        return GenerateStage(backend, t, state_store(settings), name=name, stats=_stats(by_name[backend.name], name, settings),
+        return GenerateStage(backend, t, state_store(settings, name), name=name, stats=_stats(by_name[backend.name], name, settings),
                              backends=by_name, chunk_window_s=settings.runtime.chunk_window_ms / 1000)
     if node.kind == "emit":
         answers = exact_tier(settings) if t.table else None
-        return EmitStage(settings, t, state_store(settings), meter=redis_gateway(settings), name=name, answers=answers)
+        return EmitStage(settings, t, state_store(settings, name), meter=redis_gateway(settings), name=name, answers=answers)
     if node.kind == "cache":
         from pipeline.guard.embedder import load_embedder
         from pipeline.stages.cache import CacheStage
@@ -108,5 +110,5 @@ def _build(node: Node, settings: Settings, backends: Mapping[str, Backend], work
         from pipeline.guard.loader import output_guard
         from pipeline.stages.postguard import PostguardStage
 
-        return PostguardStage(settings.guard, output_guard(settings.guard, settings.model_cache), t, state_store(settings), name=name)
+        return PostguardStage(settings.guard, output_guard(settings.guard, settings.model_cache), t, state_store(settings, name), name=name)
     raise LookupError(f"no stage of kind {node.kind!r}")

@@ -40,6 +40,19 @@ QUEUE_SECONDS = Histogram(
 )
 IN_FLIGHT = Gauge("sluice_in_flight", "Messages a stage is working on", ["stage"])
 PRODUCED = Counter("sluice_produced_total", "Messages produced, by topic", ["stage", "topic"])
+STATE_TAKEOVERS = Counter(
+    "sluice_state_takeovers_total",
+    "Requests a stage's worker took over from another worker of the stage (a kill, a rebalance, a paused worker)",
+    ["stage"],
+)
+STATE_FENCED = Counter(
+    "sluice_state_fenced_writes_total",
+    "Per-request state writes refused because another worker of the stage had taken the request over",
+    ["stage"],
+)
+PRODUCER_RENEWALS = Counter(
+    "sluice_producer_renewals_total", "Kafka producers this process replaced because they stopped delivering",
+)
 CONSUMER_LAG = Gauge(
     "sluice_consumer_lag",
     "Messages on a stage's input partition not yet fetched by it (high watermark minus position)",

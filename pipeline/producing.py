@@ -18,7 +18,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import InvalidProducerEpoch, OutOfOrderSequenceNumber, UnknownProducerId
 
-from pipeline import kafka
+from pipeline import kafka, metrics
 from pipeline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class Producer:
             self._poisoned = False
             old = self._client
             self.renewals += 1
+            metrics.PRODUCER_RENEWALS.inc()
             log.warning("producer %s stopped delivering; starting a new one (renewal %d)", self._client_id, self.renewals)
             self._client = await kafka.started(lambda: kafka.producer(self._settings, self._client_id), asyncio.Event(), self._client_id)
             if old is not None:
