@@ -4,12 +4,15 @@ process running the transport stages (`bare` profile: ingest, route, prefill, de
 backend, so the spans' cost is not hidden behind a model.
 
     .venv/bin/python -m bench.tracing_overhead                    # 5 rounds, both modes in each, order alternating
-    .venv/bin/python -m bench.tracing_overhead --rounds 7 --rate 20 --requests 200 --concurrency 32 --seconds 10
+    .venv/bin/python -m bench.tracing_overhead --rounds 7 --rate 20 --requests 200 --concurrency 32 --seconds 10 --slices 5
 
-Each round runs both modes back to back (which goes first alternates), each mode: latency at a fixed
-open-loop rate (p50, p99 over `--requests`), then throughput closed-loop at `--concurrency` requests in
-flight for `--seconds` (the knee: where adding load only adds queueing). The sampler is switched between
-modes inside one process (same stages, same connections). Spans go to a sink in its own process that
+Each round measures latency at a fixed open-loop rate (p50, p99 over `--requests` per mode), then
+throughput closed-loop at `--concurrency` requests in flight for `--seconds` per mode (the knee: where
+adding load only adds queueing). Each part alternates the modes in `--slices` short slices (on, off,
+off, on, ...; which goes first alternates by round), so that a neighbour's burst on a shared host
+falls on both modes alike instead of on one mode's whole half of the round; the spans of a slice are
+flushed (untimed) before the next one starts, so no mode's export runs in the other's time. The
+sampler is switched between modes inside one process (same stages, same connections). Spans go to a sink in its own process that
 reads each OTLP request and answers 200, so export costs what it costs over HTTP. Reported: each
 mode's median over rounds, the per-round difference (on minus off, on / off) as median with min..max.
 
@@ -167,16 +170,24 @@ async def measure(settings: Settings, switch: Switch, provider: object, args: ar
             await latency(client, 60, args.rate, args.max_tokens)
             await throughput(client, args.concurrency, args.seconds / 2, args.max_tokens)
         for r in range(args.rounds):
-            for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                switch.on = mode == "on"
-                ms = await latency(client, args.requests, args.rate, args.max_tokens)
-                rps = await throughput(client, args.concurrency, args.seconds, args.max_tokens)
-                provider.force_flush()  # type: ignore[attr-defined]  # this mode's spans leave before the next mode
-                results[mode]["p50"].append(percentile(ms, 50))
-                results[mode]["p99"].append(percentile(ms, 99))
-                results[mode]["rps"].append(rps)
-                print(f"round {r + 1} {mode:>3}: p50 {percentile(ms, 50):.2f} ms  p99 {percentile(ms, 99):.2f} ms  "
-                      f"{rps:.1f} req/s at {args.concurrency} in flight", flush=True)
+            first = ("on", "off") if r % 2 == 0 else ("off", "on")
+            lat: dict[str, list[float]] = {"on": [], "off": []}
+            rps: dict[str, list[float]] = {"on": [], "off": []}
+            for part in ("latency", "throughput"):  # each part in `--slices` alternating on/off slices
+                for s in range(args.slices):
+                    for mode in first if s % 2 == 0 else first[::-1]:
+                        switch.on = mode == "on"
+                        if part == "latency":
+                            lat[mode] += await latency(client, args.requests // args.slices, args.rate, args.max_tokens)
+                        else:
+                            rps[mode].append(await throughput(client, args.concurrency, args.seconds / args.slices, args.max_tokens))
+                        provider.force_flush()  # type: ignore[attr-defined]  # a slice's spans leave before the next slice
+            for mode in first:
+                results[mode]["p50"].append(percentile(lat[mode], 50))
+                results[mode]["p99"].append(percentile(lat[mode], 99))
+                results[mode]["rps"].append(statistics.fmean(rps[mode]))
+                print(f"round {r + 1} {mode:>3}: p50 {percentile(lat[mode], 50):.2f} ms  p99 {percentile(lat[mode], 99):.2f} ms  "
+                      f"{statistics.fmean(rps[mode]):.1f} req/s at {args.concurrency} in flight", flush=True)
         if args.connected:
             good, total = await check_connected(client, switch, provider, settings, args)
             results["connected"] = {"good": [good], "total": [total]}
@@ -215,6 +226,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200, help="requests per mode per round for the latency part")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight for the throughput part")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the throughput part per mode per round")
+    parser.add_argument("--slices", type=int, default=5, help="each part of a round alternates on/off this many times per mode")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--bootstrap", help="use a running Kafka instead of starting one")
     parser.add_argument("--redis", help="with --bootstrap: the running Redis's URL")
