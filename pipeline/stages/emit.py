@@ -94,8 +94,8 @@ class EmitStage:
         self._carried: dict[str, list[Chunk]] = {}  # chunks held behind a gap when a request was reset
         # Requests a message of which is being retried (its produce or its acknowledged write failed: the
         # broker or Redis was away), so a gap in them may be a chunk still on its way, not a lost one
-        # (`_wait_for_retries`).
-        self._unsure: set[str] = set()
+        # (`_wait_for_retries`). Bounded like `_sent`: a retry that reaches its deadline never clears its entry.
+        self._unsure: OrderedDict[str, None] = OrderedDict()
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
 
     async def aclose(self) -> None:
@@ -112,7 +112,7 @@ class EmitStage:
             self._carried.clear()
             self._unsure.clear()  # every message in flight is redelivered after a rebalance
         else:  # handling.py, before it tries a message of this request again: its chunks may still come
-            self._unsure.add(request_id)  # (a produce that failed in a broker outage never reached `acked`)
+            self._mark_unsure(request_id)  # (a produce that failed in a broker outage never reached `acked`)
             if (sent := self._sent.pop(request_id, None)) is not None and (held := sent.order.held()):
                 self._carried[request_id] = held  # their messages may be done: keep them, they are the client's
 
@@ -143,7 +143,7 @@ class EmitStage:
             raise InfraUnavailable("taken over by another emit worker")
         self._wait_for_retries(rid, message, sent)
         sent.finished = True
-        self._unsure.discard(rid)
+        self._unsure.pop(rid, None)
         terminal = self._terminal(message, sent, clock)
         terminal = costs.priced(terminal, self._prices, self._billed(terminal).usage)
         costs.observe(terminal, self._tenant_label(terminal.tenant), self._models)
@@ -199,6 +199,11 @@ class EmitStage:
         self._sent.move_to_end(rid)
         return sent
 
+    def _mark_unsure(self, rid: str) -> None:
+        self._unsure[rid] = None
+        if len(self._unsure) > _CACHED:
+            self._unsure.popitem(last=False)
+
     def _wait_for_retries(self, rid: str, message: Done | Failed, sent: _Sent) -> None:
         """A terminal event that finds chunks missing while an earlier message of its request is being
         retried (its produce or acknowledged write failed: the broker or Redis was away) waits for that retry: the
@@ -250,14 +255,14 @@ class EmitStage:
                 try:
                     written = await self._store.write(_key(rid), fields, owner=self._owner)
                 except BaseException:
-                    self._unsure.add(rid)  # this message is retried; its chunks may reach the client again
+                    self._mark_unsure(rid)  # this message is retried; its chunks may reach the client again
                     raise
                 if not written:
                     sent.fenced = True  # the runner tries the message again, after `reset`: re-read the store
                     raise InfraUnavailable("taken over by another emit worker")
                 sent.stored = max(sent.stored, position)
                 if position:
-                    self._unsure.discard(rid)  # a write went through after the failed one: the retry ran
+                    self._unsure.pop(rid, None)  # a write went through after the failed one: the retry ran
 
         return acked
 
