@@ -13,6 +13,10 @@ in the prompt), side by side in one run.
 
 Tokens/s is completion tokens over the wall time of the whole generation (prefill included), median
 and range over the repeats; the speedup is the median of the per-repeat ratios (range in brackets).
+The decode phase is reported apart as well (DESIGN.md's measure, "decode tokens/s"): the tokens after
+each request's first over the wall time outside the steps that fed prompt tokens (timed around
+`LLMEngine.execute`; at batch 8 a step that feeds one prompt's last chunk beside other sequences'
+decodes counts as prefill).
 CPU seconds of the process are reported too: steadier than wall time on a shared machine.
 """
 
@@ -32,6 +36,7 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.model_runner import ModelRunner
 from pipeline.engine.params import EngineRequest, SpeculativeParams
+from pipeline.engine.scheduler import SchedulerOutput
 from pipeline.models import convert_default_model, load_model
 
 NOTICE = (
@@ -84,10 +89,17 @@ class Run:
     proposed: int
     accepted: int
     outputs: list[list[int]]
+    prefill_s: float  # wall time of the steps that fed prompt tokens (each prompt's first token is sampled there)
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.wall_s
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after each request's first over the time outside prefill steps: the decode phase, which
+        is all speculation can shorten (DESIGN.md's "decode tokens/s")."""
+        return (self.tokens - len(self.outputs)) / (self.wall_s - self.prefill_s)
 
 
 @dataclass
@@ -102,13 +114,26 @@ def generate(model: torch.nn.Module, requests: list[EngineRequest], batch: int) 
     """`requests` `batch` at a time on a fresh engine (the model's weights shared)."""
     config = EngineConfig(num_blocks=1024, block_size=16, max_num_seqs=max(batch, 1), max_num_batched_tokens=512)
     engine = LLMEngine(ModelRunner.from_transformers(model, config))
+    prefill_s = 0.0
+    execute = engine.execute
+
+    def timed(output: SchedulerOutput) -> list[int | None]:
+        nonlocal prefill_s
+        start = time.perf_counter()
+        try:
+            return execute(output)
+        finally:
+            if any(c.start < c.seq.num_prompt_tokens for c in output.chunks):
+                prefill_s += time.perf_counter() - start
+
+    engine.execute = timed  # type: ignore[method-assign]
     outputs: list[list[int]] = []
     wall, cpu = time.perf_counter(), time.process_time()
     for first in range(0, len(requests), batch):
         outputs += engine.generate(requests[first : first + batch])
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     s = engine.scheduler
-    return Run(wall, cpu, sum(map(len, outputs)), s.step_count, s.spec_proposed, s.spec_accepted, outputs)
+    return Run(wall, cpu, sum(map(len, outputs)), s.step_count, s.spec_proposed, s.spec_accepted, outputs, prefill_s)
 
 
 def requests_for(tokenizer, prompts: list[str], max_tokens: int, k: int | None) -> list[EngineRequest]:  # type: ignore[no-untyped-def]
@@ -157,17 +182,20 @@ def spread(values: list[float], fmt: str = "{:.1f}") -> str:
 def report(cells: dict[int, Cell], k: int) -> None:
     print(f"\n### TEST: {len(TEST_PROMPTS)} prompts, num_draft_tokens = {k}\n")
     print(
-        "| batch | plain tok/s | speculative tok/s | speedup (wall) | speedup (CPU) | acceptance "
-        "| steps plain / spec | identical |"
+        "| batch | plain tok/s | speculative tok/s | speedup (wall) | speedup (CPU) | decode phase: plain / spec tok/s "
+        "| decode speedup | acceptance | steps plain / spec | identical |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for batch, cell in cells.items():
         wall = [s.tok_s / p.tok_s for p, s in zip(cell.plain, cell.spec, strict=True)]
         cpu = [p.cpu_s / s.cpu_s for p, s in zip(cell.plain, cell.spec, strict=True)]
+        decode = [s.decode_tok_s / p.decode_tok_s for p, s in zip(cell.plain, cell.spec, strict=True)]
         spec = cell.spec[-1]
         print(
             f"| {batch} | {spread([r.tok_s for r in cell.plain])} | {spread([r.tok_s for r in cell.spec])} "
-            f"| **{spread(wall, '{:.2f}')}x** | {spread(cpu, '{:.2f}')}x | {spec.accepted / max(spec.proposed, 1):.2f} "
+            f"| **{spread(wall, '{:.2f}')}x** | {spread(cpu, '{:.2f}')}x "
+            f"| {spread([r.decode_tok_s for r in cell.plain])} / {spread([r.decode_tok_s for r in cell.spec])} "
+            f"| **{spread(decode, '{:.2f}')}x** | {spec.accepted / max(spec.proposed, 1):.2f} "
             f"| {cell.plain[-1].steps} / {spec.steps} | yes ({spec.tokens} tokens) |"
         )
 
