@@ -46,6 +46,8 @@ from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, StreamEvent, Usage,
 from topics.usage import UsageRecord
 
 _CACHED = 50_000  # requests whose progress this worker keeps in memory (the store has all of them)
+ACK_ORDER_WAIT_S = 40.0  # how long a chunk's record waits for the one before it: longer than the producer's
+# request timeout (30 s), by which the earlier chunk's produce has gone through or failed (and been reset)
 
 
 class Meter(Protocol):
@@ -59,7 +61,7 @@ class Meter(Protocol):
 class _Sent:
     """What the client has of one request: in-order position, digest chain, whether it has ended."""
 
-    __slots__ = ("order", "digest", "finished", "fenced", "stored", "writing", "texts", "size")
+    __slots__ = ("order", "digest", "finished", "fenced", "stored", "writing", "advanced", "dropped", "texts", "size")
 
     def __init__(self, next_seq: int, digest: str, finished: bool) -> None:
         self.order = Sequencer(next_seq)
@@ -70,6 +72,17 @@ class _Sent:
         self.fenced = False  # another emit worker took this request over
         self.stored = next_seq  # the position as the store has it: it only moves forward
         self.writing = asyncio.Lock()  # acknowledgements of successive messages arrive together
+        self.advanced = asyncio.Event()  # set (and replaced) each time `stored` moves, or when dropped
+        self.dropped = False  # forgotten by a reset: the store is the truth again, waiters give up
+
+    def advance(self, position: int) -> None:
+        self.stored = max(self.stored, position)
+        self.advanced.set()
+        self.advanced = asyncio.Event()
+
+    def drop(self) -> None:
+        self.dropped = True
+        self.advanced.set()
 
 
 class EmitStage:
@@ -108,13 +121,17 @@ class EmitStage:
     async def reset(self, request_id: str | None) -> None:
         """Forget cached progress (one request, or all): the store, written after acks, is the truth."""
         if request_id is None:
+            for sent in self._sent.values():
+                sent.drop()
             self._sent.clear()
             self._carried.clear()
             self._unsure.clear()  # every message in flight is redelivered after a rebalance
         else:  # handling.py, before it tries a message of this request again: its chunks may still come
             self._mark_unsure(request_id)  # (a produce that failed in a broker outage never reached `acked`)
-            if (sent := self._sent.pop(request_id, None)) is not None and (held := sent.order.held()):
-                self._carried[request_id] = held  # their messages may be done: keep them, they are the client's
+            if (sent := self._sent.pop(request_id, None)) is not None:
+                sent.drop()
+                if held := sent.order.held():
+                    self._carried[request_id] = held  # their messages may be done: keep them, they are the client's
 
     async def handle(self, message: StreamEvent) -> AsyncIterator[Out]:
         clock = Stopwatch()
@@ -142,6 +159,7 @@ class EmitStage:
             sent.fenced = True
             raise InfraUnavailable("taken over by another emit worker")
         self._wait_for_retries(rid, message, sent)
+        await self._recorded(sent, sent.order.next_seq)  # the terminal event never overtakes a chunk
         sent.finished = True
         self._unsure.pop(rid, None)
         terminal = self._terminal(message, sent, clock)
@@ -195,7 +213,7 @@ class EmitStage:
             if stored:  # what a predecessor held behind a gap: accepted before the message at hand
                 self._carried[rid] = sorted(stored + self._carried.get(rid, []), key=lambda c: c.seq)
             if len(self._sent) > _CACHED:
-                self._sent.popitem(last=False)
+                self._sent.popitem(last=False)[1].drop()
         self._sent.move_to_end(rid)
         return sent
 
@@ -244,11 +262,30 @@ class EmitStage:
             sent.fenced = True
             raise InfraUnavailable("taken over by another emit worker")
 
+    async def _recorded(self, sent: _Sent, position: int) -> None:
+        """Waits until the store holds `position`, that is until every chunk before it was acknowledged and
+        recorded. InfraUnavailable (the message is tried again) when the request's progress was dropped (a
+        message of it is being retried: its chunk may not have reached the client) or the wait runs out."""
+        deadline = time.monotonic() + ACK_ORDER_WAIT_S
+        while sent.stored < position:
+            if sent.dropped:
+                raise InfraUnavailable("an earlier chunk of this request is being sent again")
+            try:
+                await asyncio.wait_for(sent.advanced.wait(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise InfraUnavailable("an earlier chunk of this request was not acknowledged") from None
+
     def _write(self, rid: str, sent: _Sent, fields: dict[str, bytes], position: int = 0) -> Callable[[], Awaitable[None]]:
         """Records `fields` once the broker acknowledged the output. Writes of one request go one at a
         time and a position is never written over a later one: the acknowledgements of successive
-        messages arrive together, and two writes in flight could land in either order."""
+        messages arrive together, and two writes in flight could land in either order. A position is
+        recorded only after the one before it: the acknowledgements of two messages are independent, and
+        in a broker outage chunk k's produce can fail while chunk k + 1's, sent later on a renewed producer,
+        goes through; recording k + 2 then would make the retry of chunk k look like a repeat, and the
+        client would never get it (seen once in the chaos suite's outage: a Done whose stream had a hole)."""
         async def acked() -> None:
+            if position:
+                await self._recorded(sent, position - 1)
             async with sent.writing:
                 if position and position <= sent.stored:
                     return
@@ -260,7 +297,7 @@ class EmitStage:
                 if not written:
                     sent.fenced = True  # the runner tries the message again, after `reset`: re-read the store
                     raise InfraUnavailable("taken over by another emit worker")
-                sent.stored = max(sent.stored, position)
+                sent.advance(position)
                 if position:
                     self._unsure.pop(rid, None)  # a write went through after the failed one: the retry ran
 

@@ -1,6 +1,8 @@
 """emit: each chunk once and in order, one terminal event, one usage record, and progress that
 survives the worker (a successor with the same store repeats nothing)."""
 
+import asyncio
+
 import pytest
 
 from pipeline.errors import InfraUnavailable, Undeliverable
@@ -135,9 +137,37 @@ async def test_the_stored_position_never_moves_back_when_acknowledgements_land_o
     stage = emit(store)
     first = [o async for o in stage.handle(chunk(0))]
     second = [o async for o in stage.handle(chunk(1))]
-    await second[0].acked()  # the later write lands first (two connections, two writes in flight)
+    later = asyncio.create_task(second[0].acked())  # the later acknowledgement is handled first
+    await asyncio.sleep(0)
+    assert not later.done()  # its position waits for the one before it
     await first[0].acked()
+    await later
     assert (await store.read(RID + "#emit"))["emitted"] == b"2"
+
+
+@pytest.mark.asyncio
+async def test_a_chunk_is_not_recorded_past_an_earlier_one_whose_produce_failed() -> None:
+    """Chaos found it (broker outage): chunk 1's produce fails on the old producer while chunk 2's, sent
+    later on a renewed one, goes through. Recording position 3 would make chunk 1's retry look like a
+    repeat, and the client would get a Done over a stream with a hole. Chunk 2's record waits instead,
+    and gives up (its message is tried again) once chunk 1's retry resets the request."""
+    store = MemoryStateStore()
+    stage = emit(store)
+    await replies(stage, chunk(0))
+    [_lost] = [o async for o in stage.handle(chunk(1))]  # its produce fails: no acked
+    [c2] = [o async for o in stage.handle(chunk(2))]
+    waiting = asyncio.create_task(c2.acked())  # chunk 2 reached the client
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    await stage.reset(RID)  # handling.py, before it retries chunk 1's message
+    with pytest.raises(InfraUnavailable):
+        await waiting
+    assert (await store.read(RID + "#emit"))["emitted"] == b"1"
+    assert [c.seq for c in await replies(stage, chunk(1))] == [1]  # chunk 1's retry
+    await stage.reset(RID)  # before chunk 2's retry
+    assert [c.seq for c in await replies(stage, chunk(2))] == [2]  # again: the client drops the repeat
+    sent = await replies(stage, done(3))
+    assert isinstance(sent[0], Done) and sent[0].chunks == 3
 
 
 class FlakyStore(MemoryStateStore):
