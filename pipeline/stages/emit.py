@@ -107,8 +107,10 @@ class EmitStage:
         self._carried: dict[str, list[Chunk]] = {}  # chunks held behind a gap when a request was reset
         # Requests a message of which is being retried (its produce or its acknowledged write failed: the
         # broker or Redis was away), so a gap in them may be a chunk still on its way, not a lost one
-        # (`_wait_for_retries`). Bounded like `_sent`: a retry that reaches its deadline never clears its entry.
-        self._unsure: OrderedDict[str, None] = OrderedDict()
+        # (`_wait_for_retries`), each with the position whose record ends the doubt: the furthest this worker
+        # had forwarded when it failed (several messages may be in retry; the first one's record is not enough).
+        # Bounded like `_sent`: a retry that reaches its deadline never clears its entry.
+        self._unsure: OrderedDict[str, int] = OrderedDict()
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
 
     async def aclose(self) -> None:
@@ -127,8 +129,9 @@ class EmitStage:
             self._carried.clear()
             self._unsure.clear()  # every message in flight is redelivered after a rebalance
         else:  # handling.py, before it tries a message of this request again: its chunks may still come
-            self._mark_unsure(request_id)  # (a produce that failed in a broker outage never reached `acked`)
-            if (sent := self._sent.pop(request_id, None)) is not None:
+            sent = self._sent.pop(request_id, None)  # (a produce that failed in a broker outage never reached `acked`)
+            self._mark_unsure(request_id, sent.order.next_seq if sent is not None else 0)
+            if sent is not None:
                 sent.drop()
                 if held := sent.order.held():
                     self._carried[request_id] = held  # their messages may be done: keep them, they are the client's
@@ -217,8 +220,8 @@ class EmitStage:
         self._sent.move_to_end(rid)
         return sent
 
-    def _mark_unsure(self, rid: str) -> None:
-        self._unsure[rid] = None
+    def _mark_unsure(self, rid: str, upto: int) -> None:
+        self._unsure[rid] = max(self._unsure.get(rid, 0), upto)
         if len(self._unsure) > _CACHED:
             self._unsure.popitem(last=False)
 
@@ -292,14 +295,14 @@ class EmitStage:
                 try:
                     written = await self._store.write(_key(rid), fields, owner=self._owner)
                 except BaseException:
-                    self._mark_unsure(rid)  # this message is retried; its chunks may reach the client again
+                    self._mark_unsure(rid, sent.order.next_seq)  # this message is retried; its chunks may come again
                     raise
                 if not written:
                     sent.fenced = True  # the runner tries the message again, after `reset`: re-read the store
                     raise InfraUnavailable("taken over by another emit worker")
                 sent.advance(position)
-                if position:
-                    self._unsure.pop(rid, None)  # a write went through after the failed one: the retry ran
+                if position and position >= self._unsure.get(rid, position + 1):
+                    del self._unsure[rid]  # every chunk forwarded before the failure is recorded now
 
         return acked
 

@@ -235,6 +235,34 @@ async def test_a_terminal_waits_for_a_chunk_whose_produce_failed() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_terminal_waits_for_every_message_in_retry_not_only_the_first() -> None:
+    """Chaos found it (Redis restart): chunk 1's position write fails, chunks 2 and 3 (forwarded too)
+    give up their records behind it, and all three messages are retried. Chunk 1's retry recording
+    position 2 must not end the doubt: the terminal event waits until position 4 is recorded."""
+    store = FlakyStore()
+    stage = emit(store)
+    await replies(stage, chunk(0))
+    outs = [o for c in (1, 2, 3) async for o in stage.handle(chunk(c))]
+    later = [asyncio.create_task(o.acked()) for o in outs[1:]]
+    store.fail = 1
+    with pytest.raises(InfraUnavailable):
+        await outs[0].acked()
+    await stage.reset(RID)  # before chunk 1's retry
+    for task in later:
+        with pytest.raises(InfraUnavailable):  # their messages are retried too
+            await task
+    assert [c.seq for c in await replies(stage, chunk(1))] == [1]  # chunk 1's retry: position 2 recorded
+    with pytest.raises(InfraUnavailable):  # the terminal's first try: chunks 2 and 3 are still on their way
+        await replies(stage, done(4))
+    for seq in (2, 3):
+        await stage.reset(RID)
+        assert [c.seq for c in await replies(stage, chunk(seq))] == [seq]
+    await stage.reset(RID)
+    sent = await replies(stage, done(4))
+    assert isinstance(sent[0], Done) and sent[0].chunks == 4
+
+
+@pytest.mark.asyncio
 async def test_a_gap_with_no_retry_pending_still_ends_as_stream_incomplete() -> None:
     store = FlakyStore()
     stage = emit(store)
