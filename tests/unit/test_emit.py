@@ -184,6 +184,23 @@ class FlakyStore(MemoryStateStore):
         return await super().write(key, fields, owner=owner)
 
 
+async def chunk_2_waits_for_the_retry_of_chunk_1(stage: EmitStage) -> None:
+    """After chunk 1's message failed and was reset: chunk 2 is held, the terminal event is retried
+    (not ended as stream_incomplete), and once chunk 1's retry went out (1 again, which the client
+    drops, then 2) the terminal's retry ends the request with all three chunks."""
+    assert [o async for o in stage.handle(chunk(2))] == []  # rebuilt at 1 from the store: 2 waits for 1
+    with pytest.raises(InfraUnavailable):
+        [o async for o in stage.handle(done(3))]
+    await stage.reset(RID)
+    retried = [o async for o in stage.handle(chunk(1))]
+    assert [o.value.seq for o in retried] == [1, 2]
+    for out in retried:
+        await out.acked()
+    await stage.reset(RID)
+    sent = await replies(stage, done(3))
+    assert isinstance(sent[0], Done) and sent[0].chunks == 3
+
+
 @pytest.mark.asyncio
 async def test_a_terminal_waits_for_a_chunk_whose_message_is_being_retried() -> None:
     """Chaos found it: chunk 1's acknowledged write fails (Redis restarting), so handling.py retries that
@@ -198,17 +215,7 @@ async def test_a_terminal_waits_for_a_chunk_whose_message_is_being_retried() -> 
     with pytest.raises(InfraUnavailable):
         await c1.acked()  # chunk 1 reached the client; its position did not reach the store
     await stage.reset(RID)  # handling.py, before it retries chunk 1's message
-    assert [o async for o in stage.handle(chunk(2))] == []  # rebuilt at 1 from the store: 2 waits for 1
-    with pytest.raises(InfraUnavailable):  # the terminal event is retried too, not ended as stream_incomplete
-        [o async for o in stage.handle(done(3))]
-    await stage.reset(RID)
-    retried = [o async for o in stage.handle(chunk(1))]  # chunk 1's retry: 1 again (the client drops it), then 2
-    assert [o.value.seq for o in retried] == [1, 2]
-    for out in retried:
-        await out.acked()
-    await stage.reset(RID)
-    sent = await replies(stage, done(3))
-    assert isinstance(sent[0], Done) and sent[0].chunks == 3
+    await chunk_2_waits_for_the_retry_of_chunk_1(stage)
 
 
 @pytest.mark.asyncio
@@ -221,17 +228,7 @@ async def test_a_terminal_waits_for_a_chunk_whose_produce_failed() -> None:
     await c0.acked()
     [_lost] = [o async for o in stage.handle(chunk(1))]  # its produce fails: no acked
     await stage.reset(RID)  # handling.py, before it retries chunk 1's message
-    assert [o async for o in stage.handle(chunk(2))] == []  # rebuilt at 1 from the store: 2 waits for 1
-    with pytest.raises(InfraUnavailable):
-        [o async for o in stage.handle(done(3))]
-    await stage.reset(RID)
-    retried = [o async for o in stage.handle(chunk(1))]
-    assert [o.value.seq for o in retried] == [1, 2]
-    for out in retried:
-        await out.acked()
-    await stage.reset(RID)
-    sent = await replies(stage, done(3))
-    assert isinstance(sent[0], Done) and sent[0].chunks == 3
+    await chunk_2_waits_for_the_retry_of_chunk_1(stage)
 
 
 @pytest.mark.asyncio
