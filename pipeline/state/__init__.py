@@ -6,6 +6,8 @@ It replaces the bounded dicts that stages kept in process memory, which a rebala
                     and MemoryStateStore: bounded, expiring, for one process (unit tests, the embedded demo)
     redis_store     RedisStateStore: one hash per key under its own hash tag, one round trip per call,
                     a TTL on every key; the atomic calls are Lua scripts in `lua/*.lua`
+    metered         MeteredStore: any store, counting a stage's takeovers and fenced writes (Prometheus);
+                    `pipeline.assemble` wraps every stage's store in one
 
 Errors: the Redis store raises `pipeline.errors.InfraUnavailable` when Redis is away (the runner retries
 the message until its deadline); the message names the error's class, never the URL.
