@@ -11,7 +11,8 @@ throughput closed-loop at `--concurrency` requests in flight for `--seconds` per
 adding load only adds queueing). Each part alternates the modes in `--slices` short slices (on, off,
 off, on, ...; which goes first alternates by round), so that a neighbour's burst on a shared host
 falls on both modes alike instead of on one mode's whole half of the round; the spans of a slice are
-flushed (untimed) before the next one starts, so no mode's export runs in the other's time. The
+flushed (untimed) before the next one starts, so no mode's export runs in the other's time (which
+also leaves the export of each "on" slice's last spans out of the timed part: a bias towards "on"). The
 sampler is switched between modes inside one process (same stages, same connections). Spans go to a sink in its own process that
 reads each OTLP request and answers 200, so export costs what it costs over HTTP. Reported: each
 mode's median over rounds, the per-round difference (on minus off, on / off) as median with min..max.
