@@ -162,7 +162,10 @@ class EmitStage:
             sent.fenced = True
             raise InfraUnavailable("taken over by another emit worker")
         self._wait_for_retries(rid, message, sent)
-        await self._recorded(sent, sent.order.next_seq)  # the terminal event never overtakes a chunk
+        # The terminal event does not wait for the records of the chunks before it: that wait held the
+        # partition's next messages behind every request's last acknowledgement (+8 ms p50 end to end at
+        # 50 requests/s). Left open: a chunk whose produce is still pending on a producer that is then
+        # replaced can be overtaken by this event on the new one; the client sees the hole and reports it.
         sent.finished = True
         self._unsure.pop(rid, None)
         terminal = self._terminal(message, sent, clock)
