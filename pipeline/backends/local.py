@@ -153,12 +153,12 @@ class LocalBackend:
         nothing to hand off, or the store could not keep it: a decode elsewhere then recomputes."""
         if self._store is None or prefilled.finish_reason is not None:
             return False
+        store = self._store
         try:
-            data = await self._engine.export_kv(prefilled.handle)
+            async with self._engine.exported(prefilled.handle) as parts:
+                kept = await asyncio.to_thread(store.put, prefilled.handle, parts)
         except UnknownHandle:  # cancelled or dropped since prefill
             return False
-        try:
-            kept = await asyncio.to_thread(self._store.put, prefilled.handle, data)
         except OSError as exc:  # policy: the KV store is an optimisation; decode recomputes without it
             log.warning("backend=%s KV store write failed (%s); decode will recompute", self.name, exc)
             return False

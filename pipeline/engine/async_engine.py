@@ -3,7 +3,8 @@
     prefill(request) -> (first token, handle)   run the prompt, sample one token, park the sequence
     decode(handle)   -> async iterator of ids   resume a parked sequence; ids after the first token
     generate(request, handle) -> iterator of ids  prefill and decode in one go (also used to recompute)
-    export_kv(handle) / import_kv(bytes)        move a parked sequence to another engine (process)
+    exported(handle) / import_kv(buffer)        move a parked sequence to another engine (process);
+                                                export_kv(handle) is `exported` as bytes
     cancel(handle)                              stop a sequence wherever it is (its waiter gets
                                                 `SequenceAborted`) and free its blocks
 
@@ -25,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from pipeline.engine.errors import EngineClosed, SequenceAborted, StepFailed, UnknownHandle
+from pipeline.engine.kv_store import Buffer
 from pipeline.engine.kv_transfer import KVState
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.params import EngineRequest, Priority
@@ -48,6 +50,7 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._staging = asyncio.Lock()  # `exported`: the model runner's staging buffer, one export at a time
         # After an interactive prefill, the batch lane waits up to `handoff_hold_ms` for the sequence's decode
         # to begin (the prefilled message's hop to the decode stage) rather than start a full batch step
         # that the decode would then wait behind; an export (the decode runs elsewhere) or the decode ends it.
@@ -113,20 +116,32 @@ class AsyncEngine:
         async for token in self._drain(handle, seq, self._listeners[seq.seq_id]):
             yield token
 
-    async def export_kv(self, handle: str) -> bytes:
+    @contextlib.asynccontextmanager
+    async def exported(self, handle: str) -> AsyncIterator[list[Buffer]]:
+        """The parked sequence's state as buffers to write (`KVState.to_buffers`), valid inside the block:
+        its K/V lie in the model runner's staging buffer, which one export at a time holds."""
         seq = self._handles.get(handle)
         if seq is None or seq.status is not SequenceStatus.PARKED:
             raise UnknownHandle(f"no parked sequence under handle {handle[:8]}")
         if self._due.pop(seq.seq_id, None) is not None:  # its decode runs elsewhere: the batch lane need not wait
             self._wake.set()
-        state = await self._in_model_thread(lambda: self.engine.export_kv(seq))
-        return state.to_bytes()
+        async with self._staging:
+            if seq.status is not SequenceStatus.PARKED:  # cancelled while an earlier export held the buffer
+                raise UnknownHandle(f"no parked sequence under handle {handle[:8]}")
+            state = await self._in_model_thread(lambda: self.engine.export_kv(seq, staged=True))
+            yield state.to_buffers()
 
-    async def import_kv(self, data: bytes, *, handle: str | None = None, request: EngineRequest | None = None) -> str:
+    async def export_kv(self, handle: str) -> bytes:
+        """`exported` as one byte string."""
+        async with self.exported(handle) as parts:
+            return b"".join(parts)
+
+    async def import_kv(self, data: Buffer, *, handle: str | None = None, request: EngineRequest | None = None) -> str:
         """Park an exported sequence here (as `request`, when given: `LLMEngine.import_kv`);
-        `decode(handle)` continues it. The bytes are parsed off the model thread; blocks are taken on
-        the event loop (as every allocation is) and only the copy into the KV pool runs on it."""
-        state = await asyncio.to_thread(KVState.from_bytes, data)
+        `decode(handle)` continues it. The bytes are parsed off the model thread (their K/V read in
+        place); blocks are taken on the event loop (as every allocation is) and only the copy into the
+        KV pool runs on it."""
+        state = await asyncio.to_thread(KVState.from_buffer, data)
         if self._closed:
             raise EngineClosed("engine is closed")
         seq = self.engine.reserve_import(state, self.engine.check_import(state, request))

@@ -1,13 +1,18 @@
 """Where a prefilled sequence's KV waits for its decode worker, by handle (no torch).
 
-    put(handle, data)   keep `data` (a `KVState` as bytes) under `handle`, evicting the oldest entries
-                        to stay under the byte bound; False when it cannot be kept (larger than the bound)
-    get(handle)         the bytes, or None when they are gone: expired (TTL), evicted, deleted, or kept
-                        where this store cannot reach (another host): the caller then recomputes
+    put(handle, parts)  keep the bytes of `parts` (a `KVState.to_buffers()`, one after another) under
+                        `handle`, evicting the oldest entries to stay under the byte bound; False when it
+                        cannot be kept (larger than the bound)
+    get(handle)         the bytes (a buffer: a mapped file here), or None when they are gone: expired
+                        (TTL), evicted, deleted, or kept where this store cannot reach (another host):
+                        the caller then recomputes
     delete(handle)      forget it (the decode finished, or the request was cancelled)
 
 `FileKVStore` keeps one file per handle under a directory that the prefill and decode processes of one
-host share (on tmpfs, e.g. /dev/shm/..., it is shared memory; the kernel pages it, no disk I/O).
+host share (on tmpfs, e.g. /dev/shm/..., it is shared memory; the kernel pages it, no disk I/O). It
+writes the parts with `writev` and reads by mapping the file, so the bytes are copied once on the way in
+(into the file's pages) and not at all on the way out (the importer copies them from the mapping into
+its KV pool).
 `MemoryKVStore` is the same contract inside one process (tests, one-process deployments).
 
 A transport across hosts implements the same three calls with the handle naming where the bytes are:
@@ -19,13 +24,16 @@ that cannot reach the bytes returns None, so decode recomputes (docs/engine.md).
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
+
+Buffer = bytes | bytearray | memoryview
 
 __all__ = ["FileKVStore", "KVStore", "MemoryKVStore", "check_handle"]
 
@@ -44,9 +52,9 @@ class KVStore(Protocol):
     max_bytes: int
     ttl_s: float
 
-    def put(self, handle: str, data: bytes) -> bool: ...
+    def put(self, handle: str, parts: Sequence[Buffer]) -> bool: ...
 
-    def get(self, handle: str) -> bytes | None: ...
+    def get(self, handle: str) -> Buffer | None: ...
 
     def delete(self, handle: str) -> None: ...
 
@@ -61,9 +69,10 @@ class MemoryKVStore:
         self._entries: OrderedDict[str, tuple[float, bytes]] = OrderedDict()  # oldest first
         self._bytes = 0
 
-    def put(self, handle: str, data: bytes) -> bool:
+    def put(self, handle: str, parts: Sequence[Buffer]) -> bool:
         check_handle(handle)
         self.delete(handle)
+        data = b"".join(parts)
         if len(data) > self.max_bytes:
             return False
         self._expire()
@@ -73,7 +82,7 @@ class MemoryKVStore:
         self._bytes += len(data)
         return True
 
-    def get(self, handle: str) -> bytes | None:
+    def get(self, handle: str) -> Buffer | None:
         check_handle(handle)
         self._expire()
         entry = self._entries.get(handle)
@@ -117,34 +126,48 @@ class FileKVStore:
             raise ValueError(f"{self.directory} must be a directory of this user, not a link")
         os.chmod(self.directory, 0o700)
 
-    def put(self, handle: str, data: bytes) -> bool:
+    def put(self, handle: str, parts: Sequence[Buffer]) -> bool:
         path = self.directory / check_handle(handle)
-        if len(data) > self.max_bytes:
+        views = [memoryview(part).cast("B") for part in parts]
+        size = sum(len(view) for view in views)
+        if size > self.max_bytes:
             self.delete(handle)
             return False
-        self._make_room(len(data), keep=handle)
+        self._make_room(size, keep=handle)
         temporary = self.directory / f".{handle}.{os.getpid()}.tmp"
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            try:
+                _write_all(fd, views)
+            finally:
+                os.close(fd)
             os.replace(temporary, path)
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
         return True
 
-    def get(self, handle: str) -> bytes | None:
+    def get(self, handle: str) -> Buffer | None:
+        """The entry mapped copy-on-write (MAP_PRIVATE: a reader's tensors are writable and no write
+        reaches the file); the mapping outlives a `delete` of the file and ends when the last view of it
+        is gone. Pages are mapped as they are first read: MAP_POPULATE would break copy-on-write for
+        every page of a writable private mapping, a fresh copy of the whole entry (90-130 ms for 44 MiB
+        here, against ~9 ms for the importer's read)."""
         path = self.directory / check_handle(handle)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:  # not there (or a link planted in its place)
             return None
-        with os.fdopen(fd, "rb") as f:
-            if self._clock() - os.fstat(f.fileno()).st_mtime > self.ttl_s:
+        try:
+            info = os.fstat(fd)
+            if self._clock() - info.st_mtime > self.ttl_s:
                 path.unlink(missing_ok=True)
                 return None
-            return f.read()
+            if info.st_size == 0:
+                return b""
+            return memoryview(mmap.mmap(fd, info.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
+        finally:
+            os.close(fd)
 
     def delete(self, handle: str) -> None:
         (self.directory / check_handle(handle)).unlink(missing_ok=True)
@@ -188,3 +211,15 @@ class FileKVStore:
 def _check_bounds(max_bytes: int, ttl_s: float) -> None:
     if max_bytes < 1 or ttl_s <= 0:
         raise ValueError(f"a KV store needs a positive byte bound and TTL, got {max_bytes} bytes, {ttl_s} s")
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """`views` written one after another with as few `writev` calls as the kernel allows."""
+    pending = [view for view in views if len(view)]
+    limit = os.sysconf("SC_IOV_MAX")
+    while pending:
+        written = os.writev(fd, pending[:limit])
+        while pending and written >= len(pending[0]):
+            written -= len(pending.pop(0))
+        if written:
+            pending[0] = pending[0][written:]

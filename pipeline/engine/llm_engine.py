@@ -67,9 +67,10 @@ class LLMEngine:
         c = self.runner.model_config
         return f"{c.num_layers}x{c.num_kv_heads}x{c.head_dim}/{c.vocab_size}/{c.rope_theta}/{self.config.dtype}"
 
-    def export_kv(self, seq: Sequence) -> KVState:
-        """The state of a parked (or otherwise idle) sequence; it stays where it is."""
-        k, v = self.runner.read_kv(seq.block_table, seq.num_computed_tokens)
+    def export_kv(self, seq: Sequence, *, staged: bool = False) -> KVState:
+        """The state of a parked (or otherwise idle) sequence; it stays where it is. `staged`: its K/V
+        are views of the runner's staging buffer, valid until the next staged export (`ModelRunner.read_kv`)."""
+        k, v = self.runner.read_kv(seq.block_table, seq.num_computed_tokens, staged=staged)
         return KVState(request=seq.to_request(), model=self.model_fingerprint, k=k, v=v)
 
     def import_kv(self, state: KVState, request: EngineRequest | None = None) -> Sequence:

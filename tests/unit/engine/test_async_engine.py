@@ -34,6 +34,34 @@ async def test_prefill_decode_handoff_between_engines(loaded: Loaded) -> None:
 
 
 @pytest.mark.asyncio
+async def test_exports_that_overlap_take_turns_with_the_staging_buffer(loaded: Loaded) -> None:
+    """Two sequences' exports at once: the second waits until the first's buffers are written (they lie
+    in the runner's one staging buffer), so each import continues its own sequence."""
+    source, target = AsyncEngine(make_engine(loaded)), AsyncEngine(make_engine(loaded))
+    prompts = [chat_ids(loaded, "Count to five."), chat_ids(loaded, "Name a colour, any colour at all.")]
+    wholes = [[t async for t in source.generate(EngineRequest(p, 6))] for p in prompts]
+    handles = [(await source.prefill(EngineRequest(p, 6)))[1] for p in prompts]
+    order: list[str] = []
+
+    async def write(handle: str) -> bytes:
+        async with source.exported(handle) as parts:
+            order.append(f"in {handle}")
+            await asyncio.sleep(0.05)  # as a slow write to the store would
+            data = b"".join(parts)
+            order.append(f"out {handle}")
+            return data
+
+    exported = await asyncio.gather(*(write(h) for h in handles))
+    assert order in ([f"in {handles[0]}", f"out {handles[0]}", f"in {handles[1]}", f"out {handles[1]}"],
+                     [f"in {handles[1]}", f"out {handles[1]}", f"in {handles[0]}", f"out {handles[0]}"])
+    for data, whole in zip(exported, wholes, strict=True):
+        moved = await target.import_kv(data)
+        assert [whole[0], *[t async for t in target.decode(moved)]] == whole
+    for engine in (source, target):
+        await engine.aclose()
+
+
+@pytest.mark.asyncio
 async def test_cancel_stops_a_running_stream_and_frees_its_blocks(loaded: Loaded) -> None:
     engine = AsyncEngine(make_engine(loaded))
     stream = engine.generate(EngineRequest(chat_ids(loaded, "Write a long story."), 100), handle="h1")

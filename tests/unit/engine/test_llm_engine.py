@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from pipeline.engine.kv_transfer import KVState
 from pipeline.engine.params import EngineRequest, SamplingParams
 from pipeline.engine.sequence import SequenceStatus
@@ -45,12 +47,29 @@ def test_export_then_import_continues_identically(loaded: Loaded) -> None:
     assert source.block_manager.num_free_blocks == source.block_manager.num_blocks
 
     target = make_engine(loaded, block_size=4)  # a different block layout is fine: KV travels per token
-    moved = target.import_kv(KVState.from_bytes(data))
+    moved = target.import_kv(KVState.from_buffer(data))
     assert moved.completion_ids == whole[:1]
     target.scheduler.unpark(moved)
     while target.has_unfinished():
         target.step()
     assert moved.completion_ids == whole
+
+
+def test_a_staged_export_equals_a_fresh_one_until_the_next_staged_export(loaded: Loaded) -> None:
+    engine = make_engine(loaded, block_size=4)
+    seqs = []
+    for text in ("Tell me about the moon, please.", "Hi"):
+        seq = engine.add_request(EngineRequest(chat_ids(loaded, text), 4), park_after_first=True)
+        while seq.status is not SequenceStatus.PARKED:
+            engine.step()
+        seqs.append(seq)
+    fresh = engine.export_kv(seqs[0])
+    staged = engine.export_kv(seqs[0], staged=True)
+    assert torch.equal(staged.k, fresh.k) and torch.equal(staged.v, fresh.v)
+    assert staged.k.is_contiguous() and staged.k.shape[1] == seqs[0].num_computed_tokens
+    assert seqs[0].num_computed_tokens % 4 != 0  # the last block is read in part
+    engine.export_kv(seqs[1], staged=True)  # the shorter one reuses the buffer, from its start
+    assert not torch.equal(staged.k, fresh.k)
 
 
 def test_append_tokens_stops_at_max_tokens_and_frees_blocks(loaded: Loaded) -> None:
