@@ -1,4 +1,4 @@
-"""One Kafka hop, aiokafka against faust-streaming: why sluice's runner is written on aiokafka.
+"""One Kafka hop, aiokafka against faust-streaming and confluent-kafka: what a Kafka client costs sluice's runner per message.
 
     .venv/bin/python -m bench.kafka_hop                      # starts its own Kafka on 127.0.0.1:39092
     .venv/bin/python -m bench.kafka_hop --bootstrap 127.0.0.1:19092 --count 1000 --rate 200
@@ -6,13 +6,17 @@
 Paths, measured one after another in one run on one broker, each on fresh topics:
   floor:           producer -> topic A -> measuring consumer (no stage);
   aiokafka*:       producer -> A -> stage (AIOKafkaConsumer + AIOKafkaProducer) -> B -> measuring consumer;
-  faust*:          producer -> A -> stage (a faust-streaming agent) -> B -> measuring consumer.
+  faust*:          producer -> A -> stage (a faust-streaming agent) -> B -> measuring consumer;
+  confluent*:      producer -> A -> stage (confluent-kafka, librdkafka in C, bridged to an asyncio
+                   loop as a sluice runner on it would be) -> B -> measuring consumer.
 The variants differ in commit policy and producer idempotence (STAGES). Each stage runs as its own
 process (this module with --stage), as a sluice worker does. The producer and the measuring consumer
 share this process, so a message's latency is one monotonic clock's difference: the send time travels
 inside the 300-byte JSON payload. Nothing is subtracted. Per path: a warm-up (until the stage answers,
-then `--warmup` more), `--count` messages at `--rate`/s for p50/p99, then `--blast` messages sent at
-once for throughput (first send to last arrival) and the stage process's CPU time per message. The
+then `--warmup` more), `--count` messages at `--rate`/s for p50/p99 and the stage process's CPU time
+per message at that rate (what a stage pays when each fetch brings one or two messages, as in sluice
+below its knee), then `--blast` messages sent at once for throughput (first send to last arrival) and
+the stage's CPU time per message in bulk. The
 blast is bounded by the probe itself: the floor's throughput is that ceiling. One unreported floor
 round first warms the broker (a cold JVM put ~100 ms into the first path's p99).
 """
@@ -33,6 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import uvloop
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
@@ -40,7 +45,7 @@ from bench.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 PAYLOAD_BYTES = 300
-FETCH_MAX_WAIT_MS = 20  # the value sluice's runner uses (pipeline/kafka.py)
+FETCH_MAX_WAIT_MS = 500  # the value sluice's runner uses (pipeline/kafka.py): a fetch returns as soon as data is there
 COMMIT_INTERVAL_S = 0.2  # how often sluice's runner commits acknowledged offsets (pipeline/runner.py)
 FIRST_ANSWER_TIMEOUT_S = 60.0  # a faust worker needs some seconds to start and join its group
 DRAIN_TIMEOUT_S = 30.0
@@ -59,6 +64,7 @@ STAGES = {
     "aiokafka-200ms": StageSpec("aiokafka", COMMIT_INTERVAL_S, True, "aiokafka, commit every 200 ms"),
     "faust": StageSpec("faust", COMMIT_INTERVAL_S, True, "faust agent, idempotent, commit every 200 ms"),
     "faust-defaults": StageSpec("faust", None, False, "faust agent, faust's defaults"),
+    "confluent-200ms": StageSpec("confluent", COMMIT_INTERVAL_S, True, "confluent-kafka under asyncio, commit every 200 ms"),
 }
 FLOOR = "floor"  # no stage: the probe reads the topic it writes
 
@@ -85,6 +91,7 @@ class Result:
     sent: int
     throughput_msg_s: float
     stage_cpu_us_per_msg: float | None  # the stage process's CPU time during the blast, per message
+    paced_cpu_us_per_msg: float | None = None  # the same during the paced phase (`--rate`)
     notes: list[str] = field(default_factory=list)
 
 
@@ -203,8 +210,10 @@ async def measure(probe: Probe, plan: Plan, path: str, stage: subprocess.Popen[b
         raise TimeoutError(f"{path}: nothing came back within {FIRST_ANSWER_TIMEOUT_S} s")
     await probe.paced("warm", plan.warmup, plan.rate)
     await probe.drain("warm")
+    paced_before = cpu_seconds(stage_pid) if stage_pid is not None else 0.0
     await probe.paced("steady", plan.count, plan.rate)
     await probe.drain("steady")
+    paced_used = cpu_seconds(stage_pid) - paced_before if stage_pid is not None else None
     cpu_before = cpu_seconds(stage_pid) if stage_pid is not None else 0.0
     await probe.blast("blast", plan.blast)
     await probe.drain("blast")
@@ -223,6 +232,7 @@ async def measure(probe: Probe, plan: Plan, path: str, stage: subprocess.Popen[b
         sent=probe.sent["steady"],
         throughput_msg_s=blast_in / span_s if span_s > 0 else 0.0,
         stage_cpu_us_per_msg=cpu_used / blast_in * 1e6 if cpu_used is not None and blast_in else None,
+        paced_cpu_us_per_msg=paced_used / len(lat) * 1e6 if paced_used is not None else None,
     )
     if result.received < result.sent:
         result.notes.append(f"{result.sent - result.received} steady messages never arrived")
@@ -299,12 +309,13 @@ async def run_path(plan: Plan, path: str, tag: str = "") -> Result:
 
 def table(results: list[Result]) -> str:
     lines = ["| path | library, settings | p50 ms | p99 ms | max ms | received/sent | throughput msg/s "
-             "| stage CPU µs/msg |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| stage CPU µs/msg paced | stage CPU µs/msg blast |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         label = STAGES[r.path].label if r.path in STAGES else "none: producer -> consumer"
+        paced = f"{r.paced_cpu_us_per_msg:.0f}" if r.paced_cpu_us_per_msg is not None else "-"
         cpu = f"{r.stage_cpu_us_per_msg:.0f}" if r.stage_cpu_us_per_msg is not None else "-"
         lines.append(f"| {r.path} | {label} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.max_ms:.2f} "
-                     f"| {r.received}/{r.sent} | {r.throughput_msg_s:.0f} | {cpu} |")
+                     f"| {r.received}/{r.sent} | {r.throughput_msg_s:.0f} | {paced} | {cpu} |")
     return "\n".join(lines)
 
 
@@ -344,6 +355,88 @@ async def aiokafka_stage(bootstrap: str, topic_in: str, topic_out: str, group: s
     finally:
         await consumer.stop()
         await out.stop()
+
+
+async def confluent_stage(bootstrap: str, topic_in: str, topic_out: str, group: str, spec: StageSpec) -> None:
+    """The aiokafka stage's loop on confluent-kafka: librdkafka fetches and sends on its own threads. One
+    thread owns the consumer: it blocks in `consume`, hands each batch to the event loop and commits what
+    was acknowledged every 200 ms; the loop produces (a C call that queues); a thread serving delivery
+    reports hands each batch's acknowledgement back to the loop. Each crossing is a
+    `call_soon_threadsafe`, as a sluice runner on this client would need (its handlers and acks live
+    on the loop)."""
+    import threading
+
+    from confluent_kafka import Consumer, Producer
+    from confluent_kafka import TopicPartition as Partition
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    common = {"bootstrap.servers": bootstrap, "client.id": group}
+    consumer = Consumer({**common, "group.id": group, "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                         "isolation.level": "read_committed", "fetch.wait.max.ms": FETCH_MAX_WAIT_MS})
+    out = Producer({**common, "enable.idempotence": True, "acks": "all", "linger.ms": 0})
+    consumer.subscribe([topic_in])
+    batches: asyncio.Queue[list[Any]] = asyncio.Queue()
+    acked: dict[tuple[str, int], int] = {}
+    lock = threading.Lock()
+    running = True
+
+    def commit() -> None:
+        with lock:
+            offsets = [Partition(t, p, o) for (t, p), o in acked.items()]
+            acked.clear()
+        if offsets:
+            consumer.commit(offsets=offsets, asynchronous=False)
+
+    def consume() -> None:
+        last_commit = time.monotonic()
+        while running:
+            # `consume` waits for its whole batch or its timeout: the first message comes from `poll`,
+            # which returns as soon as one is there, and the rest of the batch only from what has arrived
+            first = consumer.poll(0.1)
+            if first is not None:
+                records = [r for r in (first, *consumer.consume(num_messages=499, timeout=0)) if r.error() is None]
+                loop.call_soon_threadsafe(batches.put_nowait, records)
+            if time.monotonic() - last_commit >= (spec.commit_interval_s or 0.0):
+                commit()
+                last_commit = time.monotonic()
+        commit()
+        consumer.close()
+
+    def deliver() -> None:
+        while running or len(out):
+            out.poll(0.1)
+
+    def acknowledged(last: dict[tuple[str, int], int]) -> None:
+        with lock:
+            acked.update(last)
+
+    threads = [threading.Thread(target=consume), threading.Thread(target=deliver)]
+    for thread in threads:
+        thread.start()
+    try:
+        while not stop.is_set():
+            try:
+                records = await asyncio.wait_for(batches.get(), 0.1)
+            except TimeoutError:
+                continue
+            last = {(r.topic(), r.partition()): r.offset() + 1 for r in records}
+            pending = [len(records), 0]  # reports to come, failures
+
+            def one_delivered(err: Any, _msg: Any, last: dict[tuple[str, int], int] = last, pending: list[int] = pending) -> None:
+                pending[0] -= 1  # delivery reports run on the deliver thread, one at a time
+                pending[1] += err is not None
+                if pending[0] == 0 and not pending[1]:
+                    loop.call_soon_threadsafe(acknowledged, last)
+
+            for r in records:
+                out.produce(topic_out, r.value(), r.key(), on_delivery=one_delivered)
+    finally:
+        out.flush(5)
+        running = False
+        for thread in threads:
+            await asyncio.to_thread(thread.join)
 
 
 def faust_stage(bootstrap: str, topic_in: str, topic_out: str, group: str, state: Path, spec: StageSpec) -> None:
@@ -430,7 +523,8 @@ def main(argv: list[str] | None = None) -> None:
         if spec.library == "faust":
             faust_stage(args.bootstrap, args.in_topic, args.out_topic, args.group, state, spec)
         else:
-            asyncio.run(aiokafka_stage(args.bootstrap, args.in_topic, args.out_topic, args.group, spec))
+            stage = aiokafka_stage if spec.library == "aiokafka" else confluent_stage
+            uvloop.run(stage(args.bootstrap, args.in_topic, args.out_topic, args.group, spec))  # as `sluice run` does
         return
     paths = [p for p in args.paths.split(",") if p]
     unknown = set(paths) - {FLOOR, *STAGES}
