@@ -12,8 +12,10 @@ One `Client` produces to `llm.requests` and reads its reply topic from the momen
 fanned out to the waiting request by the client's id (the pipeline namespaces it as `<tenant>/<id>`;
 the first namespaced id seen for a request is the only one accepted after it). Redelivered chunks are
 dropped by sequence number and early ones held until the gap fills, so each caller sees 0..n-1 once
-and in order, then exactly one terminal event; a terminal event that arrives with a gap open ends the
-stream with `stream_incomplete` rather than a text with a hole. A sluice API key is never sent: each
+and in order, then exactly one terminal event. A `Done` that arrives before some of its chunks waits
+for them up to `LATE_CHUNKS_S` (a chunk whose produce failed in a broker outage is sent again after the
+terminal event that overtook it); a stream still missing chunks then, or a `Failed` with a gap open,
+ends with `stream_incomplete` rather than a text with a hole. A sluice API key is never sent: each
 request is signed with a pair derived from it (pipeline/gateway/principal.py, docs/security.md).
 """
 
@@ -47,6 +49,8 @@ from topics.stream import Chunk, Done, Failed, StreamEvent, Terminal
 
 log = logging.getLogger(__name__)
 GRACE_S = 10.0  # how long past its deadline a request may take before the client gives up
+LATE_CHUNKS_S = 45.0  # how long a Done waits for chunks it counts but that have not arrived: past the
+# producer's request timeout (30 s), by which a produce that failed has been retried (pipeline/handling.py)
 
 
 class RequestFailed(Exception):
@@ -106,21 +110,35 @@ class Stream:
         deadline = time.monotonic() + self.request.deadline_s + GRACE_S
         finished = False
         watch = RequestWatch(self.request)  # the trace's root span; time to first token and between chunks
+        ended: Done | None = None  # a Done that came before some of its chunks
         try:
             await self._client._produce(self.request, watch.headers())
             while True:
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
+                    if ended is not None:
+                        raise RequestFailed(_incomplete(ended, order.next_seq))
                     raise TimeoutError(f"no terminal event for request {self.id}")
-                event = await asyncio.wait_for(self._queue.get(), timeout)
+                try:
+                    event = await asyncio.wait_for(self._queue.get(), timeout)
+                except TimeoutError:
+                    continue
                 if isinstance(event, Chunk):
                     for chunk in order.accept(event):
                         watch.chunk()
                         yield chunk
-                    continue
+                    if ended is None or order.gap() or ended.chunks > order.next_seq:
+                        continue
+                    event = ended  # the last late chunk came
+                elif ended is not None:
+                    continue  # the terminal event again
                 finished = True
+                if isinstance(event, Done) and (order.gap() or event.chunks > order.next_seq):
+                    ended = event
+                    deadline = min(deadline, time.monotonic() + LATE_CHUNKS_S)
+                    continue
                 watch.finish(event)
-                if order.gap() or (isinstance(event, Done) and event.chunks > order.next_seq):
+                if order.gap():
                     raise RequestFailed(_incomplete(event, order.next_seq))
                 if isinstance(event, Failed):
                     raise RequestFailed(event)

@@ -144,8 +144,12 @@ class EmitStage:
         sent = await self._progress(rid)
         if sent.fenced:  # another worker took this request over: this message is tried again after a reset
             raise InfraUnavailable("taken over by another emit worker")
-        if sent.finished:
+        if sent.finished and not isinstance(message, Chunk):
             return  # a redelivery after the terminal event (the client has it)
+        # A chunk of a finished request goes out again unless its position was recorded: the terminal
+        # event does not wait for the chunks' records, so it can overtake a chunk whose produce then
+        # failed (pending on a producer that was replaced in a broker outage). The client waits for such
+        # a chunk after the terminal event (`pipeline/sdk.py`); a chunk it already has is dropped by seq.
         ready = [c for held in self._carried.pop(rid, []) for c in sent.order.accept(held)]
         if isinstance(message, Chunk):
             ready += sent.order.accept(message)
@@ -164,8 +168,9 @@ class EmitStage:
         self._wait_for_retries(rid, message, sent)
         # The terminal event does not wait for the records of the chunks before it: that wait held the
         # partition's next messages behind every request's last acknowledgement (+8 ms p50 end to end at
-        # 50 requests/s). Left open: a chunk whose produce is still pending on a producer that is then
-        # replaced can be overtaken by this event on the new one; the client sees the hole and reports it.
+        # 50 requests/s). A chunk whose produce is still pending on a producer that is then replaced can
+        # be overtaken by this event on the new one: its retry is sent after it (above), and the client
+        # waits for it.
         sent.finished = True
         self._unsure.pop(rid, None)
         terminal = self._terminal(message, sent, clock)

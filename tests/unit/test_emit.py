@@ -265,3 +265,27 @@ async def test_a_gap_with_no_retry_pending_still_ends_as_stream_incomplete() -> 
     stage = emit(store)
     sent = await replies(stage, chunk(0), chunk(2), done(3))
     assert isinstance(sent[-1], Failed) and sent[-1].code == ErrorCode.stream_incomplete
+
+
+@pytest.mark.asyncio
+async def test_a_chunk_overtaken_by_its_terminal_event_is_sent_again_after_it() -> None:
+    """The window the terminal event leaves open (it does not wait for the chunks' records): chunk 1's
+    produce is still pending on a producer that is then replaced, the terminal event goes out on the new
+    one, then chunk 1's produce fails and its message is retried. The retry must go out (the client
+    waits for it), although the request is finished; a chunk whose position was recorded must not."""
+    store = MemoryStateStore()
+    stage = emit(store)
+    await replies(stage, chunk(0))
+    [_lost] = [o async for o in stage.handle(chunk(1))]  # its produce fails later: no acked
+    [c2] = [o async for o in stage.handle(chunk(2))]
+    waiting = asyncio.create_task(c2.acked())
+    outs = [o for o in await run_handler(stage, done(3)) if o.topic == REPLY]
+    assert isinstance(outs[0].value, Done) and outs[0].value.chunks == 3  # nothing missing as far as emit saw
+    await stage.reset(RID)  # handling.py, before it retries chunk 1's message
+    with pytest.raises(InfraUnavailable):
+        await waiting  # chunk 2's record gave up behind chunk 1's: its message is retried too
+    assert (await store.read(RID + "#emit"))["terminal"] == b"1"
+    assert [c.seq for c in await replies(stage, chunk(1))] == [1]  # after the terminal event
+    await stage.reset(RID)
+    assert [c.seq for c in await replies(stage, chunk(2))] == [2]
+    assert await replies(stage, chunk(0), chunk(1), chunk(2), done(3)) == []  # recorded: repeats are dropped
