@@ -13,6 +13,7 @@ Systems:
     sluice-openai   sluice with an `openai` backend on the same fake upstream (ingest, cache, route, generate, emit)
     sluice-instant  sluice with its in-process instant backend (the transport topology, no upstream hop)
     sluice-instant:N   the same with `bridge.max_in_flight = N` (admission control: over N open requests, a 503)
+    sluice-instant@L   the same with its producers' `kafka.linger_ms = L` (else --linger-ms); both: @L:N
     before-instant, before-openai   the same, from the commit --before (a git worktree under .cache/bench):
                     the figures before this benchmark's changes, measured in the same run
 
@@ -253,8 +254,9 @@ async def run(args: argparse.Namespace) -> None:
                 if system.startswith(("sluice-", "before-")):
                     port = SLUICE_PORT + 10 * len(servers)
                     path = Path(configs) / f"{system}.toml"
-                    backend, _, bound = system.split("-", 1)[1].partition(":")
-                    config = sluice_config(backend, args.guards, args.processes, args.linger_ms, int(bound or 0))
+                    variant, _, bound = system.split("-", 1)[1].partition(":")
+                    backend, _, linger = variant.partition("@")
+                    config = sluice_config(backend, args.guards, args.processes, int(linger or args.linger_ms), int(bound or 0))
                     config = config.replace(f"port = {SLUICE_PORT}", f"port = {port}")
                     path.write_text(before_config(config) if system.startswith("before-") else config)
                     env = {**service_env, "SLUICE_CONFIG": str(path)}
