@@ -20,14 +20,16 @@ Systems:
 For every system, rate and repeat: requests sent and answered 200, errors, served/s (answers over the
 time from the first send to the last answer), latency p50/p99, and CPU milliseconds per served
 request of every process involved (sluice's processes, the broker, Redis, the upstream, LiteLLM, the
-load generator itself). Kafka and Redis are the benchmark's own (ports 49392/46679). Results also go
-to --out as JSON.
+load generator itself). Results also go to --out as JSON. Each sluice system has a Kafka and a Redis of
+its own (ports from 49392/46679 up, in steps of 100); before session 12 they shared one, so the stages of
+all the systems up in a run formed one consumer group per stage and served each other's requests.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -239,10 +241,17 @@ async def run(args: argparse.Namespace) -> None:
     systems = args.systems.split(",")
     rates = [float(r) for r in args.rates.split(",")]
     results: list[Result] = []
-    with own_services("bench-throughput", KAFKA_PORT, REDIS_PORT) as service_env:
-        state = ROOT / ".state" / "bench-throughput"
-        infra = {"kafka": [psutil.Process(int((state / "kafka.pid").read_text()))],
-                 "redis": [psutil.Process(int((state / "redis.pid").read_text()))]}
+    with contextlib.ExitStack() as stack:
+        # Each sluice system gets a Kafka and a Redis of its own: on shared ones, the systems' stages (same
+        # topics, same consumer groups) would share each other's load, and their CPU would not be their own.
+        service_envs: dict[str, dict[str, str]] = {}
+        infra: dict[str, dict[str, list[psutil.Process]]] = {}
+        for i, system in enumerate(s for s in systems if s.startswith(("sluice-", "before-"))):
+            name = f"bench-throughput-{i}"
+            service_envs[system] = stack.enter_context(own_services(name, KAFKA_PORT + 100 * i, REDIS_PORT + 100 * i))
+            state = ROOT / ".state" / name
+            infra[system] = {"kafka": [psutil.Process(int((state / "kafka.pid").read_text()))],
+                             "redis": [psutil.Process(int((state / "redis.pid").read_text()))]}
         servers: dict[str, Started] = {}
         parts: dict[str, dict[str, Started]] = {}  # --guards: a system's worker processes by role
         upstream = Started("upstream", [sys.executable, "-m", "bench.fake_openai", "--port", str(UPSTREAM_PORT)], {}, UPSTREAM_PORT)
@@ -258,6 +267,9 @@ async def run(args: argparse.Namespace) -> None:
                     backend, _, linger = variant.partition("@")
                     config = sluice_config(backend, args.guards, args.processes, int(linger or args.linger_ms), int(bound or 0))
                     config = config.replace(f"port = {SLUICE_PORT}", f"port = {port}")
+                    service_env = service_envs[system]
+                    config = config.replace(f"127.0.0.1:{KAFKA_PORT}", service_env["SLUICE_KAFKA_BOOTSTRAP"])
+                    config = config.replace(f"redis://127.0.0.1:{REDIS_PORT}/0", service_env["SLUICE_REDIS_URL"])
                     path.write_text(before_config(config) if system.startswith("before-") else config)
                     env = {**service_env, "SLUICE_CONFIG": str(path)}
                     cwd = before_tree(args.before) if system.startswith("before-") else ROOT
@@ -286,7 +298,7 @@ async def run(args: argparse.Namespace) -> None:
                 await load(system, ports[system], args.warmup_rate, args.warmup_s, args.max_tokens, {}, -1)
             for system in systems:  # what each process spends with no load at all (heartbeats, polls, commits)
                 if system != "direct":
-                    groups = {**infra, system: servers[system].tree()}
+                    groups = {**infra.get(system, {}), system: servers[system].tree()}
                     groups |= {f"{system}:{part}": started.tree() for part, started in parts.get(system, {}).items()}
                     before = {g: cpu_seconds(ps) for g, ps in groups.items()}
                     await asyncio.sleep(args.idle_s)
@@ -296,13 +308,11 @@ async def run(args: argparse.Namespace) -> None:
                 for rate in rates:
                     order = systems if repeat % 2 == 0 else list(reversed(systems))
                     for system in order:
-                        groups = {**infra, "upstream": upstream.tree(), "loadgen": [psutil.Process()]}
+                        groups = {**infra.get(system, {}), "upstream": upstream.tree(), "loadgen": [psutil.Process()]}
                         if system != "direct":
                             groups[system if system not in parts else f"{system}:bridge"] = servers[system].tree()
                         for part, started in parts.get(system, {}).items():
                             groups[f"{system}:{part}"] = started.tree()
-                        if not system.startswith(("sluice-", "before-")):
-                            groups.pop("kafka"), groups.pop("redis")
                         result = await load(system, ports[system], rate, args.seconds, args.max_tokens, groups, repeat)
                         results.append(result)
                         print(json.dumps(asdict(result)), flush=True)
