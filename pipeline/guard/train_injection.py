@@ -17,7 +17,9 @@ character n-grams) and measures it.
 3. Chooses on the VALIDATION splits only: for each candidate, the threshold is the lowest at which the
    guard's decision (classifier, texts under four words left to the patterns, a pattern hit = 1.0)
    refuses at most 1% of the validation chat prompts and 5% of each corpus's validation benign texts;
-   the candidate that then refuses the most validation injections wins.
+   among the candidates that read the fine-tuned encoder (the classifier the guard issue asks for; all
+   candidates when there are no adapters), the one that then refuses the most validation injections
+   wins. The others are measured and recorded as references.
 4. Shifts every part's last bias alike so that the chosen threshold reads 0.8, the `[guard]` default:
    the served score crosses 0.8 exactly where the fitted model crosses the validated threshold.
 5. Reports on the TEST splits: ROC AUC, TPR at 1% and 5% FPR (each split's own ROC), and what the
@@ -188,9 +190,10 @@ def main() -> None:
     for name, model in candidates(x, y, chat, texts, tuned).items():
         threshold = threshold_for(model, data["validation"])
         recall = injection_recall(model, data["validation"], threshold)
-        considered[name] = {"threshold": round(threshold, 6), "validation_injections_refused": round(recall, 4)}
-        print(f"{name}: threshold {threshold:.4f}, validation injections refused {recall:.4f}", flush=True)
-        if chosen is None or recall > chosen[0]:
+        eligible = tuned is None or model.encoder == "tuned"
+        considered[name] = {"threshold": round(threshold, 6), "validation_injections_refused": round(recall, 4), "eligible": eligible}
+        print(f"{name}: threshold {threshold:.4f}, validation injections refused {recall:.4f}{'' if eligible else ' (reference)'}", flush=True)
+        if eligible and (chosen is None or recall > chosen[0]):
             chosen = (recall, name, model, threshold)
     assert chosen is not None  # candidates() always returns some
     recall, name, model, threshold = chosen

@@ -60,8 +60,10 @@ async def test_allow_passes_pii_through(input_guard: InputGuard) -> None:
 
 
 async def test_block_refuses_with_content_filter_and_names_only_the_entity(input_guard: InputGuard) -> None:
+    # The PII policy alone: the injection classifier scores this terse order 0.96 (a false positive
+    # recorded in guardrails.md), and an injection verdict is reported before a PII one.
     with pytest.raises(StageError) as caught:
-        await run_handler(stage(input_guard, pii={"CREDIT_CARD": "block"}), admitted("Charge 4111 1111 1111 1111 now."))
+        await run_handler(stage(input_guard, pii={"CREDIT_CARD": "block"}, injection_threshold=1.0), admitted("Charge 4111 1111 1111 1111 now."))
     assert caught.value.code is ErrorCode.content_filter and http_status(caught.value.code) == 400
     assert caught.value.message.startswith("pii_blocked:") and "CREDIT_CARD" in caught.value.message
     assert "4111" not in caught.value.message
