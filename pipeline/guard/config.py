@@ -28,8 +28,9 @@ class GuardSettings:
     tenants: dict[str, TenantGuard] = field(default_factory=dict)
     holdback_tokens: int = 16  # postguard holds this many chunks back while it checks them
     blocklist: tuple[str, ...] = ()  # regular expressions (case-insensitive) that end a stream
-    # "minilm": a head over the MiniLM embedding, max'd with alt-profanity-check (toxicity.py); needs the model cache
-    toxicity_backend: Literal["profanity_check", "minilm", "detoxify"] = "minilm"
+    # "minilm": a head over the MiniLM embedding, max'd with alt-profanity-check (toxicity.py); needs the model
+    # cache. Not the default: it ends about one ordinary answer in 25 (docs/guardrails.md)
+    toxicity_backend: Literal["profanity_check", "minilm", "detoxify"] = "profanity_check"
     toxicity_threshold: float = 0.8  # per-sentence score at or above which a stream is ended
     detoxify_checkpoint: str = ""  # a local Detoxify checkpoint (.ckpt); required for "detoxify"
     detoxify_config_dir: str = ""  # its Hugging Face config and tokenizer, for loading with no network

@@ -1,10 +1,11 @@
 """Toxicity scores in [0, 1] for a batch of sentences.
 
-The default, `minilm`, is a logistic regression over the MiniLM sentence embedding (train_toxicity.py:
-threats and insults written without profanity against benign sentences with violent words and ordinary
-answers) and serves the larger of its score and `alt-profanity-check`'s (one embedding, ~8 ms, per
-sentence), so profane abuse is still caught by the word model, and so are its false alarms ("docker
-kill" scores 0.94 there). `profanity_check` is the word model alone (a linear model over word n-grams).
+The default, `profanity_check`, is `alt-profanity-check` alone (a linear model over word n-grams).
+`minilm` is a logistic regression over the MiniLM sentence embedding (train_toxicity.py: threats and
+insults written without profanity against benign sentences with violent words and ordinary answers)
+and serves the larger of its score and the word model's (one embedding, ~8 ms, per sentence), so
+profane abuse is still caught by the word model, and so are its false alarms ("docker kill" scores
+0.94 there); it catches threats the word model cannot, and ends more ordinary answers.
 Detoxify runs only when the operator configures a local checkpoint (and, with no network, the directory
 holding its Hugging Face config and tokenizer): the package cannot download weights here.
 """

@@ -1,4 +1,4 @@
-"""Toxicity beyond a profanity list: the MiniLM head (toxicity_backend = "minilm", the default) reads
+"""Toxicity beyond a profanity list: the MiniLM head (toxicity_backend = "minilm", opt-in) reads
 meaning, so an insult without a rude word can score high. It is trained on a few hundred written
 sentences (data/toxicity_train.jsonl), so it is still brittle: the misses below are strict expected
 failures, to be promoted when a better head lands. The sentences here are in none of its training,
@@ -47,8 +47,8 @@ def test_the_opening_of_a_conditional_sentence_is_not_flagged(head: MiniLmToxici
 
 
 def test_the_backend_is_chosen_in_settings(input_guard: InputGuard) -> None:
-    assert isinstance(toxicity_scorer(GuardSettings(), Settings().model_cache), MiniLmToxicity)
-    assert isinstance(toxicity_scorer(GuardSettings(toxicity_backend="profanity_check")), ProfanityCheck)
+    assert isinstance(toxicity_scorer(GuardSettings(toxicity_backend="minilm"), Settings().model_cache), MiniLmToxicity)
+    assert isinstance(toxicity_scorer(GuardSettings()), ProfanityCheck)
 
 
 def texts(path: Path) -> set[str]:
