@@ -192,7 +192,7 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     print(f"\n| what | figure |\n| --- | --- |\n"
           f"| interactive, one at a time ({len(texts)} prompts, max_tokens {args.max_tokens}) | {interactive_tps:.1f} tokens/s |\n"
           f"| backfill, the same prompts (batch lane, max_in_flight {b.max_in_flight}, max_batch "
-          f"{settings.backends[0].max_batch}, batch_every {args.batch_every or 'default'}, handoff_hold_ms {'default' if args.handoff_hold_ms is None else args.handoff_hold_ms}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
+          f"{settings.backends[0].max_batch}, torch_threads {settings.runtime.torch_threads}, batch_every {args.batch_every or 'default'}, handoff_hold_ms {'default' if args.handoff_hold_ms is None else args.handoff_hold_ms}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
           f"| interactive p50 / p99, idle ({args.probes} probes, max_tokens {args.probe_tokens}) | "
           f"{percentile(idle, 50):.0f} / {percentile(idle, 99):.0f} ms |\n"
           f"| interactive p50 / p99, during a backfill | {percentile(busy, 50):.0f} / {percentile(busy, 99):.0f} ms "
@@ -209,12 +209,14 @@ def main() -> None:
     parser.add_argument("--batch-every", type=int, default=None, help="the engine's batch_every (default: EngineConfig's)")
     parser.add_argument("--handoff-hold-ms", type=float, default=None, help="the engine's handoff_hold_ms (default: EngineConfig's)")
     parser.add_argument("--step-trace", action="store_true", help="print the engine's steps while the probes ran")
+    parser.add_argument("--torch-threads", type=int, default=None, help="runtime.torch_threads (default: the config's)")
     args = parser.parse_args()
     with own_services("bench-backfill", 48192, 48479) as env:
         settings = settings_module.load(env=env)
         batch = settings.batch if args.max_in_flight is None else replace(settings.batch, max_in_flight=args.max_in_flight)
+        runtime = settings.runtime if args.torch_threads is None else replace(settings.runtime, torch_threads=args.torch_threads)
         settings = replace(settings, profile="bare", cache=replace(settings.cache, enabled=False),
-                           batch=replace(batch, admission_rps=0.0))
+                           batch=replace(batch, admission_rps=0.0), runtime=runtime)
         asyncio.run(measure(settings, args))
 
 
