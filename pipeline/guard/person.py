@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import functools
 import unicodedata
+from collections.abc import Callable
 
 from presidio_analyzer import LocalRecognizer, RecognizerResult
 from presidio_analyzer.nlp_engine import NlpArtifacts
 from presidio_analyzer.predefined_recognizers import SpacyRecognizer
 from spacy.lang.en.stop_words import STOP_WORDS
-from spacy.tokens import Token
+from spacy.tokens import Doc, Token
 
 from pipeline.guard.embedder import package_dir
 
@@ -68,10 +69,13 @@ def _result(recognizer: LocalRecognizer, start: int, end: int, score: float) -> 
 
 
 class NerPersonRecognizer(SpacyRecognizer):
-    """spaCy's PERSON spans without a leading imperative verb or numbers."""
+    """spaCy's PERSON spans without a leading imperative verb or numbers. `tag` gives a document its
+    part-of-speech tags when a PERSON span needs them (pii.py runs the tagger only then); None: the
+    pipeline tagged every document already."""
 
-    def __init__(self) -> None:
+    def __init__(self, tag: Callable[[Doc], None] | None = None) -> None:
         super().__init__(supported_entities=["PERSON"])
+        self._tag = tag
 
     def analyze(self, text: str, entities: list[str], nlp_artifacts: NlpArtifacts | None = None) -> list[RecognizerResult]:
         if not nlp_artifacts or "PERSON" not in entities:
@@ -80,6 +84,8 @@ class NerPersonRecognizer(SpacyRecognizer):
         for span, score in zip(nlp_artifacts.entities, nlp_artifacts.scores):
             if span.label_ != "PERSON":
                 continue
+            if self._tag is not None and not span.doc.has_annotation("TAG"):
+                self._tag(span.doc)
             tokens = [t for t in span if not any(c.isdigit() for c in t.text)]
             while tokens and tokens[0].tag_ == "VB":
                 tokens = tokens[1:]

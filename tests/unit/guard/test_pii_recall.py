@@ -60,3 +60,16 @@ def test_recall_and_precision_on_the_labelled_set(input_guard: InputGuard) -> No
     precision = sum(tp.values()) / (sum(tp.values()) + sum(fp.values()))
     assert len(items) >= 100
     assert recall >= 0.95 and precision >= 0.90, errors
+
+
+def test_a_leading_imperative_is_cut_from_a_name_though_only_texts_with_a_person_are_tagged(input_guard: InputGuard) -> None:
+    """The tagger runs lazily (pii.py): its tags must still reach the PERSON check, and a text without a
+    person must not be tagged at all."""
+    assert ("PERSON", "Maria Garcia") in found(input_guard, "Invite Maria Garcia to the call.")
+    nlp = input_guard.pii._nlp.nlp["en"]  # type: ignore[attr-defined]
+    assert "tagger" not in nlp.pipe_names and not nlp("What is the capital of France?").has_annotation("TAG")
+
+
+@pytest.mark.parametrize("text", ["call 030 1234 today", "+49 30 1234567", "my number is 212-555-0199"])
+def test_short_phone_numbers_pass_the_digit_gate(input_guard: InputGuard, text: str) -> None:
+    assert "PHONE" in [e for e, _ in found(input_guard, text)]
