@@ -47,7 +47,10 @@ _SENTENCES = re.compile(r"(?<=[.!?])\s+|\n+")
 THRESHOLD = 0.8  # [guard] toxicity_threshold
 MAX_BENIGN_FLAGGED = 0.05  # of the validation benign sentences
 MAX_ANSWERS_ENDED = 0.005  # of the validation ShareGPT answers
-RECALL_FOR_DEFAULT = 0.80  # the choice becomes the default backend if it flags this share of validation toxic sentences
+# The rule fixed before the test figures: the choice would become the default backend if it flagged this share
+# of validation toxic sentences. It did (81%), and the default stayed profanity_check after the test answers
+# showed 4.3% of ordinary answers ended (docs/guardrails.md); `meets_default_rule` records the rule's verdict only.
+RECALL_FOR_DEFAULT = 0.80
 # (C, weight of a written toxic sentence, weight of a written benign one), an answer sentence weighing 1
 GRID = list(itertools.product((1.0, 4.0, 16.0), (5.0, 15.0, 40.0), (2.0, 5.0, 15.0)))
 
