@@ -10,6 +10,14 @@
     anything else (a bug)             -> llm.dlq and an `internal` terminal event
 
 A record's fate is decided here and nothing escapes but cancellation, so no record stops a stage.
+
+Handover (`runtime.handover`, on by default): an output for the input topic of a request-part stage
+(guard, cache, route: no per-request state in memory, no order to keep) that runs in the same process
+is not produced; that stage's handling takes it in hand at once (`Handling.take`), with the same
+errors, retries, span and metrics. The topic stays the contract (anything produced to it is still
+consumed); only the broker round trip is saved. The sender's record is committed after the whole
+chain has sent its outputs, so a crash redoes the chain from the sender's record (every stage of the
+request part is idempotent under redelivery already, as at-least-once delivery requires).
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import hashlib
 import logging
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka.errors import KafkaError
@@ -49,6 +58,9 @@ class Handling:
         self.settings = settings
         self._producer = producer
         self._reads_requests = registry.REQUESTS in stage.topics.inputs
+        # topic -> the handling of a stage in this process that takes its messages in hand instead of
+        # the broker carrying them (`runtime.handover`; set by pipeline.serve): no produce, no consume
+        self.takers: Mapping[str, Handling] = {}
 
     async def process(
         self, record: ConsumerRecord[bytes, bytes], handed_over: asyncio.Future[None] | None,
@@ -75,6 +87,33 @@ class Handling:
             detail = str(exc) if isinstance(exc, codec.SchemaError) else type(exc).__name__
             await self._dead_letter(record, "SchemaError", detail, address, rid, code)
             return "invalid"
+        return await self._handle_message(message, record, span, handed_over, before)
+
+    async def take(self, out: Out) -> asyncio.Future[Any]:
+        """A message another stage of this process hands over instead of producing it (`runtime.handover`),
+        handled here and now as if this stage had consumed it: the same span (a child of the sender's),
+        errors, retries and terminal events. Returns an acknowledgement that is already done: the sender
+        commits its own record only after this returns, so a crash meanwhile redoes both stages."""
+        started = time.perf_counter()
+        try:
+            with tracing.handover_span(out.topic, self.stage.name) as span:
+                outcome = await self._handle_message(out.value, Handed(out), span, None, None)
+                span.set_attribute("outcome", outcome)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug in sluice itself, not in the message (as the runner says of a record)
+            log.exception("stage=%s message handed over on %s could not be processed", self.stage.name, out.topic)
+            outcome = "bug"
+        metrics.MESSAGES.labels(self.stage.name, outcome).inc()
+        metrics.HANDLE_SECONDS.labels(self.stage.name).observe(time.perf_counter() - started)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    async def _handle_message(
+        self, message: Any, record: ConsumerRecord[bytes, bytes] | Handed, span: trace.Span,
+        handed_over: asyncio.Future[None] | None, before: asyncio.Task[None] | None,
+    ) -> str:
         address = address_of(message)
         if address is not None:
             span.set_attribute("request.id", address.request_id)
@@ -147,6 +186,9 @@ class Handling:
                 last.add_done_callback(_quiet)
 
     async def _send(self, out: Out) -> asyncio.Future[Any]:
+        taker = self.takers.get(out.topic)
+        if taker is not None:
+            return await taker.take(out)
         metrics.PRODUCED.labels(self.stage.name, out.topic).inc()
         return await self._producer.send(out.topic, codec.encode(out.value), key=out.key.encode(), headers=tracing.publish(out.topic))
 
@@ -171,7 +213,7 @@ class Handling:
         await self._send_surely(Out(topic, address.request_id, address.failed(code, message, **extra)))
 
     async def _dead_letter(
-        self, record: ConsumerRecord[bytes, bytes], error_type: str, error: str, address: Address | None,
+        self, record: ConsumerRecord[bytes, bytes] | Handed, error_type: str, error: str, address: Address | None,
         rid: str | None, code: ErrorCode | None,
     ) -> None:
         payload = record.value or b""
@@ -255,6 +297,23 @@ class Handling:
             raise
         except Exception as exc:
             log.warning("stage=%s record of %s failed: %s", self.stage.name, record.topic, type(exc).__name__)
+
+
+@dataclass(frozen=True)
+class Handed:
+    """Where a handed-over message came from, in the shape a dead letter describes a record by."""
+
+    out: Out
+    partition: int = -1  # it never reached a partition
+    offset: int = -1
+
+    @property
+    def topic(self) -> str:
+        return self.out.topic
+
+    @property
+    def value(self) -> bytes:
+        return codec.encode(self.out.value)
 
 
 async def _after(ack: asyncio.Future[Any], acked: Callable[[], Awaitable[None]], previous: asyncio.Task[None] | None) -> None:

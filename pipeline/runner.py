@@ -50,6 +50,7 @@ class _Rebalance(ConsumerRebalanceListener):
 class Runner:
     def __init__(
         self, stage: Stage, settings: Settings, *, instance: str = "0", grace_s: float = 10.0, producer: Producer | None = None,
+        handling: Handling | None = None,
     ) -> None:
         self.stage = stage
         self.settings = settings
@@ -69,6 +70,7 @@ class Runner:
         # requests: fewer requests for the broker to serve); None: this runner starts its own.
         self._producer: Producer | None = producer
         self._owns_producer = producer is None
+        self._handling = handling  # given by pipeline.serve, wired for handover; None: made in run()
         self._last_commit = 0.0
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once the consumer has its partitions
@@ -81,7 +83,7 @@ class Runner:
         assert self._producer is not None
         consumer = lambda: kafka.group_consumer(self.settings, self.stage.name, (), self.client_id)  # noqa: E731
         self._consumer = await kafka.started(consumer, stop, self.stage.name, subscribe=(self.stage.topics.inputs, _Rebalance(self)))
-        handling = Handling(self.stage, self.settings, self._producer)
+        handling = self._handling or Handling(self.stage, self.settings, self._producer)
         followers = []  # the topics a stage hears besides its input: cancellations, a table
         if isinstance(self.stage, Controlled):
             followers.append(asyncio.create_task(handling.control_loop(stop, self.client_id)))

@@ -10,11 +10,13 @@ from collections.abc import Awaitable, Callable
 import uvloop
 
 from pipeline.gateway.redact import RedactKeys
+from pipeline.handling import Handling
 from pipeline.logs import RateLimit
 from pipeline.producing import Producer
 from pipeline.runner import Runner
 from pipeline.settings import Settings
 from pipeline.stage import Stage
+from pipeline.topology import HANDOVER
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ async def run_stages(stages: list[Stage], settings: Settings, stop: asyncio.Even
     runners share one producer."""
     producer = Producer(settings, f"sluice-stages-{instance}")
     await producer.start(stop)
-    runners = [Runner(stage, settings, instance=instance, producer=producer) for stage in stages]
+    runners = runners_for(stages, settings, producer, instance)
     tasks = [asyncio.create_task(r.run(stop), name=r.stage.name) for r in runners]
     log.info("running stages: %s", ", ".join(s.name for s in stages))
     try:
@@ -49,6 +51,17 @@ async def run_stages(stages: list[Stage], settings: Settings, stop: asyncio.Even
     errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
     if errors:
         raise errors[0]
+
+
+def runners_for(stages: list[Stage], settings: Settings, producer: Producer, instance: str) -> list[Runner]:
+    """A runner per stage, sharing `producer`; with `runtime.handover`, the request-part stages after
+    ingest (guard, cache, route) take their input from the stages of this process in memory."""
+    handlings = {stage.name: Handling(stage, settings, producer) for stage in stages}
+    if settings.runtime.handover:
+        takers = {stage.topics.inputs[0]: handlings[stage.name] for stage in stages if stage.name in HANDOVER}
+        for handling in handlings.values():
+            handling.takers = takers
+    return [Runner(stage, settings, instance=instance, producer=producer, handling=handlings[stage.name]) for stage in stages]
 
 
 def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

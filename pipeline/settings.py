@@ -135,6 +135,9 @@ class RuntimeSettings:
     # Tokens a backend yields within this long go as one chunk message (pipeline/stages/coalesce.py); a
     # non-streaming answer waits 200 times as long; 0: a chunk per token
     chunk_window_ms: float = 5.0
+    # A stage's output for guard, cache or route running in the same process is handed to it in memory
+    # instead of through the broker (pipeline/handling.py); false: every hop crosses the broker
+    handover: bool = True
 
 
 @dataclass(frozen=True)

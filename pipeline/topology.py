@@ -26,6 +26,9 @@ REQUEST_PART = ("ingest", "guard", "cache", "route")  # the request before a bac
 POOL_PART = ("prefill", "decode")  # one of each per pool whose backend splits them
 GENERATE = "generate"  # instead, for a pool whose backend cannot split (Triton, an OpenAI-compatible server)
 STREAM_PART = ("postguard", "emit")  # the token stream on its way to the client
+# The stages a message may be handed to in memory by a stage of the same process (`runtime.handover`):
+# they keep no per-request state in memory and no order, so who calls them does not matter.
+HANDOVER = frozenset(REQUEST_PART[1:])
 KINDS = REQUEST_PART + POOL_PART + (GENERATE,) + STREAM_PART
 REQUIRED = frozenset({"ingest", "route", "prefill", "decode", "emit"})
 

@@ -8,6 +8,8 @@ outcomes, never prompt text, credentials or a tenant's name.
                               with `observability.producer_spans`, a "send <topic>" (PRODUCER) span per
                               message in between (off by default: it doubles the spans of a request, and
                               docs/benchmarks.md measures what each span costs)
+    a handed-over message   "<stage>" (CONSUMER, `sluice.handover`), a child of the sender's span: a stage
+                              of the same process took it in hand instead of the broker carrying it
 
 Spans follow OpenTelemetry's messaging conventions (`messaging.system`, `messaging.operation.type`,
 `messaging.destination.name`, `messaging.consumer.group.name`, `messaging.destination.partition.id`,
@@ -138,6 +140,24 @@ def consume_span(record: Any, group: str) -> Iterator[trace.Span]:
         "messaging.message.body.size": len(record.value or b""),
     }
     with tracer.start_as_current_span(group, context=extract(record.headers), kind=CONSUMER, attributes=attributes) as span:
+        yield span
+
+
+@contextlib.contextmanager
+def handover_span(topic: str, group: str) -> Iterator[trace.Span]:
+    """The span of stage `group` handling a message that a stage of the same process handed over on
+    `topic` instead of producing it (`runtime.handover`): a child of the sender's span, with the
+    messaging attributes a consumed record's span has, less the partition and offset it never had.
+    Its queue time is nil: the stage takes it at once."""
+    metrics.QUEUE_SECONDS.labels(group).observe(0.0)
+    attributes = {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "process",
+        "messaging.destination.name": topic,
+        "messaging.consumer.group.name": group,
+        "sluice.handover": True,
+    }
+    with tracer.start_as_current_span(group, kind=CONSUMER, attributes=attributes) as span:
         yield span
 
 

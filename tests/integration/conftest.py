@@ -26,8 +26,9 @@ from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
 from pipeline.backends.base import Backend
 from pipeline.bridge import serve
-from pipeline.runner import Runner
+from pipeline.producing import Producer
 from pipeline.sdk import Client
+from pipeline.serve import runners_for
 from pipeline.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +82,10 @@ async def stack(settings: Settings, backends: dict[str, Backend]) -> AsyncIterat
     """Every stage running against the real broker; yields the settings clients should use."""
     await kafka.create_topics(settings)
     stop = asyncio.Event()
-    runners = [Runner(stage, settings, instance="test") for stage in assemble.build(assemble.nodes_of(settings), settings, backends)]
+    # As `sluice run` wires them: one producer, and guard, cache and route handed their input in memory
+    producer = Producer(settings, "sluice-stages-test")
+    await producer.start(stop)
+    runners = runners_for(assemble.build(assemble.nodes_of(settings), settings, backends), settings, producer, "test")
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     ready = asyncio.gather(*(r.ready.wait() for r in runners))
     done, _ = await asyncio.wait([ready, *tasks], timeout=60, return_when=asyncio.FIRST_COMPLETED)
@@ -92,6 +96,7 @@ async def stack(settings: Settings, backends: dict[str, Backend]) -> AsyncIterat
     yield settings
     stop.set()
     await asyncio.gather(*tasks)
+    await producer.stop()
     for backend in backends.values():
         close = getattr(backend, "aclose", None)
         if close is not None:

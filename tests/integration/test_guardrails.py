@@ -20,7 +20,7 @@ from tests.integration.conftest import GUARDRAILS_BLOCKED
 from topics import codec, registry
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
-from topics.hops import Admitted, client_id_of
+from topics.hops import Routed, client_id_of
 from topics.stream import Chunk, Failed, StreamEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -89,12 +89,14 @@ async def test_an_injection_is_refused_before_any_model_work(stack: Settings) ->
 
 
 async def test_pii_is_redacted_before_the_model_sees_it(stack: Settings) -> None:
-    guarded = await kafka.broadcast_consumer(stack, (registry.GUARDED,), "test-guardrails-guarded")
+    # What the model is sent: llm.routed.<pool> (nothing before route crosses the broker: handover)
+    guarded = await kafka.broadcast_consumer(stack, (registry.routed_topic(stack.pools[0]),), "test-guardrails-guarded")
     try:
         async with Client(stack) as client:
-            stream = client.stream(messages=[{"role": "user", "content": "Repeat this address: jane.doe@example.org"}], max_tokens=24)
+            stream = client.stream(messages=[{"role": "user", "content": "Repeat this address: jane.doe@example.org"}], max_tokens=24,
+                                   no_cache=True)  # a hit from an earlier run would never reach a model
             text = "".join([c.text async for c in stream])
-        [envelope] = await _collect(guarded, stream.id, lambda m: True, decode_as=Admitted)
+        [envelope] = await _collect(guarded, stream.id, lambda m: True, decode_as=Routed)
     finally:
         await guarded.stop()
     assert envelope.request.messages[0].content == "Repeat this address: <EMAIL_1>"

@@ -1,0 +1,134 @@
+"""Handover: a stage's output for a stage of the same process is handled in memory, with the same
+errors, dead letters and terminal events as if the broker had carried it (pipeline/handling.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiokafka.structs import ConsumerRecord
+
+from pipeline.errors import StageError
+from pipeline.handling import Handling
+from pipeline.settings import Settings
+from pipeline.stage import Out
+from pipeline.topology import Topics
+from tests.unit import helpers
+from topics import codec, registry
+from topics.dlq import DeadLetter
+from topics.errors import ErrorCode
+from topics.hops import Admitted
+from topics.stream import Failed
+
+STREAM = "t.stream"
+
+
+class FakeProducer:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def send(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
+        self.sent.append((topic, value))
+        ack = asyncio.get_running_loop().create_future()
+        ack.set_result(None)
+        return ack
+
+    def topics(self) -> list[str]:
+        return [topic for topic, _ in self.sent]
+
+
+@dataclass
+class Forward:
+    """Reads `inputs[0]`, forwards the message with its name added to the timings (or fails as told)."""
+
+    name: str
+    topics: Topics
+    fail: Exception | None = None
+    seen: list[Admitted] = field(default_factory=list)
+    input_type: Any = Admitted
+    ordered: bool = False
+
+    async def handle(self, message: Admitted) -> AsyncIterator[Out]:
+        self.seen.append(message)
+        if self.fail is not None:
+            raise self.fail
+        assert self.topics.forward is not None
+        yield Out(self.topics.forward, message.id, Admitted(
+            id=message.id, request=message.request, tenant=message.tenant, principal=message.principal,
+            admitted_at=message.admitted_at, timings={**message.timings, self.name: 1.0}))
+
+
+def chain(fail: Exception | None = None) -> tuple[FakeProducer, Forward, Forward, Handling]:
+    producer = FakeProducer()
+    first = Forward("first", Topics(("t.a",), "t.b", STREAM))
+    second = Forward("second", Topics(("t.b",), "t.c", STREAM), fail=fail)
+    settings = Settings()
+    sender = Handling(first, settings, producer)  # type: ignore[arg-type]
+    taker = Handling(second, settings, producer)  # type: ignore[arg-type]
+    sender.takers = {"t.b": taker}
+    return producer, first, second, sender
+
+
+def record(message: Admitted) -> ConsumerRecord[bytes, bytes]:
+    value = codec.encode(message)
+    return ConsumerRecord("t.a", 0, 7, 0, 0, None, value, None, 0, len(value), [])
+
+
+@pytest.mark.asyncio
+async def test_a_handed_over_message_never_reaches_the_broker() -> None:
+    producer, first, second, sender = chain()
+    message = helpers.admitted(helpers.request("r1"), tenant="acme")
+    assert await sender.process(record(message), None) == "ok"
+    assert producer.topics() == ["t.c"]  # nothing on t.b: the second stage took it in hand
+    assert second.seen[0].timings == {"ingest": 0.1, "first": 1.0}
+    out = codec.decode(producer.sent[0][1], Admitted)
+    assert out.timings == {"ingest": 0.1, "first": 1.0, "second": 1.0}
+
+
+@pytest.mark.asyncio
+async def test_without_a_taker_the_output_is_produced() -> None:
+    producer, _, second, sender = chain()
+    sender.takers = {}
+    assert await sender.process(record(helpers.admitted(helpers.request("r1"))), None) == "ok"
+    assert producer.topics() == ["t.b"] and second.seen == []
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_after_a_handover_ends_the_request_with_the_takers_address() -> None:
+    producer, _, _, sender = chain(fail=StageError(ErrorCode.rate_limited, "slow down"))
+    message = helpers.admitted(helpers.request("r1"), tenant="acme")
+    assert await sender.process(record(message), None) == "ok"  # the sender's part went well
+    assert producer.topics() == [STREAM]
+    terminal = codec.decode(producer.sent[0][1], Failed)
+    assert (terminal.id, terminal.code, terminal.tenant) == (message.id, ErrorCode.rate_limited, "acme")
+
+
+@pytest.mark.asyncio
+async def test_a_bug_in_the_taker_is_dead_lettered_with_the_handed_over_payload() -> None:
+    producer, _, _, sender = chain(fail=ValueError("boom"))
+    message = helpers.admitted(helpers.request("r1"), tenant="acme")
+    assert await sender.process(record(message), None) == "ok"
+    assert producer.topics() == [registry.DLQ, STREAM]
+    letter = codec.decode(producer.sent[0][1], DeadLetter)
+    assert (letter.stage, letter.topic, letter.partition, letter.offset) == ("second", "t.b", -1, -1)
+    assert letter.request_id == message.id
+    terminal = codec.decode(producer.sent[1][1], Failed)
+    assert terminal.code == ErrorCode.internal
+
+
+@pytest.mark.asyncio
+async def test_the_default_wiring_hands_over_to_guard_cache_and_route_only() -> None:
+    from pipeline.serve import runners_for
+
+    class Named:
+        def __init__(self, name: str, inputs: str) -> None:
+            self.name, self.topics, self.ordered, self.input_type = name, Topics((inputs,), None, None), False, Admitted
+
+    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()]
+    runners = runners_for(stages, Settings(), FakeProducer(), "t")  # type: ignore[arg-type]
+    takers = runners[0]._handling.takers  # type: ignore[union-attr]
+    assert sorted(h.stage.name for h in takers.values()) == ["cache", "guard", "route"]
+    assert set(takers) == {registry.ADMITTED, registry.SCREENED, registry.GUARDED}
