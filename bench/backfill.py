@@ -43,8 +43,9 @@ from pipeline.batch.records import TERMINAL, Batch, Status, new_batch_id
 from pipeline.batch.redis_store import RedisJobStore
 from pipeline.batch.worker import BatchWorker
 from pipeline.gateway.build import redis_client
-from pipeline.runner import Runner
+from pipeline.producing import Producer
 from pipeline.sdk import Client
+from pipeline.serve import runners_for
 from pipeline.settings import Settings
 from pipeline.sharegpt import first_turns
 
@@ -138,7 +139,9 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     default = args.batch_every is None and args.handoff_hold_ms is None
     backends = backend_registry.load(settings) if default else local_backend(settings, args.batch_every, args.handoff_hold_ms)
     stages = assemble.build(assemble.nodes_of(settings), settings, backends, worker="bench")
-    runners = [Runner(s, settings, instance="bench") for s in stages]
+    producer = Producer(settings, "sluice-stages-bench")  # as `sluice run` wires them (handover included)
+    await producer.start(stop)
+    runners = runners_for(stages, settings, producer, "bench")
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.wait_for(asyncio.gather(*(r.ready.wait() for r in runners)), 120)
     texts = prompts(args.prompts)
@@ -185,6 +188,7 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
             await worker
             await backfill.store.aclose()
     await asyncio.gather(*tasks)
+    await producer.stop()
     if trace is not None:
         print(trace.summary(*idle_window, "probes idle"))
         print(trace.summary(*busy_window, "probes during a backfill"))

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.cache_latency                      # the default (guarded) profile
     .venv/bin/python -m bench.cache_latency --without-guards     # ingest, cache, route, prefill, decode, emit
+    .venv/bin/python -m bench.cache_latency --no-handover        # every hop through the broker (runtime.handover off)
 
 Each round asks three questions one after another: a new one (a miss: the default model generates it),
 one asked before word for word (an exact hit) and a paraphrase of one asked before (a semantic hit).
@@ -30,8 +31,8 @@ from pipeline.bridge import serve
 from pipeline.cache.index import from_vector
 from pipeline.guard.embedder import DIMS
 from pipeline.producing import Producer
-from pipeline.runner import Runner
 from pipeline.sdk import Client
+from pipeline.serve import runners_for
 from pipeline.settings import Settings
 from topics import codec, registry
 from topics.cache import Entry
@@ -81,7 +82,9 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     await fill(settings, "default", model, args.entries)
     stop = asyncio.Event()
     stages = assemble.build(assemble.nodes_of(settings), settings, backend_registry.load(settings))
-    runners = [Runner(s, settings, instance="bench") for s in stages]
+    producer = Producer(settings, "sluice-stages-bench")  # as `sluice run` wires them (handover included)
+    await producer.start(stop)
+    runners = runners_for(stages, settings, producer, "bench")
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
     cache = next(s for s in stages if s.name == "cache")
@@ -110,6 +113,7 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
         stop.set()
         await serving
     await asyncio.gather(*tasks)
+    await producer.stop()
     print(f"\nprofile={settings.profile} entries in the tenant's index={len(cache.index)} rounds={args.rounds}\n")  # type: ignore[attr-defined]
     print("| request (through the bridge, non-streamed) | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")
     for name, values in results.items():
@@ -124,12 +128,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--entries", type=int, default=10_000)
     parser.add_argument("--without-guards", action="store_true")
+    parser.add_argument("--no-handover", action="store_true", help="every hop through the broker (runtime.handover off)")
     args = parser.parse_args()
     with own_services("bench-cache", 49292, 46579) as env:
         settings = settings_module.load(env={**env, "SLUICE_BRIDGE_PORT": "48480"})
         if args.without_guards:
             profile = ("ingest", "cache", "route", "prefill", "decode", "emit")
             settings = replace(settings, profiles={**settings.profiles, "cached": profile}, profile="cached")
+        if args.no_handover:
+            settings = replace(settings, runtime=replace(settings.runtime, handover=False))
         asyncio.run(measure(settings, args))
 
 if __name__ == "__main__":

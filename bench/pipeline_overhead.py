@@ -26,8 +26,9 @@ from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
 from pipeline.backends.base import Backend
-from pipeline.runner import Runner
+from pipeline.producing import Producer
 from pipeline.sdk import Client
+from pipeline.serve import runners_for
 from pipeline.settings import Settings
 from pipeline.stages.generation import generation_request
 
@@ -62,7 +63,9 @@ async def measure(settings: Settings, backend: Backend, args: argparse.Namespace
     nodes = assemble.nodes_of(settings)
     args.stages = [n.name for n in nodes]
     stages = assemble.build(nodes, settings, {"local": backend})
-    runners = [Runner(s, settings, instance="bench") for s in stages]
+    producer = Producer(settings, "sluice-stages-bench")  # as `sluice run` wires them (handover included)
+    await producer.start(stop)
+    runners = runners_for(stages, settings, producer, "bench")
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
     timings: list[dict[str, float]] = []
@@ -87,6 +90,7 @@ async def measure(settings: Settings, backend: Backend, args: argparse.Namespace
         pipeline_ms = await paced(args.requests, args.rate, through)
     stop.set()
     await asyncio.gather(*tasks)
+    await producer.stop()
     report(args, direct_ms, pipeline_ms, timings)
 
 

@@ -22,8 +22,9 @@ from bench.stats import row
 from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
-from pipeline.runner import Runner
+from pipeline.producing import Producer
 from pipeline.sdk import Client, RequestFailed
+from pipeline.serve import runners_for
 from pipeline.settings import BackendSettings, Settings
 from topics import codec, registry
 from topics.health import BackendHealth
@@ -58,7 +59,9 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     await kafka.create_topics(settings)
     stop = asyncio.Event()
     stages = assemble.build(assemble.nodes_of(settings), settings, backend_registry.load(settings))
-    runners = [Runner(s, settings, instance="bench") for s in stages]
+    producer = Producer(settings, "sluice-stages-bench")  # as `sluice run` wires them (handover included)
+    await producer.start(stop)
+    runners = runners_for(stages, settings, producer, "bench")
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
     failing = fakes[1]
@@ -97,6 +100,7 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
         await phase_task
     stop.set()
     await asyncio.gather(*tasks, watcher)
+    await producer.stop()
     for fake in fakes:
         await fake.__aexit__()
     ok = outcomes.count("ok")

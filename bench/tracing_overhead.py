@@ -48,8 +48,9 @@ from bench.stats import percentile
 from pipeline import assemble, kafka, tracing
 from pipeline import settings as settings_module
 from pipeline.observability.config import ObservabilitySettings
-from pipeline.runner import Runner
+from pipeline.producing import Producer
 from pipeline.sdk import Client
+from pipeline.serve import runners_for
 from pipeline.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,7 +162,9 @@ async def measure(settings: Settings, switch: Switch, provider: object, args: ar
     echo = EchoBackend()
     echo.name = settings.backends[0].name  # type: ignore[misc]  # stands in for the configured backend
     stages = assemble.build(assemble.nodes_of(settings), settings, {echo.name: echo})
-    runners = [Runner(s, settings, instance="bench") for s in stages]
+    producer = Producer(settings, "sluice-stages-bench")  # as `sluice run` wires them (handover included)
+    await producer.start(stop)
+    runners = runners_for(stages, settings, producer, "bench")
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
     results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": []} for m in ("on", "off")}
@@ -194,6 +197,7 @@ async def measure(settings: Settings, switch: Switch, provider: object, args: ar
             results["connected"] = {"good": [good], "total": [total]}
     stop.set()
     await asyncio.gather(*tasks)
+    await producer.stop()
     return results
 
 
