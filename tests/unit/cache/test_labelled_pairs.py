@@ -24,7 +24,7 @@ def test_at_most_two_percent_of_trap_pairs_are_served(test_half) -> None:  # typ
 
 
 def test_the_check_keeps_most_near_repeats_and_some_paraphrases(test_half) -> None:  # type: ignore[no-untyped-def]
-    # Issue 10 asks for >= 50% of should-hit pairs; the check reaches 37.3% (docs/caching.md says why).
+    # Issue 10 asks for >= 50% of should-hit pairs; the check reaches 36.7% (docs/caching.md says why).
     # This floor catches a regression, it does not claim the target.
     near = [r for r in test_half if r.pair.category == "near_repeat"]
     should = [r for r in test_half if r.pair.category in SHOULD_HIT]
