@@ -5,7 +5,8 @@ restart rebuilds them.
 A candidate answers a request only when it is the same tenant's (the index is the tenant's own), for
 the same model and semantic context (parameters, system prompt, earlier turns: `keys.context`), not
 expired, at or above the similarity threshold, and the trap check finds nothing that the two questions
-disagree on (`traps.conflicts`: numbers, names, negations, substituted words).
+disagree on (`traps.conflicts`: numbers, names, negations, opposites, roles; a one- or two-word edit
+unless the similarity is high enough for it to be a paraphrase).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class SemanticIndex:
                 continue
             if entry.model != model or entry.context != context:
                 continue
-            if conflicts(salient, _salient.decode(entry.salient)):
+            if conflicts(salient, _salient.decode(entry.salient), similarity):
                 metrics.CACHE_LOOKUPS.labels("trap").inc()  # a near neighbour the check refused
                 continue
             return Found(entry, similarity)
