@@ -9,11 +9,6 @@ trap pairs (negation, entity_swap, number_date, scope) ought not. The pairs are 
 their id within each category; the default threshold is picked on the validation half only (the lowest, so
 the most hits, at which at most 1% of validation traps are served with the check) and then reported on the
 test half. The labels were written by a language model (fow-cache's README says so).
-
-    .venv/bin/python -m bench.cache_pairs --edit-sweep
-
-sweeps, on the validation half only and without scoring the test half, how much question similarity lets a
-one- or two-word edit through (`conflicts`' `substitution` and `addition`), by the rule in `pick_edits`.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from pipeline.cache.traps import Salient, conflicts, salient
+from pipeline.cache.traps import conflicts, salient
 from pipeline.guard.embedder import load_embedder
 from pipeline.settings import Settings
 
@@ -36,8 +31,6 @@ SHOULD_HIT = ("paraphrase", "near_repeat")
 TRAPS = ("negation", "entity_swap", "number_date", "scope")
 THRESHOLDS = [round(0.60 + 0.01 * i, 2) for i in range(40)]
 MAX_VALIDATION_TRAPS = 0.01  # the trap-served rate (with the check) the default threshold may reach
-EDIT_GRID = [round(0.80 + 0.01 * i, 2) for i in range(20)]  # similarities swept for letting a minimal edit through
-NEVER = 2.0  # a similarity no pair reaches: every minimal edit conflicts (the rule before similarity counted)
 
 
 class Pair(msgspec.Struct, frozen=True):
@@ -53,9 +46,7 @@ class Scored(msgspec.Struct, frozen=True):
     pair: Pair
     split: str  # "validation" or "test"
     similarity: float
-    conflict: bool  # the trap check at this pair's similarity, with the default edit similarities
-    salient_a: Salient
-    salient_b: Salient
+    conflict: bool
 
 
 def load_pairs() -> list[Pair]:
@@ -86,12 +77,10 @@ def score(pairs: list[Pair]) -> list[Scored]:
     texts = sorted({t for p in pairs for t in (p.a, p.b)})
     vectors = dict(zip(texts, embedder.embed(texts), strict=True))
     halves = split(pairs)
-    rows = []
-    for p in pairs:
-        similarity = float(np.dot(vectors[p.a], vectors[p.b]))
-        a, b = salient(p.a), salient(p.b)
-        rows.append(Scored(p, halves[p.id], similarity, conflicts(a, b, similarity), a, b))
-    return rows
+    return [
+        Scored(p, halves[p.id], float(np.dot(vectors[p.a], vectors[p.b])), conflicts(salient(p.a), salient(p.b)))
+        for p in pairs
+    ]
 
 
 def served(rows: list[Scored], threshold: float, check: bool) -> float:
@@ -124,40 +113,6 @@ def pick_threshold(validation_curve: list[dict[str, float]]) -> float:
     return THRESHOLDS[-1]
 
 
-def edit_sweep(validation: list[Scored]) -> list[dict[str, object]]:
-    """For each way of letting a minimal edit through: the threshold `pick_threshold` gives on validation with
-    it, and the validation figures there. Ranked as `pick_edits` ranks them, the pick first."""
-    candidates = [("never", NEVER, NEVER)]
-    candidates += [("substitutions", e, NEVER) for e in EDIT_GRID]
-    candidates += [("one similarity", e, e) for e in EDIT_GRID]
-    candidates += [("two similarities", s, a) for s in EDIT_GRID for a in EDIT_GRID if s != a]
-    out = []
-    for variant, substitution, addition in candidates:
-        rows = [
-            msgspec.structs.replace(r, conflict=conflicts(
-                r.salient_a, r.salient_b, r.similarity, substitution=substitution, addition=addition))
-            for r in validation
-        ]
-        points = curve(rows)
-        threshold = pick_threshold(points)
-        point = next(p for p in points if p["threshold"] == threshold)
-        out.append({"variant": variant, "substitution": substitution, "addition": addition, "threshold": threshold,
-                    "should_hit_served_checked": point["should_hit_served_checked"],
-                    "trap_served_checked": point["trap_served_checked"]})
-    return sorted(out, key=pick_edits)
-
-
-VARIANTS = ("never", "substitutions", "one similarity", "two similarities")  # simplest first
-
-
-def pick_edits(row: dict[str, object]) -> tuple[float, int, float, float]:
-    """The rule, fixed before the sweep was first run: the most validation should-hit pairs served at the
-    threshold `pick_threshold` gives; ties to the simpler variant, then to the higher addition similarity,
-    then the higher substitution similarity (fewer edits let through)."""
-    return (-float(row["should_hit_served_checked"]), VARIANTS.index(str(row["variant"])), -float(row["addition"]),
-            -float(row["substitution"]))
-
-
 def breakdown(rows: list[Scored], threshold: float) -> dict[str, dict[str, float]]:
     out = {}
     groups = {c: [r for r in rows if r.pair.category == c] for c in SHOULD_HIT + TRAPS}
@@ -188,15 +143,11 @@ def markdown(test: dict[str, dict[str, float]], threshold: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", type=Path, help="write every figure to this JSON file")
-    parser.add_argument("--edit-sweep", action="store_true", help="sweep the edit similarities on validation only")
     args = parser.parse_args()
 
     rows = score(load_pairs())
     validation = [r for r in rows if r.split == "validation"]
     test = [r for r in rows if r.split == "test"]
-    if args.edit_sweep:
-        print_edit_sweep(edit_sweep(validation))
-        return
     validation_curve = curve(validation)
     print(f"validation {len(validation)} pairs, test {len(test)} pairs (halves by sha256 of the id, per category)")
     print("\nvalidation: % served  (should-hit: similarity only / with check;  traps: similarity only / with check)")
@@ -220,20 +171,6 @@ def main() -> None:
         }
         args.report.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.report}")
-
-
-def print_edit_sweep(sweep: list[dict[str, object]]) -> None:
-    def show(row: dict[str, object]) -> str:
-        limits = "  ".join(f"{k} {'never' if row[k] == NEVER else row[k]}" for k in ("substitution", "addition"))
-        return (f"{row['variant']:16}  {limits:32}  threshold {row['threshold']:.2f}  should-hit "
-                f"{row['should_hit_served_checked']:5.1f}  trap {row['trap_served_checked']:4.1f}")
-
-    print("validation only; the best of each variant, then the ten best overall (the first is the pick):")
-    for variant in VARIANTS:
-        print("  " + show(next(r for r in sweep if r["variant"] == variant)))
-    print()
-    for row in sweep[:10]:
-        print("  " + show(row))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,7 @@ restart rebuilds them.
 A candidate answers a request only when it is the same tenant's (the index is the tenant's own), for
 the same model and semantic context (parameters, system prompt, earlier turns: `keys.context`), not
 expired, at or above the similarity threshold, and the trap check finds nothing that the two questions
-disagree on (`traps.conflicts`: numbers, names, negations, opposites, roles; a one- or two-word edit
-unless the similarity is high enough for it to be a paraphrase).
+disagree on (`traps.conflicts`: numbers, names, negations, substituted words).
 """
 
 from __future__ import annotations
@@ -91,7 +90,7 @@ class SemanticIndex:
                 continue
             if entry.model != model or entry.context != context:
                 continue
-            if conflicts(salient, _salient.decode(entry.salient), similarity):
+            if conflicts(salient, _salient.decode(entry.salient)):
                 metrics.CACHE_LOOKUPS.labels("trap").inc()  # a near neighbour the check refused
                 continue
             return Found(entry, similarity)

@@ -3,7 +3,7 @@
 An embedding puts "Is the clinic open on Sundays?" and "... closed on Sundays?" at 0.9 cosine, and
 "Track order 48213" next to "Track order 48231" higher still. So before the cache serves a neighbour's
 answer it compares what each question *says*: `salient(text)` pulls out the parts a cache must not confuse,
-and `conflicts(a, b, similarity)` is True when two such summaries disagree:
+and `conflicts(a, b)` is True when two such summaries disagree:
 
 - numbers differ: digits, number words, ordinals, times, dates, weekday and month names (any difference,
   even a number on one side only);
@@ -18,11 +18,7 @@ and `conflicts(a, b, similarity)` is True when two such summaries disagree:
   morphological variants (one stem), spelling slips (one deletion apart, same first letter, 5+ letters) or
   synonyms (a word of each side, one WordNet synset among the three most frequent senses of both: store/shop,
   fastest/quickest, kids/children; `synonyms.senses`). Co-hyponyms are not synonyms: summer/winter,
-  adults/children, soup/salad still count as substituted. Unlike the rules above, this one gives way to the
-  embedding: a one-for-one substitution whose question cosine (`similarity`, the one the cache compared with
-  its threshold) is at least `SUBSTITUTION_SIMILARITY` is taken as a paraphrase ("include" / "come with"),
-  and so is an addition or drop at `ADDITION_SIMILARITY` or more ("receive" / "get": "get" is a stopword).
-  Both were picked on the validation half of fow-cache's pairs (docs/caching.md).
+  adults/children, soup/salad still count as substituted.
 
 What is not a difference: case, word order, contractions, stopwords, greetings and thanks ("hi team,",
 "okay so", "cheers"), hesitations ("um"), "please". A larger rewording is left to the embedding threshold.
@@ -44,11 +40,9 @@ import msgspec
 
 from pipeline.cache import synonyms
 
-__all__ = ["ADDITION_SIMILARITY", "MAX_EDIT", "SUBSTITUTION_SIMILARITY", "Salient", "conflicts", "salient"]
+__all__ = ["MAX_EDIT", "Salient", "conflicts", "salient"]
 
-MAX_EDIT = 2  # a difference of at most this many content words is a minimal edit, hence a trap unless...
-SUBSTITUTION_SIMILARITY = 0.96  # ...it is one word for one at this question cosine or more (a paraphrase)
-ADDITION_SIMILARITY = 0.92  # ...or words only on one side (added or dropped) at this cosine or more
+MAX_EDIT = 2  # a difference of at most this many content words is a minimal edit, hence a trap
 
 
 class Salient(msgspec.Struct, frozen=True):
@@ -325,28 +319,8 @@ def _digests(
     )
 
 
-def conflicts(
-    a: Salient,
-    b: Salient,
-    similarity: float = 0.0,
-    *,
-    substitution: float = SUBSTITUTION_SIMILARITY,
-    addition: float = ADDITION_SIMILARITY,
-) -> bool:
-    """True when questions a and b must not share an answer. `similarity` is their embeddings' cosine: numbers,
-    negation, names, opposites and roles conflict however close it is; a minimal edit conflicts below
-    `substitution` (one word for one) or `addition` (words on one side only). The default similarity, 0, makes
-    every minimal edit a conflict. The bench passes other `substitution` and `addition` values to sweep them."""
-    if _disagree(a, b):
-        return True
-    only_a, only_b = _edit(a, b)
-    if not 0 < only_a + only_b <= MAX_EDIT:
-        return False
-    return similarity < (substitution if only_a == only_b == 1 else addition)
-
-
-def _disagree(a: Salient, b: Salient) -> bool:
-    """The absolute rules: numbers, negation, names, opposites, roles."""
+def conflicts(a: Salient, b: Salient) -> bool:
+    """True when questions a and b must not share an answer, however close their embeddings."""
     if a.numbers != b.numbers or a.negation != b.negation:
         return True
     words_a, words_b = set(a.words), set(b.words)
@@ -354,16 +328,12 @@ def _disagree(a: Salient, b: Salient) -> bool:
         return True
     if _opposed(a, words_a, words_b) or _opposed(b, words_b, words_a):
         return True
-    return _roles_swapped(a, b, words_a, words_b)
-
-
-def _edit(a: Salient, b: Salient) -> tuple[int, int]:
-    """How many content words only a says and only b says, once stems, spelling slips and synonyms pair off."""
-    words_a, words_b = set(a.words), set(b.words)
+    if _roles_swapped(a, b, words_a, words_b):
+        return True
     only_a = _unmatched(words_a - words_b, a, b)
     only_b = _unmatched(words_b - words_a, b, a)
     only_a, only_b = _unsynonymous(only_a, a, only_b, b)
-    return len(only_a), len(only_b)
+    return 0 < len(only_a) + len(only_b) <= MAX_EDIT
 
 
 def _opposed(x: Salient, words_x: set[str], words_y: set[str]) -> bool:
