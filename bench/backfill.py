@@ -13,6 +13,11 @@ same prompts must not be answered from the cache) in this process with the local
 3. interactive latency, idle: `--probes` short requests one after another (p50, p99);
 4. the same probes while a larger backfill keeps the engine busy (p50, p99), then that job is cancelled.
 
+`--blocks K` splits 3 and 4 into K blocks each, run ABBA (idle, busy, busy, idle, idle, busy, ...;
+each busy block with a backfill of its own, cancelled and drained before the next block), so that
+the host's speed drifting over the run falls on both modes alike; the p50 and p99 are over all the
+probes of a mode.
+
 `--step-trace` also prints the engine's steps during 3 and 4 (how many, how long, with which lanes'
 rows: bench/step_trace.py), to tell what slows a probe: the steps it shares or what runs beside them.
 """
@@ -112,6 +117,31 @@ async def probe(client: Client, n: int, max_tokens: int) -> list[float]:
     return latencies
 
 
+def block_order(blocks: int) -> list[str]:
+    """The probes' phases, ABBA: idle, busy, busy, idle, idle, busy, ... (`blocks` of each)."""
+    pairs = [("idle", "busy") if i % 2 == 0 else ("busy", "idle") for i in range(blocks)]
+    return [mode for pair in pairs for mode in pair]
+
+
+async def busy_block(backfill: Backfill, client: Client, texts: list[str], args: argparse.Namespace,
+                     n: int) -> tuple[list[float], int, tuple[float, float]]:
+    """`n` probes while a larger backfill keeps the engine busy; the job is then cancelled and waited
+    for, so the next idle block starts idle. Returns the latencies, the lines the job finished
+    meanwhile and the probes' window (perf_counter)."""
+    load = await backfill.submit(jsonl(texts * 8, args.max_tokens * 2))
+    await backfill.wait(load, frozenset({Status.in_progress}))
+    await asyncio.sleep(5.0)  # the engine fills with batch-lane sequences
+    started = time.perf_counter()
+    latencies = await probe(client, n, args.probe_tokens)
+    window = (started, time.perf_counter())
+    counts = await backfill.store.counts(load)
+    current = await backfill.store.get(load)
+    if current is not None and current.status not in TERMINAL:
+        await backfill.store.update(msgspec.structs.replace(current, status=Status.cancelling), {current.status})
+    await backfill.wait(load)
+    return latencies, counts.completed, window
+
+
 def local_backend(settings: Settings, batch_every: int | None, hold_ms: float | None) -> dict[str, Backend]:
     """The default model as `backends.load` builds it, with the engine's `batch_every` and
     `handoff_hold_ms` chosen here (None: EngineConfig's)."""
@@ -167,37 +197,39 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
             backfill_tps = batch_tokens / backfill_s
             print(f"backfill ({job.status.value}): {batch_tokens} tokens in {backfill_s:.1f} s = {backfill_tps:.1f} tokens/s", flush=True)
 
-            idle_window = time.perf_counter()
-            idle = await probe(client, args.probes, args.probe_tokens)
-            idle_window = (idle_window, time.perf_counter())
+            idle: list[float] = []
+            busy: list[float] = []
+            finished = 0
+            windows: dict[str, list[tuple[float, float]]] = {"idle": [], "busy": []}
+            for mode in block_order(args.blocks):  # idle, busy, busy, idle, ...: drift on the host falls on both
+                n = args.probes // args.blocks
+                if mode == "idle":
+                    started = time.perf_counter()
+                    idle += await probe(client, n, args.probe_tokens)
+                    windows[mode].append((started, time.perf_counter()))
+                else:
+                    latencies, lines, window = await busy_block(backfill, client, texts, args, n)
+                    busy += latencies
+                    finished += lines
+                    windows[mode].append(window)
             print(f"probes idle: p50 {percentile(idle, 50):.0f} ms, p99 {percentile(idle, 99):.0f} ms", flush=True)
-            load = await backfill.submit(jsonl(texts * 8, args.max_tokens * 2))
-            await backfill.wait(load, frozenset({Status.in_progress}))
-            await asyncio.sleep(5.0)  # the engine fills with batch-lane sequences
-            busy_window = time.perf_counter()
-            busy = await probe(client, args.probes, args.probe_tokens)
-            busy_window = (busy_window, time.perf_counter())
-            counts = await backfill.store.counts(load)
             print(f"probes during a backfill: p50 {percentile(busy, 50):.0f} ms, p99 {percentile(busy, 99):.0f} ms "
-                  f"({counts.completed} backfill lines finished meanwhile)", flush=True)
-            current = await backfill.store.get(load)
-            if current is not None and current.status not in TERMINAL:
-                await backfill.store.update(msgspec.structs.replace(current, status=Status.cancelling), {current.status})
-            await backfill.wait(load)
+                  f"({finished} backfill lines finished meanwhile)", flush=True)
             stop.set()
             await worker
             await backfill.store.aclose()
     await asyncio.gather(*tasks)
     await producer.stop()
     if trace is not None:
-        print(trace.summary(*idle_window, "probes idle"))
-        print(trace.summary(*busy_window, "probes during a backfill"))
+        for mode, label in (("idle", "probes idle"), ("busy", "probes during a backfill")):
+            for window in windows[mode]:
+                print(trace.summary(*window, label))
     b = settings.batch
     print(f"\n| what | figure |\n| --- | --- |\n"
           f"| interactive, one at a time ({len(texts)} prompts, max_tokens {args.max_tokens}) | {interactive_tps:.1f} tokens/s |\n"
           f"| backfill, the same prompts (batch lane, max_in_flight {b.max_in_flight}, max_batch "
           f"{settings.backends[0].max_batch}, torch_threads {settings.runtime.torch_threads}, batch_every {args.batch_every or 'default'}, handoff_hold_ms {'default' if args.handoff_hold_ms is None else args.handoff_hold_ms}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
-          f"| interactive p50 / p99, idle ({args.probes} probes, max_tokens {args.probe_tokens}) | "
+          f"| interactive p50 / p99, idle ({len(idle)} probes in {args.blocks} block(s), max_tokens {args.probe_tokens}) | "
           f"{percentile(idle, 50):.0f} / {percentile(idle, 99):.0f} ms |\n"
           f"| interactive p50 / p99, during a backfill | {percentile(busy, 50):.0f} / {percentile(busy, 99):.0f} ms "
           f"({percentile(busy, 99) / percentile(idle, 99):.2f}x the idle p99) |")
@@ -209,6 +241,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--probes", type=int, default=20)
     parser.add_argument("--probe-tokens", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=1, help="probe phases per mode, interleaved ABBA (idle, busy, busy, idle, ...)")
     parser.add_argument("--max-in-flight", type=int, default=None, help="batch.max_in_flight (default: the config's)")
     parser.add_argument("--batch-every", type=int, default=None, help="the engine's batch_every (default: EngineConfig's)")
     parser.add_argument("--handoff-hold-ms", type=float, default=None, help="the engine's handoff_hold_ms (default: EngineConfig's)")

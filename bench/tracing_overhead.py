@@ -17,6 +17,10 @@ sampler is switched between modes inside one process (same stages, same connecti
 reads each OTLP request and answers 200, so export costs what it costs over HTTP. Reported: each
 mode's median over rounds, the per-round difference (on minus off, on / off) as median with min..max.
 
+`--modes` adds other ways of tracing to the rotation, each against "off" in the report: `on-thread`
+(the SDK's BatchSpanProcessor: spans encoded in the export thread, as sluice exported before session
+15) and `on-recorded` (spans recorded, not exported: what recording alone costs).
+
 Then `--connected` requests (1,000) with tracing on: how many of their traces are one connected tree in
 which the terminal event's path passes every stage, in pipeline order.
 
@@ -38,6 +42,7 @@ from pathlib import Path
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, Sampler, SamplingResult
 from opentelemetry.trace import Link, SpanKind
 from opentelemetry.util.types import Attributes
@@ -48,6 +53,7 @@ from bench.stats import percentile
 from pipeline import assemble, kafka, tracing
 from pipeline import settings as settings_module
 from pipeline.observability.config import ObservabilitySettings
+from pipeline.observability.otlp import EncodingSpanProcessor, OtlpHttpExporter
 from pipeline.producing import Producer
 from pipeline.sdk import Client
 from pipeline.serve import runners_for
@@ -103,10 +109,12 @@ def connected(spans: list[tuple[int, int, int | None, str, SpanKind, int, int]],
     return good
 
 
-async def check_connected(client: Client, switch: Switch, provider: object, settings: Settings, args: argparse.Namespace) -> tuple[int, int]:
+async def check_connected(client: Client, switch: Switch, choice: Choice, provider: object, settings: Settings,
+                          args: argparse.Namespace) -> tuple[int, int]:
     links = Links()
     provider.add_span_processor(links)  # type: ignore[attr-defined]
     switch.on = True
+    choice.mode = "on"
     await latency(client, args.connected, args.rate, args.max_tokens)
     await asyncio.sleep(2)  # the last requests' emit spans end after their terminal event
     roots = {s[0] for s in links.spans if s[2] is None and s[4] is SpanKind.CLIENT}
@@ -128,6 +136,26 @@ class Switch(Sampler):
 
     def get_description(self) -> str:
         return "Switch"
+
+
+class Choice(SpanProcessor):
+    """Hands each ended span to the batch processor of the mode being measured: `on` is what `sluice run`
+    installs (spans encoded as they end, the export thread posts bytes), `on-thread` the SDK's
+    BatchSpanProcessor with the same exporter (spans encoded in the export thread, as before session 15)."""
+
+    def __init__(self, processors: dict[str, SpanProcessor]) -> None:
+        self.processors = processors
+        self.mode = next(iter(processors))
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.processors[self.mode].on_end(span)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return all(p.force_flush(timeout_millis) for p in self.processors.values())
+
+    def shutdown(self) -> None:
+        for processor in self.processors.values():
+            processor.shutdown()
 
 
 async def latency(client: Client, n: int, rate: float, max_tokens: int) -> list[float]:
@@ -156,7 +184,17 @@ async def throughput(client: Client, concurrency: int, seconds: float, max_token
     return done / (time.perf_counter() - start)
 
 
-async def measure(settings: Settings, switch: Switch, provider: object, args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:  # noqa: E501
+LABELS = {"on": "100%, exported", "on-thread": "100%, exported, encoded in the export thread", "on-recorded": "100%, not exported"}
+
+
+def rotated(modes: list[str], k: int) -> list[str]:
+    """`modes` starting from the k-th (mod len): with two modes, on/off then off/on, alternating."""
+    k %= len(modes)
+    return modes[k:] + modes[:k]
+
+
+async def measure(settings: Settings, switch: Switch, choice: Choice, provider: object,
+                  args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     await kafka.create_topics(settings)
     stop = asyncio.Event()
     echo = EchoBackend()
@@ -167,33 +205,33 @@ async def measure(settings: Settings, switch: Switch, provider: object, args: ar
     runners = runners_for(stages, settings, producer, "bench")
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
-    results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": []} for m in ("on", "off")}
+    modes = args.modes
+    results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": []} for m in modes}
     async with Client(settings) as client:
-        for mode in ("on", "off"):  # warm-up of both modes and both loads, not recorded: the first closed-loop
-            switch.on = mode == "on"  # pass of a run was measured 10-15% slower whichever mode it measured
+        for mode in modes:  # warm-up of every mode and both loads, not recorded: the first closed-loop
+            switch.on, choice.mode = mode != "off", mode if mode != "off" else choice.mode  # pass of a run was measured 10-15% slower whichever mode it measured
             await latency(client, 60, args.rate, args.max_tokens)
             await throughput(client, args.concurrency, args.seconds / 2, args.max_tokens)
         for r in range(args.rounds):
-            first = ("on", "off") if r % 2 == 0 else ("off", "on")
-            lat: dict[str, list[float]] = {"on": [], "off": []}
-            rps: dict[str, list[float]] = {"on": [], "off": []}
-            for part in ("latency", "throughput"):  # each part in `--slices` alternating on/off slices
+            lat: dict[str, list[float]] = {m: [] for m in modes}
+            rps: dict[str, list[float]] = {m: [] for m in modes}
+            for part in ("latency", "throughput"):  # each part in `--slices` slices of every mode, the order rotating
                 for s in range(args.slices):
-                    for mode in first if s % 2 == 0 else first[::-1]:
-                        switch.on = mode == "on"
+                    for mode in rotated(modes, r + s):
+                        switch.on, choice.mode = mode != "off", mode if mode != "off" else choice.mode
                         if part == "latency":
                             lat[mode] += await latency(client, args.requests // args.slices, args.rate, args.max_tokens)
                         else:
                             rps[mode].append(await throughput(client, args.concurrency, args.seconds / args.slices, args.max_tokens))
                         provider.force_flush()  # type: ignore[attr-defined]  # a slice's spans leave before the next slice
-            for mode in first:
+            for mode in rotated(modes, r):
                 results[mode]["p50"].append(percentile(lat[mode], 50))
                 results[mode]["p99"].append(percentile(lat[mode], 99))
                 results[mode]["rps"].append(statistics.fmean(rps[mode]))
                 print(f"round {r + 1} {mode:>3}: p50 {percentile(lat[mode], 50):.2f} ms  p99 {percentile(lat[mode], 99):.2f} ms  "
                       f"{statistics.fmean(rps[mode]):.1f} req/s at {args.concurrency} in flight", flush=True)
         if args.connected:
-            good, total = await check_connected(client, switch, provider, settings, args)
+            good, total = await check_connected(client, switch, choice, provider, settings, args)
             results["connected"] = {"good": [good], "total": [total]}
     stop.set()
     await asyncio.gather(*tasks)
@@ -206,18 +244,21 @@ def spread(values: list[float], fmt: str) -> str:
 
 
 def report(results: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> None:
-    on, off = results["on"], results["off"]
-    p50_diff = [a - b for a, b in zip(on["p50"], off["p50"])]
-    p99_diff = [a - b for a, b in zip(on["p99"], off["p99"])]
-    rps_ratio = [a / b for a, b in zip(on["rps"], off["rps"])]
+    off = results["off"]
     print(f"\nprofile=bare backend=echo max_tokens={args.max_tokens} rounds={args.rounds} rate={args.rate}/s "
-          f"requests={args.requests} concurrency={args.concurrency} seconds={args.seconds} load average={os.getloadavg()}\n")
-    print("| measured | tracing off (ratio 0) | tracing on (100%, exported) | on minus off, per round: median (min..max) |")
-    print("| --- | --- | --- | --- |")
-    print(f"| p50 latency, ms | {spread(off['p50'], '.2f')} | {spread(on['p50'], '.2f')} | {spread(p50_diff, '+.2f')} |")
-    print(f"| p99 latency, ms | {spread(off['p99'], '.2f')} | {spread(on['p99'], '.2f')} | {spread(p99_diff, '+.2f')} |")
-    print(f"| throughput at {args.concurrency} in flight, req/s | {spread(off['rps'], '.1f')} | {spread(on['rps'], '.1f')} | "
-          f"on / off {spread(rps_ratio, '.3f')} |")
+          f"requests={args.requests} concurrency={args.concurrency} seconds={args.seconds} slices={args.slices} "
+          f"load average={os.getloadavg()}")
+    for mode in (m for m in args.modes if m != "off"):
+        on = results[mode]
+        p50_diff = [a - b for a, b in zip(on["p50"], off["p50"])]
+        p99_diff = [a - b for a, b in zip(on["p99"], off["p99"])]
+        rps_ratio = [a / b for a, b in zip(on["rps"], off["rps"])]
+        print(f"\n| measured | tracing off (ratio 0) | tracing {mode} ({LABELS[mode]}) | {mode} minus off, per round: median (min..max) |")
+        print("| --- | --- | --- | --- |")
+        print(f"| p50 latency, ms | {spread(off['p50'], '.2f')} | {spread(on['p50'], '.2f')} | {spread(p50_diff, '+.2f')} |")
+        print(f"| p99 latency, ms | {spread(off['p99'], '.2f')} | {spread(on['p99'], '.2f')} | {spread(p99_diff, '+.2f')} |")
+        print(f"| throughput at {args.concurrency} in flight, req/s | {spread(off['rps'], '.1f')} | {spread(on['rps'], '.1f')} | "
+              f"{mode} / off {spread(rps_ratio, '.3f')} |")
     if "connected" in results:
         good, total = results["connected"]["good"][0], results["connected"]["total"][0]
         print(f"\n{args.connected} requests sent, {total} client traces, {good} ({100 * good / max(total, 1):.1f}%) connected with every "
@@ -236,8 +277,13 @@ def main() -> None:
     parser.add_argument("--bootstrap", help="use a running Kafka instead of starting one")
     parser.add_argument("--redis", help="with --bootstrap: the running Redis's URL")
     parser.add_argument("--sink-port", type=int, default=44318)
+    parser.add_argument("--modes", default="on,off", help="on (as sluice run exports), off, on-thread (spans encoded in the "
+                        "export thread, as before), on-recorded (recorded, not exported)")
     parser.add_argument("--connected", type=int, default=1000, help="then this many requests traced: how many traces are whole")
     args = parser.parse_args()
+    args.modes = args.modes.split(",")
+    if "off" not in args.modes or not set(args.modes) <= {"on", "off", "on-thread", "on-recorded"} or len(set(args.modes)) < len(args.modes):
+        parser.error("--modes: off and one or more of on, on-thread, on-recorded, each once")
     env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:48092", "SLUICE_REDIS_URL": args.redis or "redis://127.0.0.1:45379/0"}
     settings = settings_module.load(env=env)
     settings = replace(settings, profile="bare", runtime=replace(settings.runtime, max_in_flight=256))
@@ -248,10 +294,16 @@ def main() -> None:
         subprocess.run([ROOT / "infra" / "services.sh", "start", state, "48092", "45379"], check=True)
     sink = subprocess.Popen([sys.executable, "-c", SINK, str(args.sink_port)])
     try:
-        observe = ObservabilitySettings(otlp_endpoint=f"http://127.0.0.1:{args.sink_port}/v1/traces")
         switch = Switch()
-        provider = tracing.install(observe, sampler=ParentBased(root=switch))  # as `sluice run` installs it, switchable
-        results = asyncio.run(measure(settings, switch, provider, args))
+        provider = tracing.install(ObservabilitySettings(), sampler=ParentBased(root=switch))  # sluice's recorder, switchable
+        endpoint = f"http://127.0.0.1:{args.sink_port}/v1/traces"
+        batching = ObservabilitySettings()
+        options = {"max_queue_size": batching.export_queue, "max_export_batch_size": batching.export_batch,
+                   "schedule_delay_millis": batching.export_delay_ms}
+        kinds = {"on": EncodingSpanProcessor, "on-thread": BatchSpanProcessor}
+        choice = Choice({m: kinds[m](OtlpHttpExporter(endpoint), **options) if m in kinds else SpanProcessor() for m in args.modes if m != "off"})
+        provider.add_span_processor(choice)  # type: ignore[attr-defined]
+        results = asyncio.run(measure(settings, switch, choice, provider, args))
         report(results, args)
     finally:
         sink.terminate()
