@@ -17,9 +17,8 @@ sampler is switched between modes inside one process (same stages, same connecti
 reads each OTLP request and answers 200, so export costs what it costs over HTTP. Reported: each
 mode's median over rounds, the per-round difference (on minus off, on / off) as median with min..max.
 
-`--modes` adds other ways of tracing to the rotation, each against "off" in the report: `on-thread`
-(the SDK's BatchSpanProcessor: spans encoded in the export thread, as sluice exported before session
-15) and `on-recorded` (spans recorded, not exported: what recording alone costs).
+`--modes on,off,on-recorded` adds a third mode to the rotation, reported against "off": spans recorded
+and not exported (what recording alone costs, so that the export's share is the rest).
 
 Then `--connected` requests (1,000) with tracing on: how many of their traces are one connected tree in
 which the terminal event's path passes every stage, in pipeline order.
@@ -53,7 +52,7 @@ from bench.stats import percentile
 from pipeline import assemble, kafka, tracing
 from pipeline import settings as settings_module
 from pipeline.observability.config import ObservabilitySettings
-from pipeline.observability.otlp import EncodingSpanProcessor, OtlpHttpExporter
+from pipeline.observability.otlp import OtlpHttpExporter
 from pipeline.producing import Producer
 from pipeline.sdk import Client
 from pipeline.serve import runners_for
@@ -63,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SINK = """
 import http.server, sys
 class Sink(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keeps the exporter's connection alive, as OTLP collectors do
     def do_POST(self):
         self.rfile.read(int(self.headers.get("content-length", 0)))
         self.send_response(200); self.send_header("content-type", "application/x-protobuf")
@@ -139,9 +139,8 @@ class Switch(Sampler):
 
 
 class Choice(SpanProcessor):
-    """Hands each ended span to the batch processor of the mode being measured: `on` is what `sluice run`
-    installs (spans encoded as they end, the export thread posts bytes), `on-thread` the SDK's
-    BatchSpanProcessor with the same exporter (spans encoded in the export thread, as before session 15)."""
+    """Hands each ended span to the processor of the mode being measured: `on`, the batch processor and
+    exporter `sluice run` installs; `on-recorded`, none."""
 
     def __init__(self, processors: dict[str, SpanProcessor]) -> None:
         self.processors = processors
@@ -184,7 +183,7 @@ async def throughput(client: Client, concurrency: int, seconds: float, max_token
     return done / (time.perf_counter() - start)
 
 
-LABELS = {"on": "100%, exported", "on-thread": "100%, exported, encoded in the export thread", "on-recorded": "100%, not exported"}
+LABELS = {"on": "100%, exported", "on-recorded": "100%, not exported"}
 
 
 def rotated(modes: list[str], k: int) -> list[str]:
@@ -277,13 +276,12 @@ def main() -> None:
     parser.add_argument("--bootstrap", help="use a running Kafka instead of starting one")
     parser.add_argument("--redis", help="with --bootstrap: the running Redis's URL")
     parser.add_argument("--sink-port", type=int, default=44318)
-    parser.add_argument("--modes", default="on,off", help="on (as sluice run exports), off, on-thread (spans encoded in the "
-                        "export thread, as before), on-recorded (recorded, not exported)")
+    parser.add_argument("--modes", default="on,off", help="on (as sluice run exports), off, on-recorded (recorded, not exported)")
     parser.add_argument("--connected", type=int, default=1000, help="then this many requests traced: how many traces are whole")
     args = parser.parse_args()
     args.modes = args.modes.split(",")
-    if "off" not in args.modes or not set(args.modes) <= {"on", "off", "on-thread", "on-recorded"} or len(set(args.modes)) < len(args.modes):
-        parser.error("--modes: off and one or more of on, on-thread, on-recorded, each once")
+    if "off" not in args.modes or not set(args.modes) <= set(LABELS) | {"off"} or len(set(args.modes)) < len(args.modes):
+        parser.error("--modes: off and one or both of on, on-recorded, each once")
     env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:48092", "SLUICE_REDIS_URL": args.redis or "redis://127.0.0.1:45379/0"}
     settings = settings_module.load(env=env)
     settings = replace(settings, profile="bare", runtime=replace(settings.runtime, max_in_flight=256))
@@ -300,8 +298,8 @@ def main() -> None:
         batching = ObservabilitySettings()
         options = {"max_queue_size": batching.export_queue, "max_export_batch_size": batching.export_batch,
                    "schedule_delay_millis": batching.export_delay_ms}
-        kinds = {"on": EncodingSpanProcessor, "on-thread": BatchSpanProcessor}
-        choice = Choice({m: kinds[m](OtlpHttpExporter(endpoint), **options) if m in kinds else SpanProcessor() for m in args.modes if m != "off"})
+        choice = Choice({m: BatchSpanProcessor(OtlpHttpExporter(endpoint), **options) if m == "on" else SpanProcessor()
+                         for m in args.modes if m != "off"})
         provider.add_span_processor(choice)  # type: ignore[attr-defined]
         results = asyncio.run(measure(settings, switch, choice, provider, args))
         report(results, args)

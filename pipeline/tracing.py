@@ -16,9 +16,8 @@ Spans follow OpenTelemetry's messaging conventions (`messaging.system`, `messagi
 `messaging.kafka.offset`, `messaging.message.body.size`). Sampling is parent-based: a client decides
 (`observability.sample_ratio`) and every stage follows the `traceparent` flag it received, so a trace is
 kept whole or not at all. Export is batched in a background thread (BatchSpanProcessor) over OTLP/HTTP
-with sluice's own protobuf encoder (pipeline.observability.otlp: the same bytes, a third of the CPU), each
-span encoded as it ends so that the thread holds the GIL only briefly; a full queue drops spans, it never
-slows a stage.
+with sluice's own protobuf encoder (pipeline.observability.otlp: the same bytes, a third of the CPU); a
+full queue drops spans, it never slows a stage.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from opentelemetry.trace import TraceState
 from pipeline import metrics
 from pipeline.observability.config import ObservabilitySettings
 from pipeline.observability.lean import LeanTracerProvider
-from pipeline.observability.otlp import EncodingSpanProcessor, OtlpHttpExporter
+from pipeline.observability.otlp import OtlpHttpExporter
 from pipeline.observability.recent import TRACES
 
 Headers = Sequence[tuple[str, bytes]]
@@ -69,9 +68,8 @@ def install(settings: ObservabilitySettings | None = None, exporter: SpanExporte
     provider = kind(resource=Resource.create({"service.name": settings.service_name}), sampler=sampler)
     if exporter is None and settings.otlp_endpoint:
         exporter = OtlpHttpExporter(settings.otlp_endpoint, settings.otlp_timeout_s)
-    if exporter is not None:  # sluice's exporter takes spans encoded as they end (the thread only posts them)
-        batching = EncodingSpanProcessor if isinstance(exporter, OtlpHttpExporter) else BatchSpanProcessor
-        provider.add_span_processor(batching(
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(
             exporter, max_queue_size=settings.export_queue, max_export_batch_size=settings.export_batch,
             schedule_delay_millis=settings.export_delay_ms,
         ))

@@ -8,12 +8,7 @@ loop needs (docs/benchmarks.md, tracing overhead). This encoder writes the same 
 official protobuf classes and compares it with the SDK encoder's, field for field.
 
 It encodes anything shaped like the SDK's `ReadableSpan` (the SDK's spans and `pipeline.observability.
-lean`'s), and `Encoded` spans: `EncodingSpanProcessor` encodes each span in the thread that ends it (the
-event loop's, a few microseconds spread over the requests) so that the export thread only joins bytes
-and posts them. Encoding in the export thread cost far more than its CPU: at the knee of one process,
-the thread's bursts of a few milliseconds holding the GIL stalled the event loop at every socket call it
-made meanwhile (throughput 10% lower with export than with spans recorded and not exported; about 1%
-lower once encoding moved; docs/benchmarks.md, tracing overhead). The request is POSTed as `application/x-protobuf` on one kept-alive connection; a failed call
+lean`'s). The request is POSTed as `application/x-protobuf` on one kept-alive connection; a failed call
 drops its batch (the batch processor calls again with the next one) and says so in the log (the
 process's log filter, pipeline.logs.RateLimit, keeps that to a few lines a window).
 """
@@ -24,10 +19,10 @@ import http.client
 import logging
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 from urllib.parse import urlsplit
 
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 log = logging.getLogger(__name__)
 
@@ -160,30 +155,9 @@ def encode_span(span: Any) -> bytes:
     return b"".join(parts)
 
 
-class Encoded(NamedTuple):
-    """A span already encoded (its `Span` message, framed as a ScopeSpans field), with what it is grouped by."""
-
-    resource: Any
-    instrumentation_scope: Any
-    data: bytes
-
-
-def encoded(span: Any) -> Encoded:
-    return Encoded(span.resource, span.instrumentation_scope, _ld(_SS_SPAN, encode_span(span)))
-
-
-class EncodingSpanProcessor(BatchSpanProcessor):
-    """The SDK's batch processor (queue, batch size, schedule, flush, shutdown), given each sampled span
-    encoded where it ended instead of the span: its exporter (OtlpHttpExporter) then does no encoding."""
-
-    def on_end(self, span: Any) -> None:
-        if span.context and span.context.trace_flags.sampled:
-            self._batch_processor.emit(encoded(span))  # type: ignore[arg-type]
-
-
 class Encoder:
-    """Spans (or `Encoded` spans) to one ExportTraceServiceRequest, grouped by resource and
-    instrumentation scope (each encoded once per encoder, they repeat on every call)."""
+    """Spans to one ExportTraceServiceRequest, grouped by resource and instrumentation scope (each
+    encoded once per encoder, they repeat on every call)."""
 
     def __init__(self) -> None:
         self._resources: dict[int, tuple[Any, bytes]] = {}
@@ -195,8 +169,7 @@ class Encoder:
         for span in spans:
             resource, scope = span.resource, span.instrumentation_scope
             keep[id(resource)], keep[id(scope)] = resource, scope
-            data = span.data if span.__class__ is Encoded else _ld(_SS_SPAN, encode_span(span))
-            groups.setdefault(id(resource), {}).setdefault(id(scope), []).append(data)
+            groups.setdefault(id(resource), {}).setdefault(id(scope), []).append(_ld(_SS_SPAN, encode_span(span)))
         out = []
         for resource_id, scopes in groups.items():
             resource = keep[resource_id]

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from pipeline.observability.otlp import Encoder, EncodingSpanProcessor, OtlpHttpExporter, encoded
+from pipeline.observability.otlp import Encoder, OtlpHttpExporter
 
 
 def sdk_spans() -> list:
@@ -58,26 +58,6 @@ def test_an_encoder_reused_across_batches_stays_exact() -> None:
     spans = sdk_spans()
     for batch in (spans[:2], spans[2:], spans):
         assert ExportTraceServiceRequest.FromString(encoder.encode(batch)) == encode_spans(batch)
-
-
-def test_spans_encoded_as_they_end_make_the_same_request() -> None:
-    spans = sdk_spans()
-    assert Encoder().encode([encoded(s) for s in spans]) == Encoder().encode(spans)
-    mixed = [encoded(s) if i % 2 else s for i, s in enumerate(spans)]  # a batch may hold both
-    assert ExportTraceServiceRequest.FromString(Encoder().encode(mixed)) == encode_spans(spans)
-
-
-def test_the_encoding_processor_exports_sampled_spans_only(sink: tuple[str, list[tuple[str, bytes]]]) -> None:
-    base, received = sink
-    processor = EncodingSpanProcessor(OtlpHttpExporter(base + "/v1/traces"), schedule_delay_millis=60_000)
-    spans = sdk_spans()
-    unsampled = SpanContext(spans[0].context.trace_id, 0x1234, is_remote=False, trace_flags=TraceFlags(0))
-    for span in spans:
-        processor.on_end(span)
-    processor.on_end(type(spans[0])(name="not sampled", context=unsampled))  # a ReadableSpan of a trace not sampled
-    assert processor.force_flush()
-    processor.shutdown()
-    assert ExportTraceServiceRequest.FromString(b"".join(body for _, body in received)) == encode_spans(spans)
 
 
 def test_a_value_with_no_otlp_form_is_refused() -> None:
