@@ -15,7 +15,10 @@ flushed (untimed) before the next one starts, so no mode's export runs in the ot
 also leaves the export of each "on" slice's last spans out of the timed part: a bias towards "on"). The
 sampler is switched between modes inside one process (same stages, same connections). Spans go to a sink in its own process that
 reads each OTLP request and answers 200, so export costs what it costs over HTTP. Reported: each
-mode's median over rounds, the per-round difference (on minus off, on / off) as median with min..max.
+mode's median over rounds, the per-round difference (on minus off, on / off) as median with min..max,
+and this process's CPU per request in the throughput part, the slice's flush included (so the export's
+CPU counts against "on"; at the knee one process is bound by it, and it moves less than throughput
+with the host's neighbours).
 
 `--modes on,off,on-recorded` adds a third mode to the rotation, reported against "off": spans recorded
 and not exported (what recording alone costs, so that the export's share is the rest).
@@ -166,7 +169,8 @@ async def latency(client: Client, n: int, rate: float, max_tokens: int) -> list[
     return await paced(n, rate, one)
 
 
-async def throughput(client: Client, concurrency: int, seconds: float, max_tokens: int) -> float:
+async def throughput(client: Client, concurrency: int, seconds: float, max_tokens: int) -> tuple[float, int]:
+    """Requests per second with `concurrency` in flight for `seconds`, and how many were done."""
     done = 0
     end = time.perf_counter() + seconds
 
@@ -180,7 +184,7 @@ async def throughput(client: Client, concurrency: int, seconds: float, max_token
 
     start = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    return done / (time.perf_counter() - start)
+    return done / (time.perf_counter() - start), done
 
 
 LABELS = {"on": "100%, exported", "on-recorded": "100%, not exported"}
@@ -205,7 +209,7 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
     modes = args.modes
-    results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": []} for m in modes}
+    results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": [], "cpu": []} for m in modes}
     async with Client(settings) as client:
         for mode in modes:  # warm-up of every mode and both loads, not recorded: the first closed-loop
             switch.on, choice.mode = mode != "off", mode if mode != "off" else choice.mode  # pass of a run was measured 10-15% slower whichever mode it measured
@@ -214,21 +218,28 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
         for r in range(args.rounds):
             lat: dict[str, list[float]] = {m: [] for m in modes}
             rps: dict[str, list[float]] = {m: [] for m in modes}
+            cpu: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}  # CPU seconds of this process, requests
             for part in ("latency", "throughput"):  # each part in `--slices` slices of every mode, the order rotating
                 for s in range(args.slices):
                     for mode in rotated(modes, r + s):
                         switch.on, choice.mode = mode != "off", mode if mode != "off" else choice.mode
+                        cpu_start = time.process_time()
                         if part == "latency":
                             lat[mode] += await latency(client, args.requests // args.slices, args.rate, args.max_tokens)
                         else:
-                            rps[mode].append(await throughput(client, args.concurrency, args.seconds / args.slices, args.max_tokens))
+                            rate, done = await throughput(client, args.concurrency, args.seconds / args.slices, args.max_tokens)
+                            rps[mode].append(rate)
                         provider.force_flush()  # type: ignore[attr-defined]  # a slice's spans leave before the next slice
+                        if part == "throughput":  # the flush counted: the CPU of exporting the slice's spans is in
+                            cpu[mode].append((time.process_time() - cpu_start, done))
             for mode in rotated(modes, r):
                 results[mode]["p50"].append(percentile(lat[mode], 50))
                 results[mode]["p99"].append(percentile(lat[mode], 99))
                 results[mode]["rps"].append(statistics.fmean(rps[mode]))
+                results[mode]["cpu"].append(1000 * sum(c for c, _ in cpu[mode]) / max(sum(n for _, n in cpu[mode]), 1))
                 print(f"round {r + 1} {mode:>3}: p50 {percentile(lat[mode], 50):.2f} ms  p99 {percentile(lat[mode], 99):.2f} ms  "
-                      f"{statistics.fmean(rps[mode]):.1f} req/s at {args.concurrency} in flight", flush=True)
+                      f"{statistics.fmean(rps[mode]):.1f} req/s at {args.concurrency} in flight, "
+                      f"{results[mode]['cpu'][-1]:.2f} ms CPU per request", flush=True)
         if args.connected:
             good, total = await check_connected(client, switch, choice, provider, settings, args)
             results["connected"] = {"good": [good], "total": [total]}
@@ -252,12 +263,15 @@ def report(results: dict[str, dict[str, list[float]]], args: argparse.Namespace)
         p50_diff = [a - b for a, b in zip(on["p50"], off["p50"])]
         p99_diff = [a - b for a, b in zip(on["p99"], off["p99"])]
         rps_ratio = [a / b for a, b in zip(on["rps"], off["rps"])]
+        cpu_ratio = [a / b for a, b in zip(on["cpu"], off["cpu"])]
         print(f"\n| measured | tracing off (ratio 0) | tracing {mode} ({LABELS[mode]}) | {mode} minus off, per round: median (min..max) |")
         print("| --- | --- | --- | --- |")
         print(f"| p50 latency, ms | {spread(off['p50'], '.2f')} | {spread(on['p50'], '.2f')} | {spread(p50_diff, '+.2f')} |")
         print(f"| p99 latency, ms | {spread(off['p99'], '.2f')} | {spread(on['p99'], '.2f')} | {spread(p99_diff, '+.2f')} |")
         print(f"| throughput at {args.concurrency} in flight, req/s | {spread(off['rps'], '.1f')} | {spread(on['rps'], '.1f')} | "
               f"{mode} / off {spread(rps_ratio, '.3f')} |")
+        print(f"| this process's CPU per request at {args.concurrency} in flight, ms (export included) | {spread(off['cpu'], '.2f')} | "
+              f"{spread(on['cpu'], '.2f')} | {mode} / off {spread(cpu_ratio, '.3f')} |")
     if "connected" in results:
         good, total = results["connected"]["good"][0], results["connected"]["total"][0]
         print(f"\n{args.connected} requests sent, {total} client traces, {good} ({100 * good / max(total, 1):.1f}%) connected with every "
