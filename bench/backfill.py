@@ -101,7 +101,10 @@ class Backfill:
         return sum(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] for x in path.read_bytes().splitlines())
 
 
-async def probe(client: Client, n: int, max_tokens: int) -> list[float]:
+WINDOWS: list[tuple[float, float, str]] = []  # every probe's start and end (perf_counter) and its phase, for --step-trace
+
+
+async def probe(client: Client, n: int, max_tokens: int, phase: str = "idle") -> list[float]:
     """`n` short interactive requests one after another; their latencies (ms). Prints where the time went
     (each stage's mean from the terminal events' `timings`)."""
     latencies = []
@@ -110,6 +113,7 @@ async def probe(client: Client, n: int, max_tokens: int) -> list[float]:
         started = time.perf_counter()
         answer = await client.complete(messages=[{"role": "user", "content": PROBE}], max_tokens=max_tokens, no_cache=True)
         latencies.append((time.perf_counter() - started) * 1000)
+        WINDOWS.append((started, time.perf_counter(), phase))
         for stage, ms in answer.done.timings.items():
             timings.setdefault(stage, []).append(ms)
         await asyncio.sleep(0.2)
@@ -132,7 +136,7 @@ async def busy_block(backfill: Backfill, client: Client, texts: list[str], args:
     await backfill.wait(load, frozenset({Status.in_progress}))
     await asyncio.sleep(5.0)  # the engine fills with batch-lane sequences
     started = time.perf_counter()
-    latencies = await probe(client, n, args.probe_tokens)
+    latencies = await probe(client, n, args.probe_tokens, "busy")
     window = (started, time.perf_counter())
     counts = await backfill.store.counts(load)
     current = await backfill.store.get(load)
@@ -142,9 +146,10 @@ async def busy_block(backfill: Backfill, client: Client, texts: list[str], args:
     return latencies, counts.completed, window
 
 
-def local_backend(settings: Settings, batch_every: int | None, hold_ms: float | None) -> dict[str, Backend]:
-    """The default model as `backends.load` builds it, with the engine's `batch_every` and
-    `handoff_hold_ms` chosen here (None: EngineConfig's)."""
+def local_backend(settings: Settings, batch_every: int | None, hold_ms: float | None,
+                  batch_prompt_tokens: int | None = None) -> dict[str, Backend]:
+    """The default model as `backends.load` builds it, with the engine's `batch_every`,
+    `handoff_hold_ms` and `batch_prompt_tokens` chosen here (None: EngineConfig's)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -156,7 +161,7 @@ def local_backend(settings: Settings, batch_every: int | None, hold_ms: float | 
     torch.set_num_threads(settings.runtime.torch_threads)
     path = settings.model_cache / MODEL_DIRNAME
     spec = settings.backends[0]
-    chosen = {"batch_every": batch_every, "handoff_hold_ms": hold_ms}
+    chosen = {"batch_every": batch_every, "handoff_hold_ms": hold_ms, "batch_prompt_tokens": batch_prompt_tokens}
     config = EngineConfig(max_num_seqs=spec.max_batch, **{k: v for k, v in chosen.items() if v is not None})
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return {spec.name: LocalBackend(ModelRunner.from_path(path, config), tokenizer, name=spec.name, engine_config=config)}
@@ -166,8 +171,9 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     trace = StepTrace.install() if args.step_trace else None
     await kafka.create_topics(settings)
     stop = asyncio.Event()
-    default = args.batch_every is None and args.handoff_hold_ms is None
-    backends = backend_registry.load(settings) if default else local_backend(settings, args.batch_every, args.handoff_hold_ms)
+    default = args.batch_every is None and args.handoff_hold_ms is None and args.batch_prompt_tokens is None
+    backends = backend_registry.load(settings) if default else \
+        local_backend(settings, args.batch_every, args.handoff_hold_ms, args.batch_prompt_tokens)
     stages = assemble.build(assemble.nodes_of(settings), settings, backends, worker="bench")
     producer = Producer(settings, "sluice-stages-bench")  # as `sluice run` wires them (handover included)
     await producer.start(stop)
@@ -224,11 +230,15 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
         for mode, label in (("idle", "probes idle"), ("busy", "probes during a backfill")):
             for window in windows[mode]:
                 print(trace.summary(*window, label))
+        for phase in ("idle", "busy"):  # the slowest probes of each phase: which steps they spanned
+            slowest = sorted((w for w in WINDOWS if w[2] == phase), key=lambda w: w[0] - w[1])[:5]
+            for start, end, _ in slowest:
+                print(f"  slowest {phase} probe {1000 * (end - start):.0f} ms: {trace.within(start, end)}")
     b = settings.batch
     print(f"\n| what | figure |\n| --- | --- |\n"
           f"| interactive, one at a time ({len(texts)} prompts, max_tokens {args.max_tokens}) | {interactive_tps:.1f} tokens/s |\n"
           f"| backfill, the same prompts (batch lane, max_in_flight {b.max_in_flight}, max_batch "
-          f"{settings.backends[0].max_batch}, torch_threads {settings.runtime.torch_threads}, batch_every {args.batch_every or 'default'}, handoff_hold_ms {'default' if args.handoff_hold_ms is None else args.handoff_hold_ms}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
+          f"{settings.backends[0].max_batch}, torch_threads {settings.runtime.torch_threads}, batch_every {args.batch_every or 'default'}, batch_prompt_tokens {'default' if args.batch_prompt_tokens is None else args.batch_prompt_tokens}, handoff_hold_ms {'default' if args.handoff_hold_ms is None else args.handoff_hold_ms}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
           f"| interactive p50 / p99, idle ({len(idle)} probes in {args.blocks} block(s), max_tokens {args.probe_tokens}) | "
           f"{percentile(idle, 50):.0f} / {percentile(idle, 99):.0f} ms |\n"
           f"| interactive p50 / p99, during a backfill | {percentile(busy, 50):.0f} / {percentile(busy, 99):.0f} ms "
@@ -245,6 +255,8 @@ def main() -> None:
     parser.add_argument("--max-in-flight", type=int, default=None, help="batch.max_in_flight (default: the config's)")
     parser.add_argument("--batch-every", type=int, default=None, help="the engine's batch_every (default: EngineConfig's)")
     parser.add_argument("--handoff-hold-ms", type=float, default=None, help="the engine's handoff_hold_ms (default: EngineConfig's)")
+    parser.add_argument("--batch-prompt-tokens", type=int, default=None,
+                        help="the engine's batch_prompt_tokens (default: EngineConfig's; 0: no cap)")
     parser.add_argument("--step-trace", action="store_true", help="print the engine's steps while the probes ran")
     parser.add_argument("--torch-threads", type=int, default=None, help="runtime.torch_threads (default: the config's)")
     args = parser.parse_args()

@@ -64,7 +64,22 @@ class StepTrace:
         for kind, found in kinds.items():
             if found:
                 lines.append(f"    {kind}: {len(found)}, mean {1000 * statistics.fmean(s.seconds for s in found):.1f} ms "
-                             f"(p50 {1000 * statistics.median(s.seconds for s in found):.1f}), "
+                             f"(p50 {1000 * statistics.median(s.seconds for s in found):.1f}, "
+                             f"max {1000 * max(s.seconds for s in found):.1f}), "
                              f"{statistics.fmean(s.interactive_rows + s.batch_rows for s in found):.1f} rows, "
                              f"gap before it {1000 * statistics.fmean(s.gap for s in found):.1f} ms")
         return "\n".join(lines)
+
+    def within(self, start: float, end: float) -> str:
+        """The steps that started between `start` and `end`, by kind: count and total ms (one request's story)."""
+        steps = [s for s in self.steps if start <= s.start < end]
+        running = [s for s in self.steps if s.start < start < s.start + s.seconds]  # the step it arrived during
+        parts = [f"arrived {1000 * (running[0].start + running[0].seconds - start):.0f} ms before the end of a "
+                 f"{'batch-only' if not running[0].interactive_rows else 'shared'} step"] if running else []
+        for kind, found in (("batch-only", [s for s in steps if not s.interactive_rows]),
+                            ("interactive-only", [s for s in steps if s.interactive_rows and not s.batch_rows]),
+                            ("shared", [s for s in steps if s.interactive_rows and s.batch_rows])):
+            if found:
+                parts.append(f"{len(found)} {kind} {1000 * sum(s.seconds for s in found):.0f} ms "
+                             f"(max {1000 * max(s.seconds for s in found):.0f})")
+        return ", ".join(parts) or "no steps"

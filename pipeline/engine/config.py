@@ -68,6 +68,7 @@ class EngineConfig:
     aging_steps: int = 32  # a batch-lane request waiting this many steps is admitted as if interactive
     batch_every: int = 8  # while interactive sequences run, the batch lane is fed on every n-th step only (1: always)
     handoff_hold_ms: float = 50.0  # after an interactive prefill, the batch lane waits up to this for its decode (0: never)
+    batch_prompt_tokens: int = 64  # while interactive sequences run or wait, batch-lane prompt tokens per step (0: no cap)
     device: str = "cpu"
     dtype: str = "float32"  # float32, bfloat16 or float16
 
@@ -83,6 +84,8 @@ class EngineConfig:
         bad = {k: v for k, v in positive.items() if v < 1}
         if bad:
             raise ValueError(f"engine limits must be at least 1: {bad}")
+        if self.batch_prompt_tokens < 0:
+            raise ValueError(f"batch_prompt_tokens must not be negative, got {self.batch_prompt_tokens}")
         if self.handoff_hold_ms < 0:
             raise ValueError(f"handoff_hold_ms must not be negative, got {self.handoff_hold_ms}")
         if self.num_blocks < 0 or (self.num_blocks == 0 and self.kv_cache_bytes < 1):

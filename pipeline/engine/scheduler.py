@@ -22,8 +22,11 @@ more the more sequences it holds (a CPU), a backfill slows interactive answers b
 step's cost; a step that would otherwise compute nothing feeds the batch lane anyway, unless the
 caller holds the batch lane because an interactive sequence's decode is due any moment (AsyncEngine:
 between a prefill and its decode, `handoff_hold_ms`), so that its first decode step does not wait
-behind a full batch step. Without interactive work the batch lane runs every step, at full batched
-throughput.
+behind a full batch step. While interactive work runs or waits, the batch lane's prompt tokens (the
+prefill chunks of its newly admitted or preempted sequences) are also capped per step
+(`batch_prompt_tokens`): a step an interactive sequence shares or waits behind then costs about what its
+decodes cost, not a few hundred prompt tokens more (a long batch prompt is fed in more, smaller chunks).
+Without interactive work the batch lane runs every step, at full batched throughput.
 
 Speculative decoding (a request with `speculative` set): once every running sequence has its chunk
 and waiting ones are admitted, each decode of such a sequence is extended with up to k drafts from
@@ -122,6 +125,7 @@ class Scheduler:
         self.proposer = NGramProposer()  # drafts for speculative sequences (prompt lookup, no model)
         self.spec_proposed = 0  # draft tokens verified since start (a counter for tests and metrics)
         self.spec_accepted = 0  # of those, the ones kept
+        self._batch_prompt_left: int | None = None  # this step's batch-lane prompt tokens left (None: no cap)
 
     @property
     def num_unfinished(self) -> int:
@@ -151,6 +155,8 @@ class Scheduler:
         dropped: list[Sequence] = []
         self.running.sort(key=lambda s: (s.priority, s.arrival, s.seq_id))
         scheduled: set[int] = set()
+        cap = self.config.batch_prompt_tokens
+        self._batch_prompt_left = cap if cap and self._interactive_present() else None
         yielding = hold_batch or self._batch_yields()
         for seq in list(self.running):
             if yielding and seq.priority is Priority.BATCH:
@@ -172,7 +178,19 @@ class Scheduler:
         every = self.config.batch_every
         if every <= 1 or self.step_count % every == 0:
             return False
+        return self._interactive_present()
+
+    def _interactive_present(self) -> bool:
         return bool(self.waiting.queues[Priority.INTERACTIVE]) or any(s.priority is Priority.INTERACTIVE for s in self.running)
+
+    def _prompt_allowance(self, seq: Sequence, n: int) -> int:
+        """How many of `n` prompt tokens `seq` may be fed this step: all but for a batch-lane prefill
+        while interactive work is present (`batch_prompt_tokens` per step for the whole lane)."""
+        if self._batch_prompt_left is None or seq.priority is not Priority.BATCH or n <= 1:
+            return n
+        n = min(n, self._batch_prompt_left)
+        self._batch_prompt_left -= n
+        return n
 
     def _feed(
         self, seq: Sequence, budget: int, chunks: list[ScheduledChunk], scheduled: set[int],
@@ -182,7 +200,9 @@ class Scheduler:
         parked sequences, then preempting the lowest running ones, when they run out; returns the budget left."""
         if budget == 0 or seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled:
             return budget  # no budget, preempted earlier in this step, or already fed
-        n = min(seq.num_uncomputed_tokens, budget)
+        n = self._prompt_allowance(seq, min(seq.num_uncomputed_tokens, budget))
+        if n == 0:
+            return budget  # a batch prefill's share of this step is spent
         while not self.block_manager.can_allocate(seq, n):
             if self.parked:
                 dropped.append(self._drop_oldest_parked())
@@ -298,6 +318,10 @@ class Scheduler:
                 break  # its prefill waits for a step the batch lane runs in
             cached = self.block_manager.cached_prefix_tokens(seq)
             n = min(len(seq.token_ids) - cached, budget)
+            if seq.priority is Priority.BATCH and self._batch_prompt_left is not None:
+                if self._batch_prompt_left < min(n, 2):
+                    break  # the batch lane's prompt tokens for this step are spent
+                n = self._prompt_allowance(seq, n)
             while not self.block_manager.can_allocate(seq, n) and self.parked:
                 dropped.append(self._drop_oldest_parked())
             if not self.block_manager.can_allocate(seq, n):

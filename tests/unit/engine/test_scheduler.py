@@ -188,6 +188,29 @@ def test_a_batch_request_is_not_admitted_on_a_yielding_step_unless_it_aged() -> 
     assert admitted_at == 4 and inter.status is SequenceStatus.RUNNING
 
 
+def test_batch_prompts_are_fed_in_small_chunks_only_while_interactive_work_is_present() -> None:
+    s = make(num_blocks=128, block_size=4, batch_every=1, batch_prompt_tokens=8, max_num_batched_tokens=64)
+    alone = s.add(EngineRequest(tuple(range(100, 140)), max_tokens=30, priority=Priority.BATCH))
+    out = s.schedule()
+    assert [len(c.token_ids) for c in out.chunks] == [40]  # no interactive work: the whole prompt at once
+    s.update_from_output(out, [0])
+    inter = s.add(EngineRequest((3, 4), max_tokens=100))
+    batch = [s.add(EngineRequest(tuple(range(200 + 50 * i, 221 + 50 * i + i)), max_tokens=2, priority=Priority.BATCH))
+             for i in range(2)]
+    prompt_chunks: dict[int, list[int]] = {b.seq_id: [] for b in batch}
+    while any(b.status is not SequenceStatus.FINISHED for b in batch):
+        out = s.schedule()
+        chunks = {c.seq.seq_id: c for c in out.chunks}
+        assert inter.seq_id in chunks and alone.seq_id in chunks  # decodes are never held back by the cap
+        for b in batch:
+            if b.seq_id in chunks and chunks[b.seq_id].start < b.num_prompt_tokens:
+                prompt_chunks[b.seq_id].append(len(chunks[b.seq_id].token_ids))
+        assert sum(len(c.token_ids) for c in out.chunks if c.seq in batch and c.start < c.seq.num_prompt_tokens) <= 8
+        s.update_from_output(out, [0 if c.sample else None for c in out.chunks])
+    for b in batch:  # fed in chunks of at most 8 while `inter` ran, every prompt token once
+        assert max(prompt_chunks[b.seq_id]) <= 8 and sum(prompt_chunks[b.seq_id]) == b.num_prompt_tokens
+
+
 def test_batch_every_one_is_the_old_policy() -> None:
     s = make(num_blocks=64, block_size=4, batch_every=1)
     s.add(EngineRequest((3, 4), max_tokens=100))
