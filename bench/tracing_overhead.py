@@ -117,7 +117,7 @@ async def check_connected(client: Client, switch: Switch, choice: Choice, provid
     links = Links()
     provider.add_span_processor(links)  # type: ignore[attr-defined]
     switch.on = True
-    choice.mode = "on"
+    choice.mode = "on" if "on" in choice.processors else choice.mode
     await latency(client, args.connected, args.rate, args.max_tokens)
     await asyncio.sleep(2)  # the last requests' emit spans end after their terminal event
     roots = {s[0] for s in links.spans if s[2] is None and s[4] is SpanKind.CLIENT}
