@@ -190,6 +190,13 @@ async def throughput(client: Client, concurrency: int, seconds: float, max_token
 LABELS = {"on": "100%, exported", "on-recorded": "100%, not exported"}
 
 
+def choose(switch: Switch, choice: Choice, mode: str) -> None:
+    """Measure `mode` next: the root sampler on or off, and the span processor of an "on" mode."""
+    switch.on = mode != "off"
+    if switch.on:
+        choice.mode = mode
+
+
 def rotated(modes: list[str], k: int) -> list[str]:
     """`modes` starting from the k-th (mod len): with two modes, on/off then off/on, alternating."""
     k %= len(modes)
@@ -212,7 +219,7 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
     results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": [], "cpu": []} for m in modes}
     async with Client(settings) as client:
         for mode in modes:  # warm-up of every mode and both loads, not recorded: the first closed-loop
-            switch.on, choice.mode = mode != "off", mode if mode != "off" else choice.mode  # pass of a run was measured 10-15% slower whichever mode it measured
+            choose(switch, choice, mode)  # pass of a run was measured 10-15% slower whichever mode it measured
             await latency(client, 60, args.rate, args.max_tokens)
             await throughput(client, args.concurrency, args.seconds / 2, args.max_tokens)
         for r in range(args.rounds):
@@ -222,7 +229,7 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
             for part in ("latency", "throughput"):  # each part in `--slices` slices of every mode, the order rotating
                 for s in range(args.slices):
                     for mode in rotated(modes, r + s):
-                        switch.on, choice.mode = mode != "off", mode if mode != "off" else choice.mode
+                        choose(switch, choice, mode)
                         cpu_start = time.process_time()
                         if part == "latency":
                             lat[mode] += await latency(client, args.requests // args.slices, args.rate, args.max_tokens)

@@ -155,9 +155,10 @@ class Scheduler:
         dropped: list[Sequence] = []
         self.running.sort(key=lambda s: (s.priority, s.arrival, s.seq_id))
         scheduled: set[int] = set()
+        interactive = self._interactive_present()
         cap = self.config.batch_prompt_tokens
-        self._batch_prompt_left = cap if cap and self._interactive_present() else None
-        yielding = hold_batch or self._batch_yields()
+        self._batch_prompt_left = cap if cap and interactive else None
+        yielding = hold_batch or self._batch_yields(interactive)
         for seq in list(self.running):
             if yielding and seq.priority is Priority.BATCH:
                 continue
@@ -172,13 +173,13 @@ class Scheduler:
         total = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(tuple(decode_first), total, tuple(preempted), tuple(dropped))
 
-    def _batch_yields(self) -> bool:
+    def _batch_yields(self, interactive: bool) -> bool:
         """Whether this step leaves the batch lane out: an interactive sequence is running or waiting (its
         prefill then gets a step of its own) and the step is not one of every `batch_every`."""
         every = self.config.batch_every
         if every <= 1 or self.step_count % every == 0:
             return False
-        return self._interactive_present()
+        return interactive
 
     def _interactive_present(self) -> bool:
         return bool(self.waiting.queues[Priority.INTERACTIVE]) or any(s.priority is Priority.INTERACTIVE for s in self.running)
