@@ -216,7 +216,8 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
     modes = args.modes
-    results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": [], "cpu": []} for m in modes}
+    results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": [], "cpu": [], "done": [], "busy": [], "cpu_s": []}
+                                                  for m in modes}
     async with Client(settings) as client:
         for mode in modes:  # warm-up of every mode and both loads, not recorded: the first closed-loop
             choose(switch, choice, mode)  # pass of a run was measured 10-15% slower whichever mode it measured
@@ -225,6 +226,7 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
         for r in range(args.rounds):
             lat: dict[str, list[float]] = {m: [] for m in modes}
             rps: dict[str, list[float]] = {m: [] for m in modes}
+            served: dict[str, list[tuple[int, float]]] = {m: [] for m in modes}  # requests done, seconds taken
             cpu: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}  # CPU seconds of this process, requests
             for part in ("latency", "throughput"):  # each part in `--slices` slices of every mode, the order rotating
                 for s in range(args.slices):
@@ -236,6 +238,7 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
                         else:
                             rate, done = await throughput(client, args.concurrency, args.seconds / args.slices, args.max_tokens)
                             rps[mode].append(rate)
+                            served[mode].append((done, done / rate if rate else 0.0))
                         provider.force_flush()  # type: ignore[attr-defined]  # a slice's spans leave before the next slice
                         if part == "throughput":  # the flush counted: the CPU of exporting the slice's spans is in
                             cpu[mode].append((time.process_time() - cpu_start, done))
@@ -244,6 +247,9 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
                 results[mode]["p99"].append(percentile(lat[mode], 99))
                 results[mode]["rps"].append(statistics.fmean(rps[mode]))
                 results[mode]["cpu"].append(1000 * sum(c for c, _ in cpu[mode]) / max(sum(n for _, n in cpu[mode]), 1))
+                results[mode]["done"].append(sum(n for n, _ in served[mode]))
+                results[mode]["busy"].append(sum(t for _, t in served[mode]))
+                results[mode]["cpu_s"].append(sum(c for c, _ in cpu[mode]))
                 print(f"round {r + 1} {mode:>3}: p50 {percentile(lat[mode], 50):.2f} ms  p99 {percentile(lat[mode], 99):.2f} ms  "
                       f"{statistics.fmean(rps[mode]):.1f} req/s at {args.concurrency} in flight, "
                       f"{results[mode]['cpu'][-1]:.2f} ms CPU per request", flush=True)
@@ -279,6 +285,11 @@ def report(results: dict[str, dict[str, list[float]]], args: argparse.Namespace)
               f"{mode} / off {spread(rps_ratio, '.3f')} |")
         print(f"| this process's CPU per request at {args.concurrency} in flight, ms (export included) | {spread(off['cpu'], '.2f')} | "
               f"{spread(on['cpu'], '.2f')} | {mode} / off {spread(cpu_ratio, '.3f')} |")
+        pooled_on, pooled_off = sum(on["done"]) / sum(on["busy"]), sum(off["done"]) / sum(off["busy"])
+        cpu_on, cpu_off = 1000 * sum(on["cpu_s"]) / sum(on["done"]), 1000 * sum(off["cpu_s"]) / sum(off["done"])
+        print(f"| throughput, every slice of every round pooled (requests / seconds), req/s | {pooled_off:.1f} | {pooled_on:.1f} | "
+              f"{mode} / off **{pooled_on / pooled_off:.3f}** |")
+        print(f"| CPU per request, pooled, ms | {cpu_off:.2f} | {cpu_on:.2f} | {mode} / off {cpu_on / cpu_off:.3f} |")
     if "connected" in results:
         good, total = results["connected"]["good"][0], results["connected"]["total"][0]
         print(f"\n{args.connected} requests sent, {total} client traces, {good} ({100 * good / max(total, 1):.1f}%) connected with every "
