@@ -107,6 +107,10 @@ class BackendSettings:
     # greedy is unchanged; it pays when answers copy from the prompt: edits, extraction, code); "off": none
     speculative: Literal["off", "ngram"] = "off"
     num_draft_tokens: int = 8  # 1..16: the most drafts per step (8: chosen on DEV prompts by bench.speculative_batched); adapts between 1 and this
+    # local: the precision of the engine's weights. "bfloat16" halves the bytes every step reads (about 1.8x the
+    # tokens/s on a CPU with AVX-512 BF16, docs/benchmarks.md); greedy answers then differ from float32's
+    # wherever two tokens score nearly alike. The KV cache and attention stay float32 on a CPU
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
     @property
     def splits(self) -> bool:
@@ -229,6 +233,8 @@ class Settings:
         for b in self.backends:
             if b.speculative != "off" and (b.kind != "local" or not 1 <= b.num_draft_tokens <= 16):
                 raise SettingsError(f"backend {b.name!r}: speculative needs kind local and num_draft_tokens 1..16")
+            if b.dtype != "float32" and b.kind != "local":
+                raise SettingsError(f"backend {b.name!r}: dtype is a local backend's setting")
         for pool in self.pools:
             if len({b.splits for b in self.backends if b.pool == pool}) > 1:
                 raise SettingsError(f"pool {pool!r} mixes backends with and without the prefill/decode split")

@@ -124,6 +124,17 @@ def test_speculative_decoding_settings_are_checked(tmp_path: Path, entry: str, e
     assert expected in str(caught.value)
 
 
+def test_engine_dtype_is_float32_by_default_read_when_set_and_local_only(tmp_path: Path) -> None:
+    assert all(b.dtype == "float32" for b in load(DEFAULT_CONFIG, {}).backends)
+    [backend] = load_text(tmp_path, '[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\ndtype = "bfloat16"\n').backends
+    assert backend.dtype == "bfloat16"
+    for entry, expected in (('kind = "instant"\ndtype = "bfloat16"\n', "dtype is a local backend's setting"),
+                            ('dtype = "float16"\n', "invalid enum value 'float16'")):
+        with pytest.raises(SettingsError) as caught:
+            load_text(tmp_path, f'[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\n{entry}')
+        assert expected in str(caught.value)
+
+
 def test_speculative_decoding_is_off_by_default_and_read_when_set(tmp_path: Path) -> None:
     assert all(b.speculative == "off" for b in load(DEFAULT_CONFIG, {}).backends)
     entry = '[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\nspeculative = "ngram"\nnum_draft_tokens = 6\n'
