@@ -110,9 +110,12 @@ class Cell:
     spec: list[Run] = field(default_factory=list)
 
 
+DTYPE = ["float32"]  # the engine's weights (--dtype)
+
+
 def generate(model: torch.nn.Module, requests: list[EngineRequest], batch: int) -> Run:
-    """`requests` `batch` at a time on a fresh engine (the model's weights shared)."""
-    config = EngineConfig(num_blocks=1024, block_size=16, max_num_seqs=max(batch, 1), max_num_batched_tokens=512)
+    """`requests` `batch` at a time on a fresh engine (the model's weights shared, or cast to --dtype)."""
+    config = EngineConfig(num_blocks=1024, block_size=16, max_num_seqs=max(batch, 1), max_num_batched_tokens=512, dtype=DTYPE[0])
     engine = LLMEngine(ModelRunner.from_transformers(model, config))
     prefill_s = 0.0
     execute = engine.execute
@@ -149,7 +152,11 @@ def requests_for(tokenizer, prompts: list[str], max_tokens: int, k: int | None) 
 def check_identical(plain: Run, spec: Run, label: str) -> None:
     if plain.outputs != spec.outputs:
         bad = [i for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)) if a != b]
-        raise AssertionError(f"{label}: speculative output differs from plain greedy for prompts {bad}")
+        if DTYPE[0] == "float32":
+            raise AssertionError(f"{label}: speculative output differs from plain greedy for prompts {bad}")
+        # in bfloat16 a forward over k+1 positions and one over a single position round differently, so
+        # a near-tie can go either way: said, not raised
+        print(f"{label}: speculative output differs from plain greedy ({DTYPE[0]}) for prompts {bad}", flush=True)
 
 
 def tune(model, tokenizer, candidates: list[int], max_tokens: int) -> int:  # type: ignore[no-untyped-def]
@@ -208,11 +215,13 @@ def main() -> None:
     parser.add_argument("--candidates", default="4,8,12", help="num_draft_tokens values DEV chooses from")
     parser.add_argument("--k", type=int, default=0, help="skip DEV and use this num_draft_tokens")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: see bench.speculative's note)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the engine's weights")
     args = parser.parse_args()
+    DTYPE[0] = args.dtype
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(convert_default_model(MODEL_CACHE))
     generate(model, requests_for(tokenizer, TEST_PROMPTS[:2], 8, 4), 2)  # warm-up
-    print(f"{args.threads} torch thread(s); load average at start {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"{args.dtype} weights, {args.threads} torch thread(s); load average at start {os.getloadavg()[0]:.2f}", flush=True)
     k = args.k or tune(model, tokenizer, [int(c) for c in args.candidates.split(",")], args.dev_max_tokens)
     plain_reqs = requests_for(tokenizer, TEST_PROMPTS, args.max_tokens, None)
     spec_reqs = [replace(r, speculative=SpeculativeParams(k)) for r in plain_reqs]

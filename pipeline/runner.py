@@ -74,6 +74,11 @@ class Runner:
         self._last_commit = 0.0
         self._committing: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once the consumer has its partitions
+        self.drained = asyncio.Event()  # set once this runner's in-flight messages are done, at its stop
+        # The runners whose in-flight messages may hand this stage messages in memory (`runtime.handover`,
+        # set by pipeline.serve): its connections close only once they have drained (or the grace is over),
+        # so that none of their messages meets a closed client and is redone by the next owner
+        self.close_after: tuple[asyncio.Event, ...] = ()
         self._lag = LagWatch(stage.name, settings.observability.lag_interval_s)  # sluice_consumer_lag
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -95,14 +100,26 @@ class Runner:
             await self._poll_loop(stop, handling)
         finally:
             await self._drain()
+            self.drained.set()
             for follower in followers:
                 follower.cancel()
             await asyncio.gather(*followers, return_exceptions=True)
             await self._consumer.stop()
             if self._owns_producer:
                 await self._producer.stop()
-            if isinstance(self.stage, Closable):
-                await self.stage.aclose()  # a stage's own connections (Redis clients)
+            await self._close_stage()
+
+    async def _close_stage(self) -> None:
+        """Closes the stage's own connections (Redis clients), once the runners that hand it messages
+        have drained, waiting at most `grace_s` for them."""
+        if not isinstance(self.stage, Closable):
+            return
+        waits = [asyncio.ensure_future(event.wait()) for event in self.close_after if not event.is_set()]
+        if waits:
+            _, late = await asyncio.wait(waits, timeout=self.grace_s)
+            for wait in late:
+                wait.cancel()
+        await self.stage.aclose()
 
     async def _poll_loop(self, stop: asyncio.Event, handling: Handling) -> None:
         assert self._consumer is not None

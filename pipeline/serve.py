@@ -61,7 +61,12 @@ def runners_for(stages: list[Stage], settings: Settings, producer: Producer, ins
         takers = {stage.topics.inputs[0]: handlings[stage.name] for stage in stages if stage.name in HANDOVER}
         for handling in handlings.values():
             handling.takers = takers
-    return [Runner(stage, settings, instance=instance, producer=producer, handling=handlings[stage.name]) for stage in stages]
+    runners = [Runner(stage, settings, instance=instance, producer=producer, handling=handlings[stage.name]) for stage in stages]
+    if settings.runtime.handover:  # a taker closes its connections after every runner that may hand it work
+        for runner in runners:
+            if runner.stage.name in HANDOVER:
+                runner.close_after = tuple(other.drained for other in runners if other is not runner)
+    return runners
 
 
 def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -132,3 +132,30 @@ async def test_the_default_wiring_hands_over_to_guard_cache_and_route_only() -> 
     takers = runners[0]._handling.takers  # type: ignore[union-attr]
     assert sorted(h.stage.name for h in takers.values()) == ["cache", "guard", "route"]
     assert set(takers) == {registry.ADMITTED, registry.SCREENED, registry.GUARDED}
+
+
+@pytest.mark.asyncio
+async def test_a_taker_closes_its_connections_only_after_the_runners_that_hand_it_work_drained() -> None:
+    from pipeline.serve import runners_for
+
+    class Named:
+        def __init__(self, name: str, inputs: str) -> None:
+            self.name, self.topics, self.ordered, self.input_type = name, Topics((inputs,), None, None), False, Admitted
+            self.closed = False
+
+        async def aclose(self) -> None:  # a Closable stage: its Redis clients
+            self.closed = True
+
+    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()]
+    runners = {r.stage.name: r for r in runners_for(stages, Settings(), FakeProducer(), "t")}  # type: ignore[arg-type]
+    cache = runners["cache"]
+    closing = asyncio.create_task(cache._close_stage())
+    for name, runner in runners.items():  # ingest, whose in-flight tasks hand over to guard, cache, route, drains last
+        if name not in ("cache", "ingest"):
+            runner.drained.set()
+    await asyncio.sleep(0.05)
+    assert not cache.stage.closed  # type: ignore[attr-defined]
+    runners["ingest"].drained.set()
+    await asyncio.wait_for(closing, 1.0)
+    assert cache.stage.closed  # type: ignore[attr-defined]
+    assert runners["ingest"].close_after == ()  # a sender only, never a taker: closes as soon as it drained
