@@ -12,8 +12,9 @@ then attends by gathering each sequence's blocks from the pool:
 - prefill chunks are attended one by one: a first chunk attends to its own fresh K/V causally, a later
   chunk (or one after a prefix-cache hit) gathers its earlier blocks with a causal offset mask.
 
-The projections, MLPs and lm_head run once over all the step's tokens. Nothing here is CPU- or
-CUDA-specific; on CUDA the same code runs with device tensors.
+The projections, MLPs and lm_head run once over all the step's tokens, in the weights' dtype. The same
+code runs on CUDA with device tensors; one choice differs by device: on a CPU the KV pool and attention
+stay float32 whatever the weights' dtype (`kv_dtype`).
 """
 
 from __future__ import annotations
