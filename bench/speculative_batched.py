@@ -149,6 +149,13 @@ def requests_for(tokenizer, prompts: list[str], max_tokens: int, k: int | None) 
     return out
 
 
+def same(cell: Cell) -> str:
+    """The table's word on whether speculative output equalled plain greedy in every repeat."""
+    differ = sum(a != b for p, s in zip(cell.plain, cell.spec, strict=True) for a, b in zip(p.outputs, s.outputs, strict=True))
+    tokens = cell.spec[-1].tokens
+    return f"yes ({tokens} tokens)" if not differ else f"no: {differ} of {len(cell.spec) * len(cell.spec[-1].outputs)} outputs differ"
+
+
 def check_identical(plain: Run, spec: Run, label: str) -> None:
     if plain.outputs != spec.outputs:
         bad = [i for i, (a, b) in enumerate(zip(plain.outputs, spec.outputs, strict=True)) if a != b]
@@ -203,7 +210,7 @@ def report(cells: dict[int, Cell], k: int) -> None:
             f"| **{spread(wall, '{:.2f}')}x** | {spread(cpu, '{:.2f}')}x "
             f"| {spread([r.decode_tok_s for r in cell.plain])} / {spread([r.decode_tok_s for r in cell.spec])} "
             f"| **{spread(decode, '{:.2f}')}x** | {spec.accepted / max(spec.proposed, 1):.2f} "
-            f"| {cell.plain[-1].steps} / {spec.steps} | yes ({spec.tokens} tokens) |"
+            f"| {cell.plain[-1].steps} / {spec.steps} | {same(cell)} |"
         )
 
 
