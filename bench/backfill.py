@@ -162,7 +162,7 @@ def local_backend(settings: Settings, batch_every: int | None, hold_ms: float | 
     path = settings.model_cache / MODEL_DIRNAME
     spec = settings.backends[0]
     chosen = {"batch_every": batch_every, "handoff_hold_ms": hold_ms, "batch_prompt_tokens": batch_prompt_tokens}
-    config = EngineConfig(max_num_seqs=spec.max_batch, **{k: v for k, v in chosen.items() if v is not None})
+    config = EngineConfig(max_num_seqs=spec.max_batch, dtype=spec.dtype, **{k: v for k, v in chosen.items() if v is not None})
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return {spec.name: LocalBackend(ModelRunner.from_path(path, config), tokenizer, name=spec.name, engine_config=config)}
 
@@ -238,7 +238,7 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     print(f"\n| what | figure |\n| --- | --- |\n"
           f"| interactive, one at a time ({len(texts)} prompts, max_tokens {args.max_tokens}) | {interactive_tps:.1f} tokens/s |\n"
           f"| backfill, the same prompts (batch lane, max_in_flight {b.max_in_flight}, max_batch "
-          f"{settings.backends[0].max_batch}, torch_threads {settings.runtime.torch_threads}, batch_every {args.batch_every or 'default'}, batch_prompt_tokens {'default' if args.batch_prompt_tokens is None else args.batch_prompt_tokens}, handoff_hold_ms {'default' if args.handoff_hold_ms is None else args.handoff_hold_ms}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
+          f"{settings.backends[0].max_batch}, torch_threads {settings.runtime.torch_threads}, dtype {settings.backends[0].dtype}, batch_every {args.batch_every or 'default'}, batch_prompt_tokens {'default' if args.batch_prompt_tokens is None else args.batch_prompt_tokens}, handoff_hold_ms {'default' if args.handoff_hold_ms is None else args.handoff_hold_ms}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
           f"| interactive p50 / p99, idle ({len(idle)} probes in {args.blocks} block(s), max_tokens {args.probe_tokens}) | "
           f"{percentile(idle, 50):.0f} / {percentile(idle, 99):.0f} ms |\n"
           f"| interactive p50 / p99, during a backfill | {percentile(busy, 50):.0f} / {percentile(busy, 99):.0f} ms "
@@ -259,13 +259,15 @@ def main() -> None:
                         help="the engine's batch_prompt_tokens (default: EngineConfig's; 0: no cap)")
     parser.add_argument("--step-trace", action="store_true", help="print the engine's steps while the probes ran")
     parser.add_argument("--torch-threads", type=int, default=None, help="runtime.torch_threads (default: the config's)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the local backend's weights (default: the config's)")
     args = parser.parse_args()
     with own_services("bench-backfill", 48192, 48479) as env:
         settings = settings_module.load(env=env)
         batch = settings.batch if args.max_in_flight is None else replace(settings.batch, max_in_flight=args.max_in_flight)
         runtime = settings.runtime if args.torch_threads is None else replace(settings.runtime, torch_threads=args.torch_threads)
+        backends = settings.backends if args.dtype is None else (replace(settings.backends[0], dtype=args.dtype), *settings.backends[1:])
         settings = replace(settings, profile="bare", cache=replace(settings.cache, enabled=False),
-                           batch=replace(batch, admission_rps=0.0), runtime=runtime)
+                           batch=replace(batch, admission_rps=0.0), runtime=runtime, backends=backends)
         asyncio.run(measure(settings, args))
 
 
