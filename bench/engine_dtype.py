@@ -120,9 +120,9 @@ def main() -> None:
     same = sum(d is None for d in diffs)
     where = sorted(d for d in diffs if d is not None)
     print(f"\ngreedy output identical for {same} of {len(work)} prompts; where the others first differ (token index): {where}")
-    tokens = sum(min(len(a), len(b)) for a, b in zip(greedy["float32"], greedy["bfloat16"]))
-    agree = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                for a, b in zip(greedy["float32"], greedy["bfloat16"]))
+    common = [min(len(a), len(b)) for a, b in zip(greedy["float32"], greedy["bfloat16"])]
+    tokens = sum(common)
+    agree = sum(n if d is None else d for d, n in zip(diffs, common))
     print(f"tokens before the first difference: {agree} of {tokens} ({100 * agree / max(tokens, 1):.1f}%)")
     answers = sum(len(a) for _, a in pairs)
     print("perplexity of the ShareGPT answers (" + str(answers) + " tokens): "
