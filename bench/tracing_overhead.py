@@ -169,8 +169,9 @@ async def latency(client: Client, n: int, rate: float, max_tokens: int) -> list[
     return await paced(n, rate, one)
 
 
-async def throughput(client: Client, concurrency: int, seconds: float, max_tokens: int) -> tuple[float, int]:
-    """Requests per second with `concurrency` in flight for `seconds`, and how many were done."""
+async def throughput(client: Client, concurrency: int, seconds: float, max_tokens: int) -> tuple[int, float]:
+    """Requests done with `concurrency` in flight for about `seconds`, and the seconds it took (the last
+    requests started before the end finish after it)."""
     done = 0
     end = time.perf_counter() + seconds
 
@@ -184,7 +185,7 @@ async def throughput(client: Client, concurrency: int, seconds: float, max_token
 
     start = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    return done / (time.perf_counter() - start), done
+    return done, time.perf_counter() - start
 
 
 LABELS = {"on": "100%, exported", "on-recorded": "100%, not exported"}
@@ -216,7 +217,9 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
     modes = args.modes
-    results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": [], "cpu": [], "done": [], "busy": [], "cpu_s": []}
+    # per round and mode: latency percentiles, mean rate of the throughput slices, and their totals (requests
+    # done, seconds taken, CPU seconds of this process), from which per-request CPU and pooled rates follow
+    results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": [], "done": [], "busy": [], "cpu_s": []}
                                                   for m in modes}
     async with Client(settings) as client:
         for mode in modes:  # warm-up of every mode and both loads, not recorded: the first closed-loop
@@ -225,9 +228,7 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
             await throughput(client, args.concurrency, args.seconds / 2, args.max_tokens)
         for r in range(args.rounds):
             lat: dict[str, list[float]] = {m: [] for m in modes}
-            rps: dict[str, list[float]] = {m: [] for m in modes}
-            served: dict[str, list[tuple[int, float]]] = {m: [] for m in modes}  # requests done, seconds taken
-            cpu: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}  # CPU seconds of this process, requests
+            served: dict[str, list[tuple[int, float, float]]] = {m: [] for m in modes}  # requests, seconds, CPU seconds
             for part in ("latency", "throughput"):  # each part in `--slices` slices of every mode, the order rotating
                 for s in range(args.slices):
                     for mode in rotated(modes, r + s):
@@ -236,23 +237,19 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
                         if part == "latency":
                             lat[mode] += await latency(client, args.requests // args.slices, args.rate, args.max_tokens)
                         else:
-                            rate, done = await throughput(client, args.concurrency, args.seconds / args.slices, args.max_tokens)
-                            rps[mode].append(rate)
-                            served[mode].append((done, done / rate if rate else 0.0))
+                            done, seconds = await throughput(client, args.concurrency, args.seconds / args.slices, args.max_tokens)
                         provider.force_flush()  # type: ignore[attr-defined]  # a slice's spans leave before the next slice
                         if part == "throughput":  # the flush counted: the CPU of exporting the slice's spans is in
-                            cpu[mode].append((time.process_time() - cpu_start, done))
+                            served[mode].append((done, seconds, time.process_time() - cpu_start))
             for mode in rotated(modes, r):
                 results[mode]["p50"].append(percentile(lat[mode], 50))
                 results[mode]["p99"].append(percentile(lat[mode], 99))
-                results[mode]["rps"].append(statistics.fmean(rps[mode]))
-                results[mode]["cpu"].append(1000 * sum(c for c, _ in cpu[mode]) / max(sum(n for _, n in cpu[mode]), 1))
-                results[mode]["done"].append(sum(n for n, _ in served[mode]))
-                results[mode]["busy"].append(sum(t for _, t in served[mode]))
-                results[mode]["cpu_s"].append(sum(c for c, _ in cpu[mode]))
+                results[mode]["rps"].append(statistics.fmean(n / t for n, t, _ in served[mode]))
+                for key, i in (("done", 0), ("busy", 1), ("cpu_s", 2)):
+                    results[mode][key].append(sum(x[i] for x in served[mode]))
                 print(f"round {r + 1} {mode:>3}: p50 {percentile(lat[mode], 50):.2f} ms  p99 {percentile(lat[mode], 99):.2f} ms  "
-                      f"{statistics.fmean(rps[mode]):.1f} req/s at {args.concurrency} in flight, "
-                      f"{results[mode]['cpu'][-1]:.2f} ms CPU per request", flush=True)
+                      f"{results[mode]['rps'][-1]:.1f} req/s at {args.concurrency} in flight, "
+                      f"{cpu_per_request(results[mode])[-1]:.2f} ms CPU per request", flush=True)
         if args.connected:
             good, total = await check_connected(client, switch, choice, provider, settings, args)
             results["connected"] = {"good": [good], "total": [total]}
@@ -260,6 +257,11 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
     await asyncio.gather(*tasks)
     await producer.stop()
     return results
+
+
+def cpu_per_request(result: dict[str, list[float]]) -> list[float]:
+    """This process's CPU per request in the throughput part of each round, ms."""
+    return [1000 * c / max(n, 1) for c, n in zip(result["cpu_s"], result["done"])]
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -276,15 +278,15 @@ def report(results: dict[str, dict[str, list[float]]], args: argparse.Namespace)
         p50_diff = [a - b for a, b in zip(on["p50"], off["p50"])]
         p99_diff = [a - b for a, b in zip(on["p99"], off["p99"])]
         rps_ratio = [a / b for a, b in zip(on["rps"], off["rps"])]
-        cpu_ratio = [a / b for a, b in zip(on["cpu"], off["cpu"])]
+        cpu_ratio = [a / b for a, b in zip(cpu_per_request(on), cpu_per_request(off))]
         print(f"\n| measured | tracing off (ratio 0) | tracing {mode} ({LABELS[mode]}) | {mode} minus off, per round: median (min..max) |")
         print("| --- | --- | --- | --- |")
         print(f"| p50 latency, ms | {spread(off['p50'], '.2f')} | {spread(on['p50'], '.2f')} | {spread(p50_diff, '+.2f')} |")
         print(f"| p99 latency, ms | {spread(off['p99'], '.2f')} | {spread(on['p99'], '.2f')} | {spread(p99_diff, '+.2f')} |")
         print(f"| throughput at {args.concurrency} in flight, req/s | {spread(off['rps'], '.1f')} | {spread(on['rps'], '.1f')} | "
               f"{mode} / off {spread(rps_ratio, '.3f')} |")
-        print(f"| this process's CPU per request at {args.concurrency} in flight, ms (export included) | {spread(off['cpu'], '.2f')} | "
-              f"{spread(on['cpu'], '.2f')} | {mode} / off {spread(cpu_ratio, '.3f')} |")
+        print(f"| this process's CPU per request at {args.concurrency} in flight, ms (export included) | {spread(cpu_per_request(off), '.2f')} | "
+              f"{spread(cpu_per_request(on), '.2f')} | {mode} / off {spread(cpu_ratio, '.3f')} |")
         pooled_on, pooled_off = sum(on["done"]) / sum(on["busy"]), sum(off["done"]) / sum(off["busy"])
         cpu_on, cpu_off = 1000 * sum(on["cpu_s"]) / sum(on["done"]), 1000 * sum(off["cpu_s"]) / sum(off["done"])
         print(f"| throughput, every slice of every round pooled (requests / seconds), req/s | {pooled_off:.1f} | {pooled_on:.1f} | "
