@@ -3,6 +3,7 @@ running backfill does to interactive latency: all in one run, on the default mod
 
     .venv/bin/python -m bench.backfill                     # 24 prompts x 32 tokens, 20 probes
     .venv/bin/python -m bench.backfill --prompts 48 --max-tokens 48 --probes 30
+    .venv/bin/python -m bench.backfill --prompt-chars 4000 --distinct-load   # long prompts, none cached
 
 Starts its own Kafka and Redis (ports 48192/48479), runs the bare profile (no guards, cache off: the
 same prompts must not be answered from the cache) in this process with the local engine, and then:
@@ -12,6 +13,8 @@ same prompts must not be answered from the cache) in this process with the local
    `batch.max_in_flight` lines at once), from creation to completed (tokens/s, from the output file);
 3. interactive latency, idle: `--probes` short requests one after another (p50, p99);
 4. the same probes while a larger backfill keeps the engine busy (p50, p99), then that job is cancelled.
+   The larger backfill is the same prompts eight times over (their prefixes cached after the first
+   pass: mostly decode), or with `--distinct-load` eight times as many other prompts, each prefilled.
 
 `--blocks K` splits 3 and 4 into K blocks each, run ABBA (idle, busy, busy, idle, idle, busy, ...;
 each busy block with a backfill of its own, cancelled and drained before the next block), so that
@@ -58,8 +61,9 @@ CHAT = "/v1/chat/completions"
 PROBE = "Name one colour."
 
 
-def prompts(n: int) -> list[str]:
-    return [turn[:300] for turn, _ in first_turns(n)]
+def prompts(n: int, chars: int = 300, skip: int = 0) -> list[str]:
+    """ShareGPT first turns `skip` to `skip + n`, each cut to its first `chars` characters."""
+    return [turn[:chars] for turn, _ in first_turns(skip + n)[skip:]]
 
 
 def jsonl(texts: list[str], max_tokens: int) -> bytes:
@@ -132,7 +136,7 @@ async def busy_block(backfill: Backfill, client: Client, texts: list[str], args:
     """`n` probes while a larger backfill keeps the engine busy; the job is then cancelled and waited
     for, so the next idle block starts idle. Returns the latencies, the lines the job finished
     meanwhile and the probes' window (perf_counter)."""
-    load = await backfill.submit(jsonl(texts * 8, args.max_tokens * 2))
+    load = await backfill.submit(jsonl(load_texts(texts, args), args.max_tokens * 2))
     await backfill.wait(load, frozenset({Status.in_progress}))
     await asyncio.sleep(5.0)  # the engine fills with batch-lane sequences
     started = time.perf_counter()
@@ -144,6 +148,14 @@ async def busy_block(backfill: Backfill, client: Client, texts: list[str], args:
         await backfill.store.update(msgspec.structs.replace(current, status=Status.cancelling), {current.status})
     await backfill.wait(load)
     return latencies, counts.completed, window
+
+
+def load_texts(texts: list[str], args: argparse.Namespace) -> list[str]:
+    """A busy block's backfill: the measured prompts eight times over (their prefixes cached after the
+    first pass), or with `--distinct-load` eight times as many other prompts (every one prefilled)."""
+    if args.distinct_load:
+        return prompts(8 * len(texts), args.prompt_chars, skip=len(texts))
+    return texts * 8
 
 
 def local_backend(settings: Settings, batch_every: int | None, hold_ms: float | None,
@@ -180,7 +192,7 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     runners = runners_for(stages, settings, producer, "bench")
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.wait_for(asyncio.gather(*(r.ready.wait() for r in runners)), 120)
-    texts = prompts(args.prompts)
+    texts = prompts(args.prompts, args.prompt_chars)
     with tempfile.TemporaryDirectory() as tmp:
         async with Client(settings) as client:
             backfill = Backfill(settings, client, Path(tmp))
@@ -236,12 +248,12 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
                 print(f"  slowest {phase} probe {1000 * (end - start):.0f} ms: {trace.within(start, end)}")
     b = settings.batch
     print(f"\n| what | figure |\n| --- | --- |\n"
-          f"| interactive, one at a time ({len(texts)} prompts, max_tokens {args.max_tokens}) | {interactive_tps:.1f} tokens/s |\n"
+          f"| interactive, one at a time ({len(texts)} prompts of at most {args.prompt_chars} characters, max_tokens {args.max_tokens}) | {interactive_tps:.1f} tokens/s |\n"
           f"| backfill, the same prompts (batch lane, max_in_flight {b.max_in_flight}, max_batch "
           f"{settings.backends[0].max_batch}, torch_threads {settings.runtime.torch_threads}, dtype {settings.backends[0].dtype}, batch_every {args.batch_every or 'default'}, batch_prompt_tokens {'default' if args.batch_prompt_tokens is None else args.batch_prompt_tokens}, handoff_hold_ms {'default' if args.handoff_hold_ms is None else args.handoff_hold_ms}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
           f"| interactive p50 / p99, idle ({len(idle)} probes in {args.blocks} block(s), max_tokens {args.probe_tokens}) | "
           f"{percentile(idle, 50):.0f} / {percentile(idle, 99):.0f} ms |\n"
-          f"| interactive p50 / p99, during a backfill | {percentile(busy, 50):.0f} / {percentile(busy, 99):.0f} ms "
+          f"| interactive p50 / p99, during a backfill ({'distinct prompts' if args.distinct_load else 'the same prompts x8'}) | {percentile(busy, 50):.0f} / {percentile(busy, 99):.0f} ms "
           f"({percentile(busy, 99) / percentile(idle, 99):.2f}x the idle p99) |")
 
 
@@ -249,6 +261,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompt-chars", type=int, default=300, help="each ShareGPT prompt cut to this many characters")
+    parser.add_argument("--distinct-load", action="store_true",
+                        help="busy blocks back-fill 8x as many other prompts (default: the same prompts 8 times)")
     parser.add_argument("--probes", type=int, default=20)
     parser.add_argument("--probe-tokens", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=1, help="probe phases per mode, interleaved ABBA (idle, busy, busy, idle, ...)")

@@ -13,7 +13,10 @@ first, then the running sequence of the lowest lane that arrived last is preempt
 freed and it goes back to the front of its waiting lane, to be recomputed (its full blocks usually
 come straight back from the prefix cache). Waiting sequences are admitted while budget, batch size
 and blocks allow, interactive first, except that a batch request waiting `aging_steps` steps or more
-is admitted as if it were interactive, so batch work is never starved.
+is admitted as if it were interactive, so batch work is never starved. An interactive request that
+finds no free blocks or no free seat preempts running batch-lane sequences (the last arrived first)
+until it fits: otherwise a backfill of long prompts that fills the KV pool would hold it back until
+batch sequences finish, tens of seconds on a CPU (docs/benchmarks.md, "long prompts").
 
 Batch work yields to interactive work step by step: while an interactive sequence is running or
 waiting, the batch lane is fed (and admitted) only on every `batch_every`-th step, so on a device where a step costs
@@ -164,7 +167,7 @@ class Scheduler:
                 continue
             budget = self._feed(seq, budget, chunks, scheduled, preempted, dropped)
         if not preempted:
-            budget = self._admit(budget, chunks, dropped, yielding)
+            budget = self._admit(budget, chunks, scheduled, preempted, dropped, yielding)
         if yielding and not chunks and not hold_batch:  # nothing interactive could run after all: the batch lane does
             for seq in list(self.running):
                 budget = self._feed(seq, budget, chunks, scheduled, preempted, dropped)
@@ -309,10 +312,13 @@ class Scheduler:
             budget -= len(drafts)
         return budget
 
-    def _admit(self, budget: int, chunks: list[ScheduledChunk], dropped: list[Sequence], yielding: bool = False) -> int:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit(self, budget: int, chunks: list[ScheduledChunk], scheduled: set[int], preempted: list[Sequence],
+               dropped: list[Sequence], yielding: bool = False) -> int:
+        while budget > 0:
             seq = self.waiting.next(self.step_count, self.config.aging_steps)
             if seq is None:
+                break
+            if len(self.running) >= self.config.max_num_seqs and not self._make_room(seq, scheduled, preempted, seat=True):
                 break
             aged = self.step_count - seq.arrival >= self.config.aging_steps
             if yielding and seq.priority is Priority.BATCH and not aged:
@@ -325,14 +331,31 @@ class Scheduler:
                 n = self._prompt_allowance(seq, n)
             while not self.block_manager.can_allocate(seq, n) and self.parked:
                 dropped.append(self._drop_oldest_parked())
+            while not self.block_manager.can_allocate(seq, n):
+                if not self._make_room(seq, scheduled, preempted):
+                    break
             if not self.block_manager.can_allocate(seq, n):
                 break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, n))
+            scheduled.add(seq.seq_id)
             budget -= n
         return budget
+
+    def _make_room(self, seq: Sequence, scheduled: set[int], preempted: list[Sequence], seat: bool = False) -> bool:
+        """For an interactive `seq` that waits for blocks (or, `seat`, for a place in the batch): preempts
+        the batch-lane sequence that arrived last among those not fed this step; False when there is
+        none (a batch sequence, even an aged one, never preempts: it waits for blocks to free)."""
+        if seq.priority is not Priority.INTERACTIVE:
+            return False
+        victim = next((s for s in reversed(self.running) if s.priority is Priority.BATCH and s.seq_id not in scheduled), None)
+        if victim is None:
+            return False
+        self._preempt(victim)
+        preempted.append(victim)
+        return True
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         self.block_manager.allocate(seq, n)  # on first admission this also takes the prefix-cache hits

@@ -211,6 +211,39 @@ def test_batch_prompts_are_fed_in_small_chunks_only_while_interactive_work_is_pr
         assert max(prompt_chunks[b.seq_id]) <= 8 and sum(prompt_chunks[b.seq_id]) == b.num_prompt_tokens
 
 
+def test_an_interactive_request_preempts_batch_sequences_that_hold_every_block() -> None:
+    s = make(num_blocks=8, block_size=4, max_num_batched_tokens=64, batch_every=4)
+    batch = [s.add(EngineRequest(tuple(range(20 * i, 20 * i + 16)), max_tokens=10, priority=Priority.BATCH)) for i in range(2)]
+    s.update_from_output(out := s.schedule(), [0 for _ in out.chunks])  # 2 prompts of 16 tokens: all 8 blocks
+    assert s.block_manager.num_free_blocks == 0
+    inter = s.add(EngineRequest((1, 2, 3, 4, 5), max_tokens=3))
+    out = s.schedule()
+    assert [c.seq for c in out.chunks] == [inter]  # admitted at once, not after a batch sequence finishes
+    assert out.preempted == (batch[1],) and batch[1].status is SequenceStatus.WAITING  # the later arrival gave way
+    assert batch[0].status is SequenceStatus.RUNNING
+    rng = random.Random(3)
+    s.update_from_output(out, fake_run(out, rng))
+    while s.num_unfinished:
+        out = s.schedule()
+        s.update_from_output(out, fake_run(out, rng))
+    assert all(b.num_completion_tokens == 10 for b in batch) and inter.num_completion_tokens == 3
+
+
+def test_an_interactive_request_takes_a_batch_sequences_seat_and_a_batch_one_waits() -> None:
+    s = make(num_blocks=64, block_size=4, max_num_seqs=2, aging_steps=1000)
+    batch = [s.add(EngineRequest((1, 2), max_tokens=50, priority=Priority.BATCH)) for _ in range(2)]
+    s.update_from_output(out := s.schedule(), [0 for _ in out.chunks])
+    inter = s.add(EngineRequest((3, 4), max_tokens=5))
+    out = s.schedule()
+    assert inter in [c.seq for c in out.chunks] and out.preempted == (batch[1],)
+    s.update_from_output(out, [0 for _ in out.chunks])
+    late = s.add(EngineRequest((5, 6), max_tokens=5, priority=Priority.BATCH))  # a batch request never preempts
+    for _ in range(3):
+        out = s.schedule()
+        assert not out.preempted and late not in [c.seq for c in out.chunks]
+        s.update_from_output(out, [0 for _ in out.chunks])
+
+
 def test_batch_every_one_is_the_old_policy() -> None:
     s = make(num_blocks=64, block_size=4, batch_every=1)
     s.add(EngineRequest((3, 4), max_tokens=100))
