@@ -106,6 +106,10 @@ class _Lanes:
             return batch[0]
         return next(iter(self), None)
 
+    def head(self, lane: Priority) -> Sequence | None:
+        queue = self.queues[lane]
+        return queue[0] if queue else None
+
     def remove(self, seq: Sequence) -> bool:
         queue = self.queues[seq.priority]
         try:
@@ -314,27 +318,20 @@ class Scheduler:
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], scheduled: set[int], preempted: list[Sequence],
                dropped: list[Sequence], yielding: bool = False) -> int:
+        """Admits waiting sequences (see the module docstring). A batch request that cannot start this step
+        (no seat, no blocks, the lane's prompt tokens spent), aged or not, ends the batch lane's admissions
+        for the step, not the interactive lane's: an aged batch request at the head of the queue, such as a
+        preempted one, must not hold back the interactive requests behind it."""
+        interactive_only = False
         while budget > 0:
-            seq = self.waiting.next(self.step_count, self.config.aging_steps)
+            seq = self.waiting.head(Priority.INTERACTIVE) if interactive_only else self.waiting.next(self.step_count, self.config.aging_steps)
             if seq is None:
                 break
-            if len(self.running) >= self.config.max_num_seqs and not self._make_room(seq, scheduled, preempted, seat=True):
-                break
-            aged = self.step_count - seq.arrival >= self.config.aging_steps
-            if yielding and seq.priority is Priority.BATCH and not aged:
-                break  # its prefill waits for a step the batch lane runs in
-            cached = self.block_manager.cached_prefix_tokens(seq)
-            n = min(len(seq.token_ids) - cached, budget)
-            if seq.priority is Priority.BATCH and self._batch_prompt_left is not None:
-                if self._batch_prompt_left < min(n, 2):
-                    break  # the batch lane's prompt tokens for this step are spent
-                n = self._prompt_allowance(seq, n)
-            while not self.block_manager.can_allocate(seq, n) and self.parked:
-                dropped.append(self._drop_oldest_parked())
-            while not self.block_manager.can_allocate(seq, n):
-                if not self._make_room(seq, scheduled, preempted):
-                    break
-            if not self.block_manager.can_allocate(seq, n):
+            n = self._admissible(seq, budget, scheduled, preempted, dropped, yielding)
+            if n == 0:
+                if seq.priority is Priority.BATCH and not interactive_only:
+                    interactive_only = True
+                    continue
                 break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -343,6 +340,28 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= n
         return budget
+
+    def _admissible(self, seq: Sequence, budget: int, scheduled: set[int], preempted: list[Sequence],
+                    dropped: list[Sequence], yielding: bool) -> int:
+        """How many of waiting `seq`'s prompt tokens can start this step (0: none), after freeing a seat
+        and blocks for it where its lane may (parked sequences first, then batch-lane ones for an
+        interactive request)."""
+        if len(self.running) >= self.config.max_num_seqs and not self._make_room(seq, scheduled, preempted, seat=True):
+            return 0
+        aged = self.step_count - seq.arrival >= self.config.aging_steps
+        if yielding and seq.priority is Priority.BATCH and not aged:
+            return 0  # its prefill waits for a step the batch lane runs in
+        n = min(len(seq.token_ids) - self.block_manager.cached_prefix_tokens(seq), budget)
+        if seq.priority is Priority.BATCH and self._batch_prompt_left is not None:
+            if self._batch_prompt_left < min(n, 2):
+                return 0  # the batch lane's prompt tokens for this step are spent
+            n = self._prompt_allowance(seq, n)
+        while not self.block_manager.can_allocate(seq, n) and self.parked:
+            dropped.append(self._drop_oldest_parked())
+        while not self.block_manager.can_allocate(seq, n):
+            if not self._make_room(seq, scheduled, preempted):
+                return 0
+        return n
 
     def _make_room(self, seq: Sequence, scheduled: set[int], preempted: list[Sequence], seat: bool = False) -> bool:
         """For an interactive `seq` that waits for blocks (or, `seat`, for a place in the batch): preempts
