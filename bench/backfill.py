@@ -131,11 +131,20 @@ def block_order(blocks: int) -> list[str]:
     return [mode for pair in pairs for mode in pair]
 
 
+async def engine_idle(backends: dict[str, Backend], limit_s: float = 120.0) -> float:
+    """Waits until no backend has a sequence waiting or running (a cancelled job's lines still in a
+    step, or preempted and queued, would otherwise slow the next idle block); the seconds it took."""
+    started = time.perf_counter()
+    while any(getattr(b, "active_sequences", 0) for b in backends.values()) and time.perf_counter() - started < limit_s:
+        await asyncio.sleep(0.05)
+    return time.perf_counter() - started
+
+
 async def busy_block(backfill: Backfill, client: Client, texts: list[str], args: argparse.Namespace,
-                     n: int) -> tuple[list[float], int, tuple[float, float]]:
+                     n: int, backends: dict[str, Backend]) -> tuple[list[float], int, tuple[float, float]]:
     """`n` probes while a larger backfill keeps the engine busy; the job is then cancelled and waited
-    for, so the next idle block starts idle. Returns the latencies, the lines the job finished
-    meanwhile and the probes' window (perf_counter)."""
+    for, and the engine for its last sequences, so the next idle block starts idle. Returns the
+    latencies, the lines the job finished meanwhile and the probes' window (perf_counter)."""
     load = await backfill.submit(jsonl(load_texts(texts, args), args.max_tokens * 2))
     await backfill.wait(load, frozenset({Status.in_progress}))
     await asyncio.sleep(5.0)  # the engine fills with batch-lane sequences
@@ -147,6 +156,7 @@ async def busy_block(backfill: Backfill, client: Client, texts: list[str], args:
     if current is not None and current.status not in TERMINAL:
         await backfill.store.update(msgspec.structs.replace(current, status=Status.cancelling), {current.status})
     await backfill.wait(load)
+    print(f"  the engine idle {await engine_idle(backends):.1f} s after the job ended", flush=True)
     return latencies, counts.completed, window
 
 
@@ -226,7 +236,7 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
                     idle += await probe(client, n, args.probe_tokens)
                     windows[mode].append((started, time.perf_counter()))
                 else:
-                    latencies, lines, window = await busy_block(backfill, client, texts, args, n)
+                    latencies, lines, window = await busy_block(backfill, client, texts, args, n, backends)
                     busy += latencies
                     finished += lines
                     windows[mode].append(window)

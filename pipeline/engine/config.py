@@ -68,7 +68,7 @@ class EngineConfig:
     aging_steps: int = 32  # a batch-lane request waiting this many steps is admitted as if interactive
     batch_every: int = 8  # while interactive sequences run, the batch lane is fed on every n-th step only (1: always)
     handoff_hold_ms: float = 50.0  # after an interactive prefill, the batch lane waits up to this for its decode (0: never)
-    batch_prompt_tokens: int = 64  # while interactive sequences run or wait, batch-lane prompt tokens per step (0: no cap)
+    batch_prompt_tokens: int = 64  # batch-lane prompt tokens per step, bounding the step an interactive request waits behind (0: no cap)
     device: str = "cpu"
     dtype: str = "float32"  # float32, bfloat16 or float16
 

@@ -25,11 +25,13 @@ more the more sequences it holds (a CPU), a backfill slows interactive answers b
 step's cost; a step that would otherwise compute nothing feeds the batch lane anyway, unless the
 caller holds the batch lane because an interactive sequence's decode is due any moment (AsyncEngine:
 between a prefill and its decode, `handoff_hold_ms`), so that its first decode step does not wait
-behind a full batch step. While interactive work runs or waits, the batch lane's prompt tokens (the
-prefill chunks of its newly admitted or preempted sequences) are also capped per step
-(`batch_prompt_tokens`): a step an interactive sequence shares or waits behind then costs about what its
-decodes cost, not a few hundred prompt tokens more (a long batch prompt is fed in more, smaller chunks).
-Without interactive work the batch lane runs every step, at full batched throughput.
+behind a full batch step. The batch lane's prompt tokens (the prefill chunks of its newly admitted or
+preempted sequences) are capped per step (`batch_prompt_tokens`), with or without interactive work: a
+step an interactive sequence shares, or arrives during and waits for, then costs about what its
+decodes cost, not a few hundred prompt tokens more (a long batch prompt is fed in more, smaller chunks;
+on this CPU a 512-token batch step took 1.6-1.9 s, a capped one at most 0.4 s, for 5-8% less
+backfill throughput on long prompts: docs/benchmarks.md, "long prompts"). Without interactive work
+the batch lane runs every step.
 
 Speculative decoding (a request with `speculative` set): once every running sequence has its chunk
 and waiting ones are admitted, each decode of such a sequence is extended with up to k drafts from
@@ -162,10 +164,9 @@ class Scheduler:
         dropped: list[Sequence] = []
         self.running.sort(key=lambda s: (s.priority, s.arrival, s.seq_id))
         scheduled: set[int] = set()
-        interactive = self._interactive_present()
         cap = self.config.batch_prompt_tokens
-        self._batch_prompt_left = cap if cap and interactive else None
-        yielding = hold_batch or self._batch_yields(interactive)
+        self._batch_prompt_left = cap or None
+        yielding = hold_batch or self._batch_yields(self._interactive_present())
         for seq in list(self.running):
             if yielding and seq.priority is Priority.BATCH:
                 continue
@@ -193,7 +194,7 @@ class Scheduler:
 
     def _prompt_allowance(self, seq: Sequence, n: int) -> int:
         """How many of `n` prompt tokens `seq` may be fed this step: all but for a batch-lane prefill
-        while interactive work is present (`batch_prompt_tokens` per step for the whole lane)."""
+        (`batch_prompt_tokens` per step for the whole lane)."""
         if self._batch_prompt_left is None or seq.priority is not Priority.BATCH or n <= 1:
             return n
         n = min(n, self._batch_prompt_left)

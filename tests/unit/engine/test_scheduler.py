@@ -188,12 +188,15 @@ def test_a_batch_request_is_not_admitted_on_a_yielding_step_unless_it_aged() -> 
     assert admitted_at == 4 and inter.status is SequenceStatus.RUNNING
 
 
-def test_batch_prompts_are_fed_in_small_chunks_only_while_interactive_work_is_present() -> None:
+def test_batch_prompts_are_fed_in_small_chunks_with_or_without_interactive_work() -> None:
     s = make(num_blocks=128, block_size=4, batch_every=1, batch_prompt_tokens=8, max_num_batched_tokens=64)
     alone = s.add(EngineRequest(tuple(range(100, 140)), max_tokens=30, priority=Priority.BATCH))
-    out = s.schedule()
-    assert [len(c.token_ids) for c in out.chunks] == [40]  # no interactive work: the whole prompt at once
-    s.update_from_output(out, [0])
+    fed = []
+    while alone.num_computed_tokens < alone.num_prompt_tokens:  # no interactive work: the cap holds too
+        out = s.schedule()
+        fed.append(len(out.chunks[0].token_ids))
+        s.update_from_output(out, [0 if c.sample else None for c in out.chunks])
+    assert fed == [8, 8, 8, 8, 8]
     inter = s.add(EngineRequest((3, 4), max_tokens=100))
     batch = [s.add(EngineRequest(tuple(range(200 + 50 * i, 221 + 50 * i + i)), max_tokens=2, priority=Priority.BATCH))
              for i in range(2)]
