@@ -241,6 +241,7 @@ def test_an_aged_batch_request_that_cannot_start_does_not_hold_back_an_interacti
     inter = s.add(EngineRequest((1, 2, 3), max_tokens=3))
     out = s.schedule()
     assert inter in [c.seq for c in out.chunks] and queued.status is SequenceStatus.WAITING
+    assert out.preempted == (batch[1],)  # the room came from a running batch sequence, not from `queued`
 
 
 def test_an_interactive_request_takes_a_batch_sequences_seat_and_a_batch_one_waits() -> None:
