@@ -234,10 +234,11 @@ def test_an_interactive_request_preempts_batch_sequences_that_hold_every_block()
 
 def test_an_aged_batch_request_that_cannot_start_does_not_hold_back_an_interactive_one() -> None:
     s = make(num_blocks=8, block_size=4, max_num_batched_tokens=64, aging_steps=1)
-    batch = [s.add(EngineRequest(tuple(range(20 * i, 20 * i + 16)), max_tokens=10, priority=Priority.BATCH)) for i in range(2)]
-    s.update_from_output(out := s.schedule(), [0 for _ in out.chunks])  # all 8 blocks taken
+    batch = [s.add(EngineRequest(tuple(range(20 * i, 20 * i + 15)), max_tokens=10, priority=Priority.BATCH)) for i in range(2)]
+    s.update_from_output(out := s.schedule(), [0 for _ in out.chunks])  # 2 x (15 + 1) tokens: all 8 blocks taken
     queued = s.add(EngineRequest(tuple(range(50, 62)), max_tokens=4, priority=Priority.BATCH))
     s.update_from_output(out := s.schedule(), [0 for _ in out.chunks])  # `queued` ages, waiting for blocks
+    assert not out.preempted and s.block_manager.num_free_blocks == 0
     inter = s.add(EngineRequest((1, 2, 3), max_tokens=3))
     out = s.schedule()
     assert inter in [c.seq for c in out.chunks] and queued.status is SequenceStatus.WAITING
