@@ -39,7 +39,7 @@ from pipeline.routing.stats import BackendStats
 from pipeline.settings import BackendSettings
 from pipeline.stage import Out, Stopwatch, address_of
 from pipeline.stages.coalesce import STREAM_WINDOW_S, coalesced
-from pipeline.stages.generation import generation_request
+from pipeline.stages.generation import CANCEL_CODE, REMEMBER_CANCELLED, generation_request
 from pipeline.state import StateStore
 from pipeline.topology import Topics
 from topics import codec, registry
@@ -49,15 +49,9 @@ from topics.hops import Prefilled, client_id_of
 from topics.stream import EMPTY_DIGEST, Done, Failed, FinishReason, StreamEvent, Usage, digest_step
 
 log = logging.getLogger(__name__)
-_REMEMBER_CANCELLED = 10_000
 AHEAD = 16  # chunks a stream may run ahead of its last acknowledged one: a broker that stops acknowledging
 # stops generation there, instead of the rest of the answer being generated into a void and again later
 AHEAD_WAIT_S = 40.0  # longer than the producer's request timeout (30 s), after which an ack has failed
-_CODE = {
-    CancelReason.client_gone: ErrorCode.cancelled,
-    CancelReason.output_guard: ErrorCode.content_filter,
-    CancelReason.deadline: ErrorCode.deadline_exceeded,
-}
 
 
 class Progress(msgspec.Struct, frozen=True):
@@ -106,7 +100,7 @@ class DecodeStage:
         """Every decode worker hears every cancellation: it stops the request if it runs it, and records
         it (in the store when the id is the pipeline's, so a worker that starts later knows too)."""
         self._cancelled[message.id] = message.reason
-        if len(self._cancelled) > _REMEMBER_CANCELLED:
+        if len(self._cancelled) > REMEMBER_CANCELLED:
             self._cancelled.popitem(last=False)
         if "/" in message.id:
             await self._store.write(message.id, {"cancel": message.reason.value.encode()})
@@ -169,7 +163,7 @@ class DecodeStage:
         usage = lambda p: self._usage(message, p, last)  # noqa: E731
         if (reason := self._cancel_reason(rid, stored)) is not None:
             text = "cancelled before decode started"
-            yield self._terminal(rid, address.failed(_CODE[reason], text, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
+            yield self._terminal(rid, address.failed(CANCEL_CODE[reason], text, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
             return
         error: tuple[ErrorCode, str] | None = None
         retry_after: float | None = None  # an upstream's retry-after, passed on to the client
@@ -205,7 +199,7 @@ class DecodeStage:
                         break
         except Cancelled:
             reason = self._cancelled.get(rid) or self._cancelled.get(client_id_of(rid)) or CancelReason.client_gone
-            error = (_CODE[reason], f"generation stopped: {reason.value}")
+            error = (CANCEL_CODE[reason], f"generation stopped: {reason.value}")
         except BackendError as exc:
             error = (exc.code, f"backend failed during {self.phase} ({type(exc).__name__})")
             retry_after = getattr(exc, "retry_after_s", None)

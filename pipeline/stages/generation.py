@@ -1,12 +1,21 @@
-"""What prefill and decode share: the request as the backend sees it."""
+"""What prefill and decode share: the request as the backend sees it, and how a cancellation ends it."""
 
 from __future__ import annotations
 
 import hashlib
 
 from pipeline.backends.base import GenerationRequest, Message, Prefilled
+from topics.control import CancelReason
+from topics.errors import ErrorCode
 from topics.hops import Prefill
 from topics.requests import Request
+
+CANCEL_CODE = {  # the terminal event's code for a request stopped by `llm.control`
+    CancelReason.client_gone: ErrorCode.cancelled,
+    CancelReason.output_guard: ErrorCode.content_filter,
+    CancelReason.deadline: ErrorCode.deadline_exceeded,
+}
+REMEMBER_CANCELLED = 10_000  # cancellations a worker keeps: one may arrive before its request does
 
 
 def generation_request(

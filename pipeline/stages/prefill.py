@@ -2,25 +2,32 @@
 first token) as chunk 0, and hands decode the KV state by handle (a backend with a KV store leaves it
 there, for a decode worker in another process, before the handle goes on). A retriable backend failure (before
 any token) sends the request on to the route's next fallback backend; it reports its backend's load,
-failures and time to first token on `llm.backend.health`."""
+failures and time to first token on `llm.backend.health`.
+
+It hears `llm.control` too: a cancelled request's prefill stops within a step (a long prompt is fed
+over many steps, and a cancelled backfill's lines would otherwise keep the engine busy for up to a
+minute), and a request whose cancellation arrived first is not prefilled at all; either way its
+terminal event (`cancelled`, or the code of the cancel's reason) leaves from here."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 
 from pipeline.backends.base import KVHandoff, SplitBackend
-from pipeline.backends.errors import BackendError
+from pipeline.backends.errors import BackendError, Cancelled
 from pipeline.errors import StageError
 from pipeline.routing.reroute import rerouted
 from pipeline.routing.stats import BackendStats
 from pipeline.settings import BackendSettings
 from pipeline.stage import Out, Stopwatch, address_of
-from pipeline.stages.generation import generation_request, to_wire
+from pipeline.stages.generation import CANCEL_CODE, REMEMBER_CANCELLED, generation_request, to_wire
 from pipeline.topology import Topics
 from topics import registry
+from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
-from topics.hops import Prefilled, Routed, forward
+from topics.hops import Prefilled, Routed, client_id_of, forward
 from topics.stream import EMPTY_DIGEST, FinishReason, Usage, digest_step
 
 
@@ -37,6 +44,20 @@ class PrefillStage:
         self._worker = worker
         self.stats = stats  # what this worker reports of its backend on llm.backend.health
         self._backends = backends or {}
+        self._cancelled: OrderedDict[str, CancelReason] = OrderedDict()  # ids, kept a while
+        self._running: set[str] = set()  # request ids whose prefill is in the backend
+
+    async def on_control(self, message: Cancel) -> None:
+        """Every prefill worker hears every cancellation: it stops the prefill if it runs it, and
+        remembers it for a request still on its way."""
+        self._cancelled[message.id] = message.reason
+        if len(self._cancelled) > REMEMBER_CANCELLED:
+            self._cancelled.popitem(last=False)
+        for rid in [r for r in self._running if message.id in (r, client_id_of(r))]:
+            await self._backend.cancel(rid)  # its prefill ends with `Cancelled`
+
+    def _cancel_reason(self, rid: str) -> CancelReason | None:
+        return self._cancelled.get(rid) or self._cancelled.get(client_id_of(rid))
 
     def report(self) -> list[Out]:
         return [Out(registry.HEALTH, self.stats.key, self.stats.report())] if self.stats is not None else []
@@ -45,14 +66,27 @@ class PrefillStage:
         clock = Stopwatch()
         address = address_of(message)
         assert address is not None
+        stream = self.topics.stream or ""
+        if (reason := self._cancel_reason(message.id)) is not None:
+            yield Out(stream, message.id, address.failed(CANCEL_CODE[reason], "cancelled before prefill started",
+                                                         timings={**message.timings, self.name: clock.ms()}))
+            return
         if self.stats is not None:
             self.stats.started()
+        self._running.add(message.id)
         try:
             prefilled = await self._backend.prefill(generation_request(message.request, message.id))
         except asyncio.CancelledError:
             if self.stats is not None:
                 self.stats.abandoned()
             raise
+        except Cancelled:
+            if self.stats is not None:
+                self.stats.abandoned()
+            reason = self._cancel_reason(message.id) or CancelReason.client_gone
+            yield Out(stream, message.id, address.failed(CANCEL_CODE[reason], "cancelled during prefill",
+                                                         timings={**message.timings, self.name: clock.ms()}))
+            return
         except BackendError as exc:
             if self.stats is not None and self.stats.finished(failed=exc.retriable):
                 yield Out(registry.HEALTH, self.stats.key, self.stats.report())
@@ -61,10 +95,11 @@ class PrefillStage:
                 return
             text = f"prefill failed: {exc}" if exc.code is ErrorCode.invalid_request else f"backend failed during prefill ({type(exc).__name__})"
             raise StageError(exc.code, text) from exc
+        finally:
+            self._running.discard(message.id)
         if self.stats is not None:
             self.stats.first_token(clock.ms())
             self.stats.finished(failed=False)
-        stream = self.topics.stream or ""
         if prefilled.first_text:
             yield Out(stream, message.id, address.chunk(0, prefilled.first_text, (prefilled.first_token_id,)))
         if prefilled.finish_reason is None and isinstance(self._backend, KVHandoff):

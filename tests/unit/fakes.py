@@ -12,20 +12,28 @@ from pipeline.stage import Out, Stage
 
 
 class ScriptedBackend:
-    """Answers every request with `words`, one per step; `cancel` stops a request at its next step."""
+    """Answers every request with `words`, one per step, after `prefill_steps` steps of prefill; `cancel`
+    stops a request at its next step."""
 
     name = "scripted"
 
-    def __init__(self, words: list[str], step_s: float = 0.0) -> None:
+    def __init__(self, words: list[str], step_s: float = 0.0, prefill_steps: int = 0) -> None:
         self.words = words
         self.step_s = step_s
+        self.prefill_steps = prefill_steps
         self.cancelled: set[str] = set()
         self.steps: dict[str, int] = {}
+        self.prefilled: list[str] = []  # request ids whose prefill began
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return sum(len(m.content.split()) for m in request.messages) + len((request.prompt or "").split())
 
     async def prefill(self, request: GenerationRequest) -> Prefilled:
+        self.prefilled.append(request.request_id)
+        for _ in range(self.prefill_steps):
+            await asyncio.sleep(self.step_s)
+            if request.request_id in self.cancelled:
+                raise Cancelled(request.request_id)
         done = "length" if request.max_tokens == 1 else None
         return Prefilled("h-" + request.request_id, 0, self.words[0], self.count_prompt_tokens(request), done)
 

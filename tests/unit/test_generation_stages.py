@@ -164,6 +164,31 @@ async def test_a_cancellation_that_arrives_before_decode_is_honoured() -> None:
     assert "default/r1" not in backend.steps
 
 
+@pytest.mark.asyncio
+async def test_a_cancellation_stops_a_long_prefill_and_ends_the_request_there() -> None:
+    backend = ScriptedBackend(WORDS, step_s=0.01, prefill_steps=1000)  # a long prompt: ten seconds of steps
+    stage = PrefillStage(backend, PREFILL.topics, name=PREFILL.name)
+    task = asyncio.create_task(run_handler(stage, routed(request())))
+    while not backend.prefilled:
+        await asyncio.sleep(0.001)
+    await stage.on_control(Cancel(id="r1", reason=CancelReason.client_gone, at=time.time()))  # by the client's id
+    [out] = await asyncio.wait_for(task, 1.0)  # within a step, not after the prefill
+    assert out.topic == PREFILL.topics.stream and isinstance(out.value, Failed) and out.value.code is ErrorCode.cancelled
+    assert backend.cancelled == {"default/r1"}
+
+
+@pytest.mark.asyncio
+async def test_a_request_cancelled_before_it_reaches_prefill_is_never_prefilled() -> None:
+    backend = ScriptedBackend(WORDS)
+    stage = PrefillStage(backend, PREFILL.topics, name=PREFILL.name)
+    await stage.on_control(Cancel(id="default/r1", reason=CancelReason.deadline, at=time.time()))
+    [out] = await run_handler(stage, routed(request()))
+    assert isinstance(out.value, Failed) and out.value.code is ErrorCode.deadline_exceeded
+    assert backend.prefilled == []
+    [other] = [o for o in await run_handler(stage, routed(request("r2"))) if o.topic == PREFILL.topics.forward]  # others go on
+    assert isinstance(other.value, Prefilled)
+
+
 def test_an_unseeded_request_samples_reproducibly_by_its_id() -> None:
     first, again, other = (generation_request(request("a"), "t/a"), generation_request(request("a"), "t/a"),
                            generation_request(request("b"), "t/b"))
