@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pipeline.engine import llm_engine
 from pipeline.engine.params import Priority
-from pipeline.engine.scheduler import SchedulerOutput
+from pipeline.engine.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Step:
 class StepTrace:
     def __init__(self) -> None:
         self.steps: list[Step] = []
+        self.arrivals: list[tuple[float, str]] = []  # (perf_counter, "prefill" | "decode") of interactive sequences
         self._last_end = 0.0
 
     @classmethod
@@ -44,6 +45,20 @@ class StepTrace:
                 trace.record(start, time.perf_counter(), output)
 
         llm_engine.LLMEngine.execute = traced  # type: ignore[method-assign]
+        add, unpark = Scheduler.add, Scheduler.unpark
+
+        def added(scheduler: Scheduler, request, **options):  # type: ignore[no-untyped-def]
+            seq = add(scheduler, request, **options)
+            if seq.priority is Priority.INTERACTIVE:
+                trace.arrivals.append((time.perf_counter(), "prefill"))
+            return seq
+
+        def unparked(scheduler: Scheduler, seq) -> None:  # type: ignore[no-untyped-def]
+            unpark(scheduler, seq)
+            if seq.priority is Priority.INTERACTIVE:
+                trace.arrivals.append((time.perf_counter(), "decode"))
+
+        Scheduler.add, Scheduler.unpark = added, unparked  # type: ignore[method-assign]
         return trace
 
     def record(self, start: float, end: float, output: SchedulerOutput) -> None:
@@ -82,4 +97,8 @@ class StepTrace:
             if found:
                 parts.append(f"{len(found)} {kind} {1000 * sum(s.seconds for s in found):.0f} ms "
                              f"(max {1000 * max(s.seconds for s in found):.0f})")
-        return ", ".join(parts) or "no steps"
+        story = ", ".join(parts) or "no steps"
+        events = sorted([(s.start, "batch-only step" if not s.interactive_rows else None) for s in steps]
+                        + [(t, f"{kind} reached the engine") for t, kind in self.arrivals if start <= t < end])
+        timeline = [f"+{1000 * (t - start):.0f} {what}" for t, what in events if what]
+        return story + ("; " + ", ".join(timeline) if timeline else "")

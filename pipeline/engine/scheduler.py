@@ -172,7 +172,7 @@ class Scheduler:
                 continue
             budget = self._feed(seq, budget, chunks, scheduled, preempted, dropped)
         if not preempted:
-            budget = self._admit(budget, chunks, scheduled, preempted, dropped, yielding)
+            budget = self._admit(budget, chunks, scheduled, preempted, dropped, yielding, hold_batch)
         if yielding and not chunks and not hold_batch:  # nothing interactive could run after all: the batch lane does
             for seq in list(self.running):
                 budget = self._feed(seq, budget, chunks, scheduled, preempted, dropped)
@@ -318,7 +318,7 @@ class Scheduler:
         return budget
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk], scheduled: set[int], preempted: list[Sequence],
-               dropped: list[Sequence], yielding: bool = False) -> int:
+               dropped: list[Sequence], yielding: bool = False, hold_batch: bool = False) -> int:
         """Admits waiting sequences (see the module docstring). A batch request that cannot start this step
         (no seat, no blocks, the lane's prompt tokens spent), aged or not, ends the batch lane's admissions
         for the step, not the interactive lane's: an aged batch request at the head of the queue, such as a
@@ -328,7 +328,7 @@ class Scheduler:
             seq = self.waiting.head(Priority.INTERACTIVE) if interactive_only else self.waiting.next(self.step_count, self.config.aging_steps)
             if seq is None:
                 break
-            n = self._admissible(seq, budget, scheduled, preempted, dropped, yielding)
+            n = self._admissible(seq, budget, scheduled, preempted, dropped, yielding, hold_batch)
             if n == 0:
                 if seq.priority is Priority.BATCH and not interactive_only:
                     interactive_only = True
@@ -343,10 +343,14 @@ class Scheduler:
         return budget
 
     def _admissible(self, seq: Sequence, budget: int, scheduled: set[int], preempted: list[Sequence],
-                    dropped: list[Sequence], yielding: bool) -> int:
+                    dropped: list[Sequence], yielding: bool, hold_batch: bool = False) -> int:
         """How many of waiting `seq`'s prompt tokens can start this step (0: none), after freeing a seat
         and blocks for it where its lane may (parked sequences first, then batch-lane ones for an
-        interactive request)."""
+        interactive request). While the batch lane is held for a due decode, no batch request starts,
+        aged or not (the hold is short and bounded; an aged request's prompt chunk would make the step
+        the decode then waits behind)."""
+        if seq.priority is Priority.BATCH and hold_batch:
+            return 0
         if len(self.running) >= self.config.max_num_seqs and not self._make_room(seq, scheduled, preempted, seat=True):
             return 0
         aged = self.step_count - seq.arrival >= self.config.aging_steps

@@ -245,6 +245,16 @@ def test_an_aged_batch_request_that_cannot_start_does_not_hold_back_an_interacti
     assert out.preempted == (batch[1],)  # the room came from a running batch sequence, not from `queued`
 
 
+def test_no_batch_request_starts_while_the_lane_is_held_for_a_due_decode_even_an_aged_one() -> None:
+    s = make(num_blocks=64, block_size=4, aging_steps=1)
+    aged = s.add(EngineRequest((1, 2, 3), max_tokens=5, priority=Priority.BATCH))
+    s.step_count += 5  # it waited past aging_steps
+    out = s.schedule(hold_batch=True)
+    assert out.is_empty and aged.status is SequenceStatus.WAITING  # the step the decode would wait behind never starts
+    out = s.schedule()
+    assert [c.seq for c in out.chunks] == [aged]  # unheld, it starts
+
+
 def test_an_interactive_request_takes_a_batch_sequences_seat_and_a_batch_one_waits() -> None:
     s = make(num_blocks=64, block_size=4, max_num_seqs=2, aging_steps=1000)
     batch = [s.add(EngineRequest((1, 2), max_tokens=50, priority=Priority.BATCH)) for _ in range(2)]
