@@ -24,7 +24,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 
@@ -39,7 +38,7 @@ from pipeline.routing.stats import BackendStats
 from pipeline.settings import BackendSettings
 from pipeline.stage import Out, Stopwatch, address_of
 from pipeline.stages.coalesce import STREAM_WINDOW_S, coalesced
-from pipeline.stages.generation import CANCEL_CODE, REMEMBER_CANCELLED, generation_request
+from pipeline.stages.generation import CANCEL_CODE, Cancellations, generation_request
 from pipeline.state import StateStore
 from pipeline.topology import Topics
 from topics import codec, registry
@@ -86,7 +85,7 @@ class DecodeStage:
         self._store = store
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"  # this worker, for this process's life
         # Cancellations seen, kept a while: one may arrive before its request reaches decode.
-        self._cancelled: OrderedDict[str, CancelReason] = OrderedDict()
+        self._cancelled = Cancellations()
         self._active: set[str] = set()
         self._fenced: set[str] = set()
         self._unrecorded: set[str] = set()  # progress could not be written (Redis away): stop, retry later
@@ -99,9 +98,7 @@ class DecodeStage:
     async def on_control(self, message: Cancel) -> None:
         """Every decode worker hears every cancellation: it stops the request if it runs it, and records
         it (in the store when the id is the pipeline's, so a worker that starts later knows too)."""
-        self._cancelled[message.id] = message.reason
-        if len(self._cancelled) > REMEMBER_CANCELLED:
-            self._cancelled.popitem(last=False)
+        self._cancelled.heard(message)
         if "/" in message.id:
             await self._store.write(message.id, {"cancel": message.reason.value.encode()})
         for rid in [r for r in self._active if message.id in (r, client_id_of(r))]:
@@ -110,7 +107,7 @@ class DecodeStage:
     def _cancel_reason(self, rid: str, stored: dict[str, bytes]) -> CancelReason | None:
         if (raw := stored.get("cancel")) is not None:
             return CancelReason(raw.decode())
-        return self._cancelled.get(rid) or self._cancelled.get(client_id_of(rid))
+        return self._cancelled.reason(rid)
 
     async def handle(self, message: Prefilled) -> AsyncIterator[Out]:
         rid = message.id
@@ -198,7 +195,7 @@ class DecodeStage:
                         error = (ErrorCode.deadline_exceeded, "the request's deadline passed during generation")
                         break
         except Cancelled:
-            reason = self._cancelled.get(rid) or self._cancelled.get(client_id_of(rid)) or CancelReason.client_gone
+            reason = self._cancelled.reason(rid) or CancelReason.client_gone
             error = (CANCEL_CODE[reason], f"generation stopped: {reason.value}")
         except BackendError as exc:
             error = (exc.code, f"backend failed during {self.phase} ({type(exc).__name__})")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 
 from pipeline.backends.base import GenerationRequest, Message, Prefilled
-from topics.control import CancelReason
+from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
-from topics.hops import Prefill
+from topics.hops import Prefill, client_id_of
 from topics.requests import Request
 
 CANCEL_CODE = {  # the terminal event's code for a request stopped by `llm.control`
@@ -16,6 +17,22 @@ CANCEL_CODE = {  # the terminal event's code for a request stopped by `llm.contr
     CancelReason.deadline: ErrorCode.deadline_exceeded,
 }
 REMEMBER_CANCELLED = 10_000  # cancellations a worker keeps: one may arrive before its request does
+
+
+class Cancellations:
+    """The cancellations a generation worker heard on `llm.control`, the last `REMEMBER_CANCELLED` of them,
+    looked up by the pipeline's request id or the client's."""
+
+    def __init__(self) -> None:
+        self._reasons: OrderedDict[str, CancelReason] = OrderedDict()
+
+    def heard(self, message: Cancel) -> None:
+        self._reasons[message.id] = message.reason
+        if len(self._reasons) > REMEMBER_CANCELLED:
+            self._reasons.popitem(last=False)
+
+    def reason(self, request_id: str) -> CancelReason | None:
+        return self._reasons.get(request_id) or self._reasons.get(client_id_of(request_id))
 
 
 def generation_request(

@@ -12,7 +12,6 @@ terminal event (`cancelled`, or the code of the cancel's reason) leaves from her
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 
 from pipeline.backends.base import KVHandoff, SplitBackend
@@ -22,7 +21,7 @@ from pipeline.routing.reroute import rerouted
 from pipeline.routing.stats import BackendStats
 from pipeline.settings import BackendSettings
 from pipeline.stage import Out, Stopwatch, address_of
-from pipeline.stages.generation import CANCEL_CODE, REMEMBER_CANCELLED, generation_request, to_wire
+from pipeline.stages.generation import CANCEL_CODE, Cancellations, generation_request, to_wire
 from pipeline.topology import Topics
 from topics import registry
 from topics.control import Cancel, CancelReason
@@ -44,20 +43,15 @@ class PrefillStage:
         self._worker = worker
         self.stats = stats  # what this worker reports of its backend on llm.backend.health
         self._backends = backends or {}
-        self._cancelled: OrderedDict[str, CancelReason] = OrderedDict()  # ids, kept a while
+        self._cancelled = Cancellations()
         self._running: set[str] = set()  # request ids whose prefill is in the backend
 
     async def on_control(self, message: Cancel) -> None:
         """Every prefill worker hears every cancellation: it stops the prefill if it runs it, and
         remembers it for a request still on its way."""
-        self._cancelled[message.id] = message.reason
-        if len(self._cancelled) > REMEMBER_CANCELLED:
-            self._cancelled.popitem(last=False)
+        self._cancelled.heard(message)
         for rid in [r for r in self._running if message.id in (r, client_id_of(r))]:
             await self._backend.cancel(rid)  # its prefill ends with `Cancelled`
-
-    def _cancel_reason(self, rid: str) -> CancelReason | None:
-        return self._cancelled.get(rid) or self._cancelled.get(client_id_of(rid))
 
     def report(self) -> list[Out]:
         return [Out(registry.HEALTH, self.stats.key, self.stats.report())] if self.stats is not None else []
@@ -67,7 +61,7 @@ class PrefillStage:
         address = address_of(message)
         assert address is not None
         stream = self.topics.stream or ""
-        if (reason := self._cancel_reason(message.id)) is not None:
+        if (reason := self._cancelled.reason(message.id)) is not None:
             yield Out(stream, message.id, address.failed(CANCEL_CODE[reason], "cancelled before prefill started",
                                                          timings={**message.timings, self.name: clock.ms()}))
             return
@@ -83,7 +77,7 @@ class PrefillStage:
         except Cancelled:
             if self.stats is not None:
                 self.stats.abandoned()
-            reason = self._cancel_reason(message.id) or CancelReason.client_gone
+            reason = self._cancelled.reason(message.id) or CancelReason.client_gone
             yield Out(stream, message.id, address.failed(CANCEL_CODE[reason], "cancelled during prefill",
                                                          timings={**message.timings, self.name: clock.ms()}))
             return
