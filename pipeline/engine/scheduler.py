@@ -12,8 +12,11 @@ prompt is fed in chunks over several steps). When blocks run out, parked sequenc
 first, then the running sequence of the lowest lane that arrived last is preempted: its blocks are
 freed and it goes back to the front of its waiting lane, to be recomputed (its full blocks usually
 come straight back from the prefix cache). Waiting sequences are admitted while budget, batch size
-and blocks allow, interactive first, except that a batch request waiting `aging_steps` steps or more
-is admitted as if it were interactive, so batch work is never starved. An interactive request that
+and blocks allow, interactive first, except that on the batch lane's steps a batch request waiting
+`aging_steps` steps or more goes ahead of waiting interactive ones, so batch work is never starved
+(on a step where the batch lane yields, no batch request starts, aged or not: a preempted request is
+aged at once, and with long batch prompts its prompt chunk in nearly every interactive step made those
+steps several times slower; its later chunks would wait for the lane's steps anyway). An interactive request that
 finds no free blocks or no free seat preempts running batch-lane sequences (the last arrived first)
 until it fits: otherwise a backfill of long prompts that fills the KV pool would hold it back until
 batch sequences finish, tens of seconds on a CPU (docs/benchmarks.md, "long prompts").
@@ -353,9 +356,8 @@ class Scheduler:
             return 0
         if len(self.running) >= self.config.max_num_seqs and not self._make_room(seq, scheduled, preempted, seat=True):
             return 0
-        aged = self.step_count - seq.arrival >= self.config.aging_steps
-        if yielding and seq.priority is Priority.BATCH and not aged:
-            return 0  # its prefill waits for a step the batch lane runs in
+        if yielding and seq.priority is Priority.BATCH:
+            return 0  # its prefill waits for a step the batch lane runs in, aged or not
         n = min(len(seq.token_ids) - self.block_manager.cached_prefix_tokens(seq), budget)
         if seq.priority is Priority.BATCH and self._batch_prompt_left is not None:
             if self._batch_prompt_left < min(n, 2):

@@ -122,16 +122,32 @@ def test_long_prompts_are_chunked_under_the_budget_and_mixed_with_decodes() -> N
     assert out.num_batched_tokens == 8
 
 
-def test_batch_lane_waits_for_interactive_but_ages_in() -> None:
-    s = make(num_blocks=64, block_size=4, max_num_seqs=1, aging_steps=3)
+def test_batch_lane_waits_for_interactive_but_ages_in_on_its_own_step() -> None:
+    s = make(num_blocks=64, block_size=4, max_num_seqs=1, aging_steps=3, batch_every=4)
     batch = s.add(EngineRequest((1, 2), max_tokens=50, priority=Priority.BATCH))
-    inter = [s.add(EngineRequest((3, 4), max_tokens=1)) for _ in range(6)]
+    inter = [s.add(EngineRequest((3, 4), max_tokens=1)) for _ in range(12)]
     admitted = []
-    for _ in range(6):
+    for _ in range(8):
         out = s.schedule()
-        admitted += [c.seq for c in out.chunks if c.start == 0]
+        admitted.append([c.seq for c in out.chunks if c.start == 0])
         s.update_from_output(out, [0] * len(out.chunks))
-    assert admitted[0] is inter[0] and batch in admitted[:4]
+    # steps 1-3 yield to the waiting interactive requests; on step 4, the batch lane's, the aged batch
+    # request goes ahead of them (without aging, an interactive one would take the single seat)
+    assert admitted[:3] == [[inter[0]], [inter[1]], [inter[2]]] and admitted[3] == [batch]
+    assert batch.status is SequenceStatus.RUNNING
+
+
+def test_an_aged_batch_request_does_not_start_on_a_step_where_the_lane_yields() -> None:
+    s = make(num_blocks=64, block_size=4, batch_every=4, aging_steps=1)
+    inter = s.add(EngineRequest((3, 4), max_tokens=100))
+    s.update_from_output(out := s.schedule(), [0 for _ in out.chunks])  # step 1: inter's prefill
+    aged = s.add(EngineRequest(tuple(range(10, 30)), max_tokens=5, priority=Priority.BATCH))
+    s.step_count += 1  # step 2 passes: `aged` has waited past aging_steps
+    out = s.schedule()  # step 3: interactive work runs, the batch lane yields
+    assert [c.seq for c in out.chunks] == [inter] and aged.status is SequenceStatus.WAITING
+    s.update_from_output(out, [0 for _ in out.chunks])
+    out = s.schedule()  # step 4: the batch lane's
+    assert {c.seq for c in out.chunks} == {inter, aged}
 
 
 def test_different_tenants_do_not_share_blocks() -> None:
