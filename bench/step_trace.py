@@ -9,10 +9,12 @@ recorded by wrapping `LLMEngine.execute` (the model part of a step) for the benc
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 
 from pipeline.engine import llm_engine
+from pipeline.engine.errors import StepInterrupted
 from pipeline.engine.params import Priority
 from pipeline.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -24,6 +26,7 @@ class Step:
     gap: float  # since the previous step ended
     interactive_rows: int
     batch_rows: int
+    stopped: bool = False  # a batch-only step stopped for an interactive arrival (its work is redone)
 
 
 class StepTrace:
@@ -37,12 +40,15 @@ class StepTrace:
         trace = cls()
         execute = llm_engine.LLMEngine.execute
 
-        def traced(engine: llm_engine.LLMEngine, output: SchedulerOutput) -> list[int | None]:
-            start = time.perf_counter()
+        def traced(engine: llm_engine.LLMEngine, output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[int | None]:
+            start, stopped = time.perf_counter(), False
             try:
-                return execute(engine, output)
+                return execute(engine, output, interrupt)
+            except StepInterrupted:
+                stopped = True
+                raise
             finally:
-                trace.record(start, time.perf_counter(), output)
+                trace.record(start, time.perf_counter(), output, stopped)
 
         llm_engine.LLMEngine.execute = traced  # type: ignore[method-assign]
         add, unpark = Scheduler.add, Scheduler.unpark
@@ -61,10 +67,10 @@ class StepTrace:
         Scheduler.add, Scheduler.unpark = added, unparked  # type: ignore[method-assign]
         return trace
 
-    def record(self, start: float, end: float, output: SchedulerOutput) -> None:
+    def record(self, start: float, end: float, output: SchedulerOutput, stopped: bool = False) -> None:
         interactive = sum(1 for c in output.chunks if c.seq.priority is Priority.INTERACTIVE)
         gap = start - self._last_end if self._last_end else 0.0
-        self.steps.append(Step(start, end - start, gap, interactive, len(output.chunks) - interactive))
+        self.steps.append(Step(start, end - start, gap, interactive, len(output.chunks) - interactive, stopped))
         self._last_end = end
 
     def summary(self, start: float, end: float, label: str) -> str:
@@ -73,7 +79,8 @@ class StepTrace:
         kinds = {
             "interactive rows only": [s for s in steps if s.interactive_rows and not s.batch_rows],
             "interactive and batch rows": [s for s in steps if s.interactive_rows and s.batch_rows],
-            "batch rows only": [s for s in steps if s.batch_rows and not s.interactive_rows],
+            "batch rows only": [s for s in steps if s.batch_rows and not s.interactive_rows and not s.stopped],
+            "batch rows only, stopped for an interactive arrival": [s for s in steps if s.stopped],
         }
         lines = [f"  steps, {label}:"]
         for kind, found in kinds.items():
@@ -90,7 +97,8 @@ class StepTrace:
         steps = [s for s in self.steps if start <= s.start < end]
         running = [s for s in self.steps if s.start < start < s.start + s.seconds]  # the step it arrived during
         parts = [f"arrived {1000 * (running[0].start + running[0].seconds - start):.0f} ms before the end of a "
-                 f"{'batch-only' if not running[0].interactive_rows else 'shared'} step"] if running else []
+                 f"{'batch-only' if not running[0].interactive_rows else 'shared'} step"
+                 f"{' (stopped then)' if running[0].stopped else ''}"] if running else []
         for kind, found in (("batch-only", [s for s in steps if not s.interactive_rows]),
                             ("interactive-only", [s for s in steps if s.interactive_rows and not s.batch_rows]),
                             ("shared", [s for s in steps if s.interactive_rows and s.batch_rows])):

@@ -13,19 +13,27 @@ A handle names a sequence from its start (callers may choose it) until it ends.
 Scheduling and bookkeeping run on the event loop; only `ModelRunner.run` runs in the thread, on
 inputs snapshotted by `schedule()`, so a cancel during a step is safe (the step's result for that
 sequence is discarded). Waiters hear of every token through a per-sequence queue.
+
+An interactive request (a prefill, or a decode that begins) arriving while a step with batch-lane rows
+only runs stops that step at its next layer (`EngineConfig.interrupt_batch_steps`): on a CPU such a step
+takes up to half a second with long batch prompts, and the request would otherwise wait for its end.
+Nothing of the stopped step is accounted, so the next step (the interactive request's own, as the batch
+lane then yields) feeds the same batch tokens later; the price is the stopped step's work, at most one
+step per interactive arrival.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from pipeline.engine.errors import EngineClosed, SequenceAborted, StepFailed, UnknownHandle
+from pipeline.engine.errors import EngineClosed, SequenceAborted, StepFailed, StepInterrupted, UnknownHandle
 from pipeline.engine.kv_store import Buffer
 from pipeline.engine.kv_transfer import KVState
 from pipeline.engine.llm_engine import LLMEngine
@@ -59,6 +67,9 @@ class AsyncEngine:
         self._due: dict[int, float] = {}  # interactive parked sequences -> until when the batch lane waits for them
         self._hold_for = engine.scheduler.config.handoff_hold_ms / 1000
         self._held_since: float | None = None
+        # Set when interactive work arrives; a batch-only step's model run checks it before every layer.
+        self._arrived: threading.Event | None = threading.Event() if engine.scheduler.config.interrupt_batch_steps else None
+        self.interrupted_steps = 0  # batch-only steps stopped for an arrival (a counter for tests and benchmarks)
 
     @property
     def num_active(self) -> int:
@@ -106,6 +117,7 @@ class AsyncEngine:
         self._listeners[seq.seq_id] = queue
         self.engine.scheduler.unpark(seq)
         self._wake.set()
+        self._interactive_arrived(seq)
         async for token in self._drain(handle, seq, queue):
             yield token
 
@@ -185,7 +197,12 @@ class AsyncEngine:
         self._handles[handle] = seq
         self._listeners[seq.seq_id] = asyncio.Queue()
         self._wake.set()
+        self._interactive_arrived(seq)
         return seq
+
+    def _interactive_arrived(self, seq: Sequence) -> None:
+        if self._arrived is not None and seq.priority is Priority.INTERACTIVE:
+            self._arrived.set()
 
     def _release(self, handle: str, seq: Sequence) -> None:
         if self._handles.get(handle) is seq:
@@ -238,6 +255,8 @@ class AsyncEngine:
                 await self._wake.wait()
                 continue
             hold = self._hold_s()
+            if self._arrived is not None:
+                self._arrived.clear()  # whatever arrived so far, this schedule sees
             output = scheduler.schedule(hold_batch=hold > 0)
             self._forget(output.dropped)
             if output.is_empty:  # nothing fits yet, or a decode is due: wait for a wake-up (a release, a decode)
@@ -245,8 +264,13 @@ class AsyncEngine:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), min(hold, IDLE_RECHECK_S) if hold else IDLE_RECHECK_S)
                 continue
+            batch_only = not any(c.seq.priority is Priority.INTERACTIVE for c in output.chunks)
+            interrupt = self._arrived if batch_only else None
             try:
-                sampled = await loop.run_in_executor(self._executor, self.engine.execute, output)
+                sampled = await loop.run_in_executor(self._executor, self.engine.execute, output, interrupt)
+            except StepInterrupted:  # an interactive request arrived: the next schedule takes it first
+                self.interrupted_steps += 1
+                continue
             except Exception as exc:  # the model failed: fail this step's sequences, keep serving
                 error = StepFailed(f"model step failed: {exc!r}")
                 error.__cause__ = exc

@@ -65,10 +65,11 @@ class EngineConfig:
     max_num_seqs: int = 32  # sequences running in one step
     max_num_batched_tokens: int = 512  # tokens fed to the model in one step (prefill chunks plus decodes)
     max_parked: int = 64  # prefilled sequences waiting for their decode; the oldest is dropped beyond this
-    aging_steps: int = 32  # a batch-lane request waiting this many steps is admitted as if interactive
+    aging_steps: int = 32  # on the batch lane's steps, a batch request waiting this many steps goes ahead of interactive ones
     batch_every: int = 8  # while interactive sequences run, the batch lane is fed on every n-th step only (1: always)
     handoff_hold_ms: float = 50.0  # after an interactive prefill, the batch lane waits up to this for its decode (0: never)
     batch_prompt_tokens: int = 64  # batch-lane prompt tokens per step, bounding the step an interactive request waits behind (0: no cap)
+    interrupt_batch_steps: bool = True  # an interactive arrival stops a batch-only step at its next layer (AsyncEngine)
     device: str = "cpu"
     dtype: str = "float32"  # float32, bfloat16 or float16
 

@@ -6,6 +6,8 @@
     ├── KVMismatch            an imported KV state does not fit this engine's model or block layout
     ├── SequenceAborted       the sequence was cancelled before it produced what the caller waits for
     ├── StepFailed            the model forward failed; the sequences of that step are aborted
+    ├── StepInterrupted       a batch-only step gave way to an arriving interactive request (internal:
+    │                         the async engine reschedules; no caller sees it)
     └── EngineClosed          the engine was shut down while the request waited or ran
 
 `retriable` says whether the same request may succeed on a retry (here or elsewhere).
@@ -22,6 +24,7 @@ __all__ = [
     "RequestTooLarge",
     "SequenceAborted",
     "StepFailed",
+    "StepInterrupted",
     "UnknownHandle",
 ]
 
@@ -54,6 +57,11 @@ class StepFailed(EngineError):
     """The model forward raised; the original exception is the `__cause__`."""
 
     retriable: ClassVar[bool] = True
+
+
+class StepInterrupted(EngineError):
+    """The model stopped a step between two layers because its interrupt was set; nothing of the step
+    is accounted (the sequences' computed tokens do not move), so the next step feeds the same tokens."""
 
 
 class EngineClosed(EngineError):

@@ -7,6 +7,7 @@ each step in a thread for asyncio callers.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -46,9 +47,10 @@ class LLMEngine:
         sampled = self.execute(output)
         return self.scheduler.update_from_output(output, sampled)
 
-    def execute(self, output: SchedulerOutput) -> list[int | None]:
-        """The model part of a step (thread-safe against scheduler calls made while it runs)."""
-        return self.runner.run(output)
+    def execute(self, output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[int | None]:
+        """The model part of a step (thread-safe against scheduler calls made while it runs); `interrupt`
+        as `ModelRunner.run` takes it."""
+        return self.runner.run(output, interrupt)
 
     def abort(self, seq: Sequence) -> bool:
         return self.scheduler.abort(seq)

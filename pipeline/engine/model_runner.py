@@ -19,6 +19,7 @@ stay float32 whatever the weights' dtype (`kv_dtype`).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.engine.config import EngineConfig, ModelConfig
+from pipeline.engine.errors import StepInterrupted
 from pipeline.engine.llama import LlamaWeights, apply_rotary, mlp, rms_norm, rotary
 from pipeline.engine.sampler import sample_batch
 from pipeline.engine.scheduler import ScheduledChunk, SchedulerOutput, StepTokens
@@ -108,10 +110,12 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         return self.model_config.kv_bytes_per_token(self.kv_dtype.itemsize)
 
-    def run(self, output: SchedulerOutput) -> list[StepTokens]:
+    def run(self, output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[StepTokens]:
         """Compute the step and sample; returns one entry per chunk (`StepTokens`: None where it did not
         sample, the accepted tokens where it verified drafts). Blocking: the async engine calls it in its
-        model thread."""
+        model thread. `interrupt`: checked before every layer; once set, the step stops there and raises
+        `StepInterrupted` (the K/V it wrote lie past every sequence's computed tokens: the next step that
+        feeds those tokens writes them again)."""
         chunks = list(output.chunks)
         if not chunks:
             return []
@@ -125,7 +129,7 @@ class ModelRunner:
                 rows.append(row - 1)
         results: list[StepTokens] = [None] * len(chunks)
         with torch.inference_mode():
-            logits = self._forward(chunks, torch.tensor(rows, dtype=torch.long, device=self.device)).float()
+            logits = self._forward(chunks, torch.tensor(rows, dtype=torch.long, device=self.device), interrupt).float()
             per_chunk = logits.split([len(c.token_ids) if c.num_drafts else int(c.sample) for c in chunks])
             plain = [i for i, c in enumerate(chunks) if c.sample and not c.num_drafts]
             if plain:
@@ -185,12 +189,14 @@ class ModelRunner:
         self.k_cache.view(k.shape[0], flat, *k.shape[2:]).index_copy_(1, slots, k.to(self.device, self.kv_dtype))
         self.v_cache.view(v.shape[0], flat, *v.shape[2:]).index_copy_(1, slots, v.to(self.device, self.kv_dtype))
 
-    def _forward(self, chunks: list[ScheduledChunk], rows: torch.Tensor) -> torch.Tensor:
+    def _forward(self, chunks: list[ScheduledChunk], rows: torch.Tensor, interrupt: threading.Event | None = None) -> torch.Tensor:
         plan = self._plan(chunks)
         cfg, w = self.model_config, self.weights
         x = F.embedding(plan.ids, w.embed)
         tokens = x.shape[0]
         for index, layer in enumerate(w.layers):
+            if interrupt is not None and interrupt.is_set():
+                raise StepInterrupted(f"step stopped before layer {index} of {len(w.layers)}")
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             q = F.linear(h, layer.q, layer.q_bias).view(tokens, cfg.num_heads, cfg.head_dim)
             k = F.linear(h, layer.k, layer.k_bias).view(tokens, cfg.num_kv_heads, cfg.head_dim)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pipeline.engine.async_engine import AsyncEngine
-from pipeline.engine.errors import SequenceAborted, UnknownHandle
+from pipeline.engine.errors import SequenceAborted, StepInterrupted, UnknownHandle
 from pipeline.engine.params import EngineRequest, Priority
 from pipeline.engine.scheduler import SchedulerOutput
 from pipeline.engine.sequence import Sequence
@@ -92,13 +92,13 @@ async def test_a_cancel_during_a_step_stops_the_sequence_within_that_step(loaded
     landed = threading.Event()
     execute = engine.engine.execute
 
-    def spy(output: SchedulerOutput) -> list[int | None]:
+    def spy(output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[int | None]:
         fed.append({chunk.seq.seq_id for chunk in output.chunks})
         seqs.update((chunk.seq.seq_id, chunk.seq) for chunk in output.chunks)
         if len(fed) == cancel_in:
             loop.call_soon_threadsafe(lambda: (engine.cancel("target"), landed.set()))
             assert landed.wait(120)  # the cancel has run on the event loop while this step computes
-        return execute(output)
+        return execute(output, interrupt)
 
     engine.engine.execute = spy  # type: ignore[method-assign]
 
@@ -129,9 +129,9 @@ async def test_the_batch_lane_waits_for_a_prefilled_interactive_sequence_s_decod
     fed: list[set[Priority]] = []
     execute = engine.engine.execute
 
-    def spy(output: SchedulerOutput) -> list[int | None]:
+    def spy(output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[int | None]:
         fed.append({chunk.seq.priority for chunk in output.chunks})
-        return execute(output)
+        return execute(output, interrupt)
 
     engine.engine.execute = spy  # type: ignore[method-assign]
     backfill = asyncio.create_task(
@@ -170,9 +170,9 @@ async def test_overlapping_holds_never_starve_the_batch_lane(loaded: Loaded) -> 
     fed: list[tuple[float, set[Priority]]] = []
     execute = engine.engine.execute
 
-    def spy(output: SchedulerOutput) -> list[int | None]:
+    def spy(output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[int | None]:
         fed.append((time.monotonic(), {chunk.seq.priority for chunk in output.chunks}))
-        return execute(output)
+        return execute(output, interrupt)
 
     engine.engine.execute = spy  # type: ignore[method-assign]
     stream = engine.generate(EngineRequest(chat_ids(loaded, "Write a long story."), 200, priority=Priority.BATCH))
@@ -190,4 +190,64 @@ async def test_overlapping_holds_never_starve_the_batch_lane(loaded: Loaded) -> 
         await asyncio.sleep(0.01)
     assert len(batch_only()) >= 3
     await stream.aclose()
+    await engine.aclose()
+
+
+@pytest.mark.asyncio
+async def test_an_interactive_arrival_stops_a_batch_only_step_and_changes_no_output(loaded: Loaded) -> None:
+    """A batch-only step computing when an interactive request arrives stops at its next layer; the
+    next step is the interactive request's, and both answers are what they are without the stop."""
+    story, count = chat_ids(loaded, "Write a long story."), chat_ids(loaded, "Count to five.")
+    reference = AsyncEngine(make_engine(loaded))
+    expected_batch = [t async for t in reference.generate(EngineRequest(story, 12, priority=Priority.BATCH))]
+    expected_interactive = [t async for t in reference.generate(EngineRequest(count, 6))]
+    await reference.aclose()
+
+    engine = AsyncEngine(make_engine(loaded))
+    loop = asyncio.get_running_loop()
+    fed: list[set[Priority]] = []
+    stopped: list[bool] = []
+    arrival: list[asyncio.Task[list[int]]] = []
+    execute = engine.engine.execute
+
+    async def drain(request: EngineRequest) -> list[int]:
+        return [t async for t in engine.generate(request)]
+
+    def spy(output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[int | None]:
+        fed.append({chunk.seq.priority for chunk in output.chunks})
+        if len(fed) == 4:  # a batch-only decode step: the interactive request arrives while it computes
+            loop.call_soon_threadsafe(lambda: arrival.append(asyncio.ensure_future(drain(EngineRequest(count, 6)))))
+            deadline = time.monotonic() + 120
+            while engine.num_active < 2 and time.monotonic() < deadline:  # it is queued on the event loop
+                time.sleep(0.001)
+        try:
+            return execute(output, interrupt)
+        except StepInterrupted:
+            stopped.append(True)
+            raise
+
+    engine.engine.execute = spy  # type: ignore[method-assign]
+    batch = [t async for t in engine.generate(EngineRequest(story, 12, priority=Priority.BATCH))]
+    interactive = await arrival[0]
+    assert fed[3] == {Priority.BATCH} and stopped == [True] and engine.interrupted_steps == 1
+    assert fed[4] == {Priority.INTERACTIVE}  # the arrival's prefill went first; the batch lane yielded
+    assert batch == expected_batch and interactive == expected_interactive
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and engine.num_active == 0
+    await engine.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_step_with_interactive_rows_is_never_stopped(loaded: Loaded) -> None:
+    engine = AsyncEngine(make_engine(loaded))
+    interrupts: list[threading.Event | None] = []
+    execute = engine.engine.execute
+
+    def spy(output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[int | None]:
+        interrupts.append(interrupt)
+        return execute(output, interrupt)
+
+    engine.engine.execute = spy  # type: ignore[method-assign]
+    tokens = [t async for t in engine.generate(EngineRequest(chat_ids(loaded, "Count to five."), 4))]
+    assert len(tokens) == 4 and interrupts == [None] * 4  # an interactive-only engine passes no interrupt
     await engine.aclose()
