@@ -168,10 +168,16 @@ def load_texts(texts: list[str], args: argparse.Namespace) -> list[str]:
     return texts * 8
 
 
-def local_backend(settings: Settings, batch_every: int | None, hold_ms: float | None,
-                  batch_prompt_tokens: int | None = None) -> dict[str, Backend]:
-    """The default model as `backends.load` builds it, with the engine's `batch_every`,
-    `handoff_hold_ms` and `batch_prompt_tokens` chosen here (None: EngineConfig's)."""
+def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The EngineConfig fields the command line sets (the others keep EngineConfig's defaults)."""
+    chosen = {"batch_every": args.batch_every, "handoff_hold_ms": args.handoff_hold_ms,
+              "batch_prompt_tokens": args.batch_prompt_tokens, "shared_prompt_tokens": args.shared_prompt_tokens,
+              "interrupt_batch_steps": False if args.no_interrupt else None}
+    return {k: v for k, v in chosen.items() if v is not None}
+
+
+def local_backend(settings: Settings, overrides: dict[str, object]) -> dict[str, Backend]:
+    """The default model as `backends.load` builds it, with the engine fields in `overrides`."""
     import torch
     from transformers import AutoTokenizer
 
@@ -183,8 +189,7 @@ def local_backend(settings: Settings, batch_every: int | None, hold_ms: float | 
     torch.set_num_threads(settings.runtime.torch_threads)
     path = settings.model_cache / MODEL_DIRNAME
     spec = settings.backends[0]
-    chosen = {"batch_every": batch_every, "handoff_hold_ms": hold_ms, "batch_prompt_tokens": batch_prompt_tokens}
-    config = EngineConfig(max_num_seqs=spec.max_batch, dtype=spec.dtype, **{k: v for k, v in chosen.items() if v is not None})
+    config = EngineConfig(max_num_seqs=spec.max_batch, dtype=spec.dtype, **overrides)  # type: ignore[arg-type]
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return {spec.name: LocalBackend(ModelRunner.from_path(path, config), tokenizer, name=spec.name, engine_config=config)}
 
@@ -193,9 +198,8 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     trace = StepTrace.install() if args.step_trace else None
     await kafka.create_topics(settings)
     stop = asyncio.Event()
-    default = args.batch_every is None and args.handoff_hold_ms is None and args.batch_prompt_tokens is None
-    backends = backend_registry.load(settings) if default else \
-        local_backend(settings, args.batch_every, args.handoff_hold_ms, args.batch_prompt_tokens)
+    overrides = engine_overrides(args)
+    backends = local_backend(settings, overrides) if overrides else backend_registry.load(settings)
     stages = assemble.build(assemble.nodes_of(settings), settings, backends, worker="bench")
     producer = Producer(settings, "sluice-stages-bench")  # as `sluice run` wires them (handover included)
     await producer.start(stop)
@@ -260,7 +264,7 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     print(f"\n| what | figure |\n| --- | --- |\n"
           f"| interactive, one at a time ({len(texts)} prompts of at most {args.prompt_chars} characters, max_tokens {args.max_tokens}) | {interactive_tps:.1f} tokens/s |\n"
           f"| backfill, the same prompts (batch lane, max_in_flight {b.max_in_flight}, max_batch "
-          f"{settings.backends[0].max_batch}, torch_threads {settings.runtime.torch_threads}, dtype {settings.backends[0].dtype}, batch_every {args.batch_every or 'default'}, batch_prompt_tokens {'default' if args.batch_prompt_tokens is None else args.batch_prompt_tokens}, handoff_hold_ms {'default' if args.handoff_hold_ms is None else args.handoff_hold_ms}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
+          f"{settings.backends[0].max_batch}, torch_threads {settings.runtime.torch_threads}, dtype {settings.backends[0].dtype}, engine {overrides or 'defaults'}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
           f"| interactive p50 / p99, idle ({len(idle)} probes in {args.blocks} block(s), max_tokens {args.probe_tokens}) | "
           f"{percentile(idle, 50):.0f} / {percentile(idle, 99):.0f} ms |\n"
           f"| interactive p50 / p99, during a backfill ({'distinct prompts' if args.distinct_load else 'the same prompts x8'}) | {percentile(busy, 50):.0f} / {percentile(busy, 99):.0f} ms "
@@ -282,6 +286,10 @@ def main() -> None:
     parser.add_argument("--handoff-hold-ms", type=float, default=None, help="the engine's handoff_hold_ms (default: EngineConfig's)")
     parser.add_argument("--batch-prompt-tokens", type=int, default=None,
                         help="the engine's batch_prompt_tokens (default: EngineConfig's; 0: no cap)")
+    parser.add_argument("--shared-prompt-tokens", type=int, default=None,
+                        help="the engine's shared_prompt_tokens (default: EngineConfig's; 0: batch_prompt_tokens applies)")
+    parser.add_argument("--no-interrupt", action="store_true",
+                        help="interactive arrivals do not stop batch-only steps (interrupt_batch_steps off)")
     parser.add_argument("--step-trace", action="store_true", help="print the engine's steps while the probes ran")
     parser.add_argument("--torch-threads", type=int, default=None, help="runtime.torch_threads (default: the config's)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the local backend's weights (default: the config's)")

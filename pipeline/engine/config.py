@@ -69,6 +69,7 @@ class EngineConfig:
     batch_every: int = 8  # while interactive sequences run, the batch lane is fed on every n-th step only (1: always)
     handoff_hold_ms: float = 50.0  # after an interactive prefill, the batch lane waits up to this for its decode (0: never)
     batch_prompt_tokens: int = 64  # batch-lane prompt tokens per step, bounding the step an interactive request waits behind (0: no cap)
+    shared_prompt_tokens: int = 16  # the same cap in a step shared with interactive rows (0: batch_prompt_tokens applies)
     interrupt_batch_steps: bool = True  # an interactive arrival stops a batch-only step at its next layer (AsyncEngine)
     device: str = "cpu"
     dtype: str = "float32"  # float32, bfloat16 or float16
@@ -85,8 +86,9 @@ class EngineConfig:
         bad = {k: v for k, v in positive.items() if v < 1}
         if bad:
             raise ValueError(f"engine limits must be at least 1: {bad}")
-        if self.batch_prompt_tokens < 0:
-            raise ValueError(f"batch_prompt_tokens must not be negative, got {self.batch_prompt_tokens}")
+        if self.batch_prompt_tokens < 0 or self.shared_prompt_tokens < 0:
+            raise ValueError(f"batch_prompt_tokens and shared_prompt_tokens must not be negative, got "
+                             f"{self.batch_prompt_tokens} and {self.shared_prompt_tokens}")
         if self.handoff_hold_ms < 0:
             raise ValueError(f"handoff_hold_ms must not be negative, got {self.handoff_hold_ms}")
         if self.num_blocks < 0 or (self.num_blocks == 0 and self.kv_cache_bytes < 1):

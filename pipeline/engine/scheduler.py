@@ -33,8 +33,12 @@ preempted sequences) are capped per step (`batch_prompt_tokens`), with or withou
 step an interactive sequence shares, or arrives during and waits for, then costs about what its
 decodes cost, not a few hundred prompt tokens more (a long batch prompt is fed in more, smaller chunks;
 on this CPU a 512-token batch step took 1.6-1.9 s, a capped one at most 0.4 s, for 5-8% less
-backfill throughput on long prompts: docs/benchmarks.md, "long prompts"). Without interactive work
-the batch lane runs every step.
+backfill throughput on long prompts: docs/benchmarks.md, "long prompts"); in a step interactive work
+shares (every `batch_every`-th while it is present) the cap is the smaller `shared_prompt_tokens`
+(16): there a 64-token chunk cost about 200 ms on this CPU, more than two interactive steps, and
+every interactive request meets such a step; the rest of a prompt goes in on the batch lane's own
+steps, which an interactive arrival stops (AsyncEngine), or in more small chunks. Without
+interactive work the batch lane runs every step.
 
 Speculative decoding (a request with `speculative` set): once every running sequence has its chunk
 and waiting ones are admitted, each decode of such a sequence is extended with up to k drafts from
@@ -167,9 +171,9 @@ class Scheduler:
         dropped: list[Sequence] = []
         self.running.sort(key=lambda s: (s.priority, s.arrival, s.seq_id))
         scheduled: set[int] = set()
-        cap = self.config.batch_prompt_tokens
-        self._batch_prompt_left = cap or None
-        yielding = hold_batch or self._batch_yields(self._interactive_present())
+        interactive = self._interactive_present()
+        self._batch_prompt_left = self._prompt_cap(interactive)
+        yielding = hold_batch or self._batch_yields(interactive)
         for seq in list(self.running):
             if yielding and seq.priority is Priority.BATCH:
                 continue
@@ -191,6 +195,12 @@ class Scheduler:
         if every <= 1 or self.step_count % every == 0:
             return False
         return interactive
+
+    def _prompt_cap(self, interactive: bool) -> int | None:
+        """The batch lane's prompt tokens for this step (None: no cap): `batch_prompt_tokens`, or the
+        smaller `shared_prompt_tokens` when interactive work may share the step."""
+        caps = [c for c in (self.config.batch_prompt_tokens, self.config.shared_prompt_tokens if interactive else 0) if c]
+        return min(caps, default=None)
 
     def _interactive_present(self) -> bool:
         return bool(self.waiting.queues[Priority.INTERACTIVE]) or any(s.priority is Priority.INTERACTIVE for s in self.running)

@@ -334,3 +334,20 @@ def test_holding_the_batch_lane_leaves_a_step_empty_rather_than_run_batch_work()
     s.update_from_output(out := s.schedule(), [0 if c.sample else None for c in out.chunks])
     assert len(out.chunks) == 2  # not held: step 4 is the batch lane's
     assert s.schedule(hold_batch=True).chunks[0].seq is inter  # held: only interactive work
+
+
+def test_a_step_shared_with_interactive_work_takes_fewer_batch_prompt_tokens() -> None:
+    s = make(num_blocks=128, block_size=4, batch_every=2, batch_prompt_tokens=8, shared_prompt_tokens=2,
+             max_num_batched_tokens=64)
+    batch = s.add(EngineRequest(tuple(range(100, 140)), max_tokens=5, priority=Priority.BATCH))
+    out = s.schedule()  # step 1, alone: the batch lane's cap
+    assert [len(c.token_ids) for c in out.chunks] == [8]
+    s.update_from_output(out, [None])
+    inter = s.add(EngineRequest((3, 4), max_tokens=100))
+    fed: list[tuple[bool, int]] = []
+    for _ in range(4):  # steps 2..5: shared on even steps (batch_every 2), interactive-only on odd ones
+        out = s.schedule()
+        chunks = {c.seq.seq_id: len(c.token_ids) for c in out.chunks}
+        fed.append((inter.seq_id in chunks, chunks.get(batch.seq_id, 0)))
+        s.update_from_output(out, [0 if c.sample else None for c in out.chunks])
+    assert fed == [(True, 2), (True, 0), (True, 2), (True, 0)]
