@@ -15,11 +15,11 @@ inputs snapshotted by `schedule()`, so a cancel during a step is safe (the step'
 sequence is discarded). Waiters hear of every token through a per-sequence queue.
 
 An interactive request (a prefill, or a decode that begins) arriving while a step with batch-lane rows
-only runs stops that step at its next layer (`EngineConfig.interrupt_batch_steps`): on a CPU such a step
-takes up to half a second with long batch prompts, and the request would otherwise wait for its end.
-Nothing of the stopped step is accounted, so the next step (the interactive request's own, as the batch
-lane then yields) feeds the same batch tokens later; the price is the stopped step's work, at most one
-step per interactive arrival.
+only is in its first half stops that step at its next layer (`EngineConfig.interrupt_batch_steps`;
+`ModelRunner.run`): on a CPU such a step takes up to half a second with long batch prompts, and the
+request would otherwise wait for its end. Nothing of the stopped step is accounted, so the next step
+(the interactive request's own, as the batch lane then yields) feeds the same batch tokens later; the
+price is at most half a step's work per interactive arrival.
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ class AsyncEngine:
         self._held_since: float | None = None
         # Set when interactive work arrives; a batch-only step's model run checks it before every layer.
         self._arrived: threading.Event | None = threading.Event() if engine.scheduler.config.interrupt_batch_steps else None
-        self.interrupted_steps = 0  # batch-only steps stopped for an arrival (a counter for tests and benchmarks)
 
     @property
     def num_active(self) -> int:
@@ -269,7 +268,7 @@ class AsyncEngine:
             try:
                 sampled = await loop.run_in_executor(self._executor, self.engine.execute, output, interrupt)
             except StepInterrupted:  # an interactive request arrived: the next schedule takes it first
-                self.interrupted_steps += 1
+                self.engine.interrupted_steps += 1
                 continue
             except Exception as exc:  # the model failed: fail this step's sequences, keep serving
                 error = StepFailed(f"model step failed: {exc!r}")

@@ -70,7 +70,7 @@ class EngineConfig:
     handoff_hold_ms: float = 50.0  # after an interactive prefill, the batch lane waits up to this for its decode (0: never)
     batch_prompt_tokens: int = 64  # batch-lane prompt tokens per step, bounding the step an interactive request waits behind (0: no cap)
     shared_prompt_tokens: int = 16  # the same cap in a step shared with interactive rows (0: batch_prompt_tokens applies)
-    interrupt_batch_steps: bool = True  # an interactive arrival stops a batch-only step at its next layer (AsyncEngine)
+    interrupt_batch_steps: bool = True  # an interactive arrival stops a batch-only step in its first half (AsyncEngine)
     device: str = "cpu"
     dtype: str = "float32"  # float32, bfloat16 or float16
 

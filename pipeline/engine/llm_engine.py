@@ -30,6 +30,7 @@ class LLMEngine:
         self.config = runner.config
         self.block_manager = BlockManager(runner.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager, runner.model_config.max_position_embeddings)
+        self.interrupted_steps = 0  # steps stopped by their interrupt (AsyncEngine: batch-only steps an arrival stopped)
 
     @classmethod
     def from_path(cls, path: Path, config: EngineConfig | None = None) -> LLMEngine:

@@ -113,9 +113,11 @@ class ModelRunner:
     def run(self, output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[StepTokens]:
         """Compute the step and sample; returns one entry per chunk (`StepTokens`: None where it did not
         sample, the accepted tokens where it verified drafts). Blocking: the async engine calls it in its
-        model thread. `interrupt`: checked before every layer; once set, the step stops there and raises
-        `StepInterrupted` (the K/V it wrote lie past every sequence's computed tokens: the next step that
-        feeds those tokens writes them again)."""
+        model thread. `interrupt`: checked before each layer of the first half; once set, the step stops
+        there and raises `StepInterrupted` (the K/V it wrote lie past every sequence's computed tokens:
+        the next step that feeds those tokens writes them again). Past half its layers a step finishes:
+        what it has done is then more than the wait it would save (an arrival timed to a step's end
+        would otherwise throw whole steps away)."""
         chunks = list(output.chunks)
         if not chunks:
             return []
@@ -194,8 +196,9 @@ class ModelRunner:
         cfg, w = self.model_config, self.weights
         x = F.embedding(plan.ids, w.embed)
         tokens = x.shape[0]
+        stoppable = (len(w.layers) + 1) // 2  # an interrupt stops the step before one of these layers only
         for index, layer in enumerate(w.layers):
-            if interrupt is not None and interrupt.is_set():
+            if interrupt is not None and index < stoppable and interrupt.is_set():
                 raise StepInterrupted(f"step stopped before layer {index} of {len(w.layers)}")
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             q = F.linear(h, layer.q, layer.q_bias).view(tokens, cfg.num_heads, cfg.head_dim)

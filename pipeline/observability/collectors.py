@@ -1,6 +1,6 @@
 """Metrics read at scrape time from objects that already know them: the engine's scheduler (running and
 waiting sequences, KV blocks in use, as vLLM reports them; speculative draft tokens proposed and
-accepted) and route's view of backend health (which backends are ejected). Objects are held weakly: a
+accepted; batch-only steps stopped for interactive arrivals) and route's view of backend health (which backends are ejected). Objects are held weakly: a
 closed engine or stage drops out of the output."""
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ class EngineCollector(Collector):
         kv = GaugeMetricFamily("sluice_kv_cache_usage_perc", "Share of the engine's KV-cache blocks in use (0 to 1)", labels=["engine"])
         spec = CounterMetricFamily("sluice_engine_spec_tokens", "Speculative draft tokens proposed and accepted",
                                    labels=["engine", "outcome"])
+        stopped = CounterMetricFamily("sluice_engine_interrupted_steps",
+                                      "Batch-only steps stopped for an arriving interactive request (their work is redone)",
+                                      labels=["engine"])
         for name, engine in list(self._engines.items()):
             scheduler, blocks = engine.scheduler, engine.block_manager
             running.add_metric([name], len(scheduler.running))
@@ -37,7 +40,8 @@ class EngineCollector(Collector):
             kv.add_metric([name], (total - blocks.num_free_blocks) / total if total else 0.0)
             spec.add_metric([name, "proposed"], scheduler.spec_proposed)
             spec.add_metric([name, "accepted"], scheduler.spec_accepted)
-        yield from (running, waiting, kv, spec)
+            stopped.add_metric([name], engine.interrupted_steps)
+        yield from (running, waiting, kv, spec, stopped)
 
 
 class HealthCollector(Collector):

@@ -229,7 +229,7 @@ async def test_an_interactive_arrival_stops_a_batch_only_step_and_changes_no_out
     engine.engine.execute = spy  # type: ignore[method-assign]
     batch = [t async for t in engine.generate(EngineRequest(story, 12, priority=Priority.BATCH))]
     interactive = await arrival[0]
-    assert fed[3] == {Priority.BATCH} and stopped == [True] and engine.interrupted_steps == 1
+    assert fed[3] == {Priority.BATCH} and stopped == [True] and engine.engine.interrupted_steps == 1
     assert fed[4] == {Priority.INTERACTIVE}  # the arrival's prefill went first; the batch lane yielded
     assert batch == expected_batch and interactive == expected_interactive
     bm = engine.engine.block_manager

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from pipeline.engine import model_runner
+from pipeline.engine.errors import StepInterrupted
 from pipeline.engine.params import EngineRequest
 from tests.unit.engine.conftest import Loaded, chat_ids, make_engine
 
@@ -77,3 +80,36 @@ def test_bfloat16_weights_keep_a_float32_pool_on_cpu_and_score_like_float32(load
     assert (full.gather(1, top) - half.gather(1, top)).abs().mean() < 0.1  # measured 0.03 nats
     got = engine.generate([EngineRequest(chat_ids(loaded, p), max_tokens=6) for p in PROMPTS])  # batched decodes run
     assert [len(g) for g in got] == [6, 6, 6]
+
+
+@pytest.mark.parametrize("set_at_layer", [3, -3], ids=["early-stops", "late-finishes"])
+def test_an_interrupt_stops_a_step_only_in_its_first_half(
+    loaded: Loaded, set_at_layer: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Set before layer 3 of 30, the step stops at the next check; set 3 layers before the end, it
+    finishes (what is done outweighs the wait saved) and samples what an uninterrupted step samples."""
+    prompt = chat_ids(loaded, PROMPTS[0])
+    plain = make_engine(loaded)
+    plain.add_request(EngineRequest(prompt, max_tokens=2))
+    expected = plain.execute(plain.scheduler.schedule())
+
+    engine = make_engine(loaded)
+    engine.add_request(EngineRequest(prompt, max_tokens=2))
+    layers = len(engine.runner.weights.layers)
+    interrupt, calls = threading.Event(), []
+    mlp = model_runner.mlp
+
+    def counting_mlp(*args: object) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == set_at_layer % layers:
+            interrupt.set()
+        return mlp(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model_runner, "mlp", counting_mlp)
+    output = engine.scheduler.schedule()
+    if set_at_layer > 0:
+        with pytest.raises(StepInterrupted):
+            engine.execute(output, interrupt)
+        assert len(calls) == set_at_layer  # it stopped before the next layer
+    else:
+        assert engine.execute(output, interrupt) == expected and len(calls) == layers

@@ -77,6 +77,7 @@ def test_engine_and_health_collectors_read_at_scrape_time() -> None:
     class Engine:  # an LLMEngine's shape
         scheduler = SimpleNamespace(running=[1, 2], waiting=[1, 2, 3], spec_proposed=5, spec_accepted=3)
         block_manager = SimpleNamespace(num_blocks=10, num_free_blocks=4)
+        interrupted_steps = 7
 
     engine = Engine()
     collectors.watch_engine("unit-engine", engine)
@@ -85,6 +86,7 @@ def test_engine_and_health_collectors_read_at_scrape_time() -> None:
     assert sample("sluice_kv_cache_usage_perc", engine="unit-engine") == pytest.approx(0.6)
     assert sample("sluice_engine_spec_tokens_total", engine="unit-engine", outcome="proposed") == 5
     assert sample("sluice_engine_spec_tokens_total", engine="unit-engine", outcome="accepted") == 3
+    assert sample("sluice_engine_interrupted_steps_total", engine="unit-engine") == 7
 
     class View:
         def member(self, name: str, now: float) -> SimpleNamespace:
