@@ -11,7 +11,9 @@ same prompts must not be answered from the cache) in this process with the local
 1. interactive, one at a time: each prompt sent and answered before the next (tokens/s);
 2. backfill: the same prompts as one batch job (files, Redis progress, the worker, priority batch,
    `batch.max_in_flight` lines at once), from creation to completed (tokens/s, from the output file);
-3. interactive latency, idle: `--probes` short requests one after another (p50, p99);
+3. interactive latency, idle: `--probes` short requests one after another, each sent 0.1-0.3 s
+   (uniform, seeded) after the last one's answer, so that they meet the engine's steps at every
+   point (a fixed pause lands every probe at the same point of a batch step) (p50, p99);
 4. the same probes while a larger backfill keeps the engine busy (p50, p99), then that job is cancelled.
    The larger backfill is the same prompts eight times over (their prefixes cached after the first
    pass: mostly decode), or with `--distinct-load` eight times as many other prompts, each prefilled.
@@ -31,6 +33,7 @@ import argparse
 import asyncio
 import io
 import json
+import random
 import tempfile
 import time
 from dataclasses import replace
@@ -106,6 +109,7 @@ class Backfill:
 
 
 WINDOWS: list[tuple[float, float, str]] = []  # every probe's start and end (perf_counter) and its phase, for --step-trace
+PAUSES = random.Random(11)  # the pause before each probe: uniform 0.1-0.3 s (session 18; a fixed 0.2 s before)
 
 
 async def probe(client: Client, n: int, max_tokens: int, phase: str = "idle") -> list[float]:
@@ -120,7 +124,7 @@ async def probe(client: Client, n: int, max_tokens: int, phase: str = "idle") ->
         WINDOWS.append((started, time.perf_counter(), phase))
         for stage, ms in answer.done.timings.items():
             timings.setdefault(stage, []).append(ms)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(PAUSES.uniform(0.1, 0.3))
     print("  where: " + ", ".join(f"{stage} {sum(v) / len(v):.0f} ms" for stage, v in timings.items()), flush=True)
     return latencies
 
@@ -172,7 +176,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
     """The EngineConfig fields the command line sets (the others keep EngineConfig's defaults)."""
     chosen = {"batch_every": args.batch_every, "handoff_hold_ms": args.handoff_hold_ms,
               "batch_prompt_tokens": args.batch_prompt_tokens, "shared_prompt_tokens": args.shared_prompt_tokens,
-              "interrupt_batch_steps": False if args.no_interrupt else None}
+              "interrupt_batch_steps": args.interrupt_within}
     return {k: v for k, v in chosen.items() if v is not None}
 
 
@@ -288,8 +292,9 @@ def main() -> None:
                         help="the engine's batch_prompt_tokens (default: EngineConfig's; 0: no cap)")
     parser.add_argument("--shared-prompt-tokens", type=int, default=None,
                         help="the engine's shared_prompt_tokens (default: EngineConfig's; 0: batch_prompt_tokens applies)")
-    parser.add_argument("--no-interrupt", action="store_true",
-                        help="interactive arrivals do not stop batch-only steps (interrupt_batch_steps off)")
+    parser.add_argument("--interrupt-within", type=float, default=None,
+                        help="the engine's interrupt_batch_steps: the share of a batch-only step's layers within which "
+                             "an interactive arrival stops it (default: EngineConfig's; 0: never)")
     parser.add_argument("--step-trace", action="store_true", help="print the engine's steps while the probes ran")
     parser.add_argument("--torch-threads", type=int, default=None, help="runtime.torch_threads (default: the config's)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the local backend's weights (default: the config's)")

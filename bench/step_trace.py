@@ -27,6 +27,7 @@ class Step:
     interactive_rows: int
     batch_rows: int
     stopped: bool = False  # a batch-only step stopped for an interactive arrival (its work is redone)
+    batch_tokens: int = 0  # tokens the batch lane's rows fed (prompt chunks and decodes)
 
 
 class StepTrace:
@@ -69,8 +70,9 @@ class StepTrace:
 
     def record(self, start: float, end: float, output: SchedulerOutput, stopped: bool = False) -> None:
         interactive = sum(1 for c in output.chunks if c.seq.priority is Priority.INTERACTIVE)
+        batch_tokens = sum(len(c.token_ids) for c in output.chunks if c.seq.priority is Priority.BATCH)
         gap = start - self._last_end if self._last_end else 0.0
-        self.steps.append(Step(start, end - start, gap, interactive, len(output.chunks) - interactive, stopped))
+        self.steps.append(Step(start, end - start, gap, interactive, len(output.chunks) - interactive, stopped, batch_tokens))
         self._last_end = end
 
     def summary(self, start: float, end: float, label: str) -> str:
@@ -90,6 +92,10 @@ class StepTrace:
                              f"max {1000 * max(s.seconds for s in found):.1f}), "
                              f"{statistics.fmean(s.interactive_rows + s.batch_rows for s in found):.1f} rows, "
                              f"gap before it {1000 * statistics.fmean(s.gap for s in found):.1f} ms")
+        done = sum(s.batch_tokens for s in steps if not s.stopped)
+        if done or any(s.stopped for s in steps):  # the batch lane's progress beside the probes, and what stops cost
+            lines.append(f"    batch-lane tokens computed: {done / (end - start):.1f} per second ({done} in {end - start:.1f} s); "
+                         f"stopped steps threw away {sum(s.seconds for s in steps if s.stopped):.1f} s")
         return "\n".join(lines)
 
     def within(self, start: float, end: float) -> str:

@@ -15,8 +15,8 @@ inputs snapshotted by `schedule()`, so a cancel during a step is safe (the step'
 sequence is discarded). Waiters hear of every token through a per-sequence queue.
 
 An interactive request (a prefill, or a decode that begins) arriving while a step with batch-lane rows
-only is in its first half stops that step at its next layer (`EngineConfig.interrupt_batch_steps`;
-`ModelRunner.run`): on a CPU such a step takes up to half a second with long batch prompts, and the
+only is in its first half (`EngineConfig.interrupt_batch_steps`, 0.5) stops that step at its next layer
+(`ModelRunner.run`): on a CPU such a step takes up to half a second with long batch prompts, and the
 request would otherwise wait for its end. Nothing of the stopped step is accounted, so the next step
 (the interactive request's own, as the batch lane then yields) feeds the same batch tokens later; the
 price is at most half a step's work per interactive arrival.
@@ -68,7 +68,7 @@ class AsyncEngine:
         self._hold_for = engine.scheduler.config.handoff_hold_ms / 1000
         self._held_since: float | None = None
         # Set when interactive work arrives; a batch-only step's model run checks it before every layer.
-        self._arrived: threading.Event | None = threading.Event() if engine.scheduler.config.interrupt_batch_steps else None
+        self._arrived: threading.Event | None = threading.Event() if engine.scheduler.config.interrupt_batch_steps > 0 else None
 
     @property
     def num_active(self) -> int:

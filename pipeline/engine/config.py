@@ -70,7 +70,7 @@ class EngineConfig:
     handoff_hold_ms: float = 50.0  # after an interactive prefill, the batch lane waits up to this for its decode (0: never)
     batch_prompt_tokens: int = 64  # batch-lane prompt tokens per step, bounding the step an interactive request waits behind (0: no cap)
     shared_prompt_tokens: int = 16  # the same cap in a step shared with interactive rows (0: batch_prompt_tokens applies)
-    interrupt_batch_steps: bool = True  # an interactive arrival stops a batch-only step in its first half (AsyncEngine)
+    interrupt_batch_steps: float = 0.5  # an interactive arrival stops a batch-only step within this share of its layers (0: never)
     device: str = "cpu"
     dtype: str = "float32"  # float32, bfloat16 or float16
 
@@ -89,6 +89,8 @@ class EngineConfig:
         if self.batch_prompt_tokens < 0 or self.shared_prompt_tokens < 0:
             raise ValueError(f"batch_prompt_tokens and shared_prompt_tokens must not be negative, got "
                              f"{self.batch_prompt_tokens} and {self.shared_prompt_tokens}")
+        if not 0 <= self.interrupt_batch_steps <= 1:
+            raise ValueError(f"interrupt_batch_steps is a share of a step's layers, 0 to 1, got {self.interrupt_batch_steps}")
         if self.handoff_hold_ms < 0:
             raise ValueError(f"handoff_hold_ms must not be negative, got {self.handoff_hold_ms}")
         if self.num_blocks < 0 or (self.num_blocks == 0 and self.kv_cache_bytes < 1):

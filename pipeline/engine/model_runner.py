@@ -19,6 +19,7 @@ stay float32 whatever the weights' dtype (`kv_dtype`).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -113,11 +114,12 @@ class ModelRunner:
     def run(self, output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[StepTokens]:
         """Compute the step and sample; returns one entry per chunk (`StepTokens`: None where it did not
         sample, the accepted tokens where it verified drafts). Blocking: the async engine calls it in its
-        model thread. `interrupt`: checked before each layer of the first half; once set, the step stops
-        there and raises `StepInterrupted` (the K/V it wrote lie past every sequence's computed tokens:
-        the next step that feeds those tokens writes them again). Past half its layers a step finishes:
-        what it has done is then more than the wait it would save (an arrival timed to a step's end
-        would otherwise throw whole steps away)."""
+        model thread. `interrupt`: checked before each layer within the config's `interrupt_batch_steps`
+        share of them (0.5: the first half); once set, the step stops there and raises `StepInterrupted`
+        (the K/V it wrote lie past every sequence's computed tokens: the next step that feeds those
+        tokens writes them again). Past that share a step finishes: at a half, what it has done is then
+        more than the wait it would save (an arrival timed to a step's end would otherwise throw whole
+        steps away: docs/benchmarks.md)."""
         chunks = list(output.chunks)
         if not chunks:
             return []
@@ -196,7 +198,7 @@ class ModelRunner:
         cfg, w = self.model_config, self.weights
         x = F.embedding(plan.ids, w.embed)
         tokens = x.shape[0]
-        stoppable = (len(w.layers) + 1) // 2  # an interrupt stops the step before one of these layers only
+        stoppable = math.ceil(len(w.layers) * self.config.interrupt_batch_steps)  # an interrupt stops the step before one of these only
         for index, layer in enumerate(w.layers):
             if interrupt is not None and index < stoppable and interrupt.is_set():
                 raise StepInterrupted(f"step stopped before layer {index} of {len(w.layers)}")
