@@ -111,6 +111,10 @@ class BackendSettings:
     # tokens/s on a CPU with AVX-512 BF16, docs/benchmarks.md); greedy answers then differ from float32's
     # wherever two tokens score nearly alike. The KV cache and attention stay float32 on a CPU
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # local: an interactive request arriving while a step of batch-lane rows only computes stops it within this
+    # share of its layers (1: anywhere, 0.5: in its first half, 0: never). 1 keeps interactive latency lowest
+    # beside a backfill; lower values throw less batch work away (docs/backfill.md)
+    interrupt_batch_steps: float = 1.0
 
     @property
     def splits(self) -> bool:
@@ -235,6 +239,8 @@ class Settings:
                 raise SettingsError(f"backend {b.name!r}: speculative needs kind local and num_draft_tokens 1..16")
             if b.dtype != "float32" and b.kind != "local":
                 raise SettingsError(f"backend {b.name!r}: dtype is a local backend's setting")
+            if not 0 <= b.interrupt_batch_steps <= 1 or (b.interrupt_batch_steps != 1 and b.kind != "local"):
+                raise SettingsError(f"backend {b.name!r}: interrupt_batch_steps is a local backend's setting, 0 to 1")
         for pool in self.pools:
             if len({b.splits for b in self.backends if b.pool == pool}) > 1:
                 raise SettingsError(f"pool {pool!r} mixes backends with and without the prefill/decode split")

@@ -35,7 +35,8 @@ def _build(settings: Settings, config: BackendSettings) -> Backend:
 
             speculative = SpeculativeParams(num_draft_tokens=config.num_draft_tokens)
         backend = LocalBackend.from_path(
-            path, name=config.name, max_batch=config.max_batch, kv_store=store, speculative=speculative, dtype=config.dtype
+            path, name=config.name, max_batch=config.max_batch, kv_store=store, speculative=speculative, dtype=config.dtype,
+            interrupt_batch_steps=config.interrupt_batch_steps,
         )
         # running, waiting and KV usage at /metrics; here, not in LocalBackend: Triton's environment
         # (sluice_llm runs the engine inside it) has no prometheus_client, and Triton has metrics of its own

@@ -15,11 +15,11 @@ inputs snapshotted by `schedule()`, so a cancel during a step is safe (the step'
 sequence is discarded). Waiters hear of every token through a per-sequence queue.
 
 An interactive request (a prefill, or a decode that begins) arriving while a step with batch-lane rows
-only is in its first half (`EngineConfig.interrupt_batch_steps`, 0.5) stops that step at its next layer
-(`ModelRunner.run`): on a CPU such a step takes up to half a second with long batch prompts, and the
-request would otherwise wait for its end. Nothing of the stopped step is accounted, so the next step
-(the interactive request's own, as the batch lane then yields) feeds the same batch tokens later; the
-price is at most half a step's work per interactive arrival.
+only computes stops that step at its next layer (`ModelRunner.run`; `EngineConfig.interrupt_batch_steps`
+may limit this to the first part of a step): on a CPU such a step takes up to half a second with long
+batch prompts, and the request would otherwise wait for its end. Nothing of the stopped step is
+accounted, so the next step (the interactive request's own, as the batch lane then yields) feeds the
+same batch tokens later; the price is the stopped step's work, at most one step per interactive arrival.
 """
 
 from __future__ import annotations

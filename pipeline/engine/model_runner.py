@@ -115,11 +115,10 @@ class ModelRunner:
         """Compute the step and sample; returns one entry per chunk (`StepTokens`: None where it did not
         sample, the accepted tokens where it verified drafts). Blocking: the async engine calls it in its
         model thread. `interrupt`: checked before each layer within the config's `interrupt_batch_steps`
-        share of them (0.5: the first half); once set, the step stops there and raises `StepInterrupted`
-        (the K/V it wrote lie past every sequence's computed tokens: the next step that feeds those
-        tokens writes them again). Past that share a step finishes: at a half, what it has done is then
-        more than the wait it would save (an arrival timed to a step's end would otherwise throw whole
-        steps away: docs/benchmarks.md)."""
+        share of them (1: every layer, 0.5: the first half); once set, the step stops there and raises
+        `StepInterrupted` (the K/V it wrote lie past every sequence's computed tokens: the next step that
+        feeds those tokens writes them again). Past that share a step finishes: with 0.5 a step is never
+        stopped when what it has done outweighs the wait it would save (docs/benchmarks.md)."""
         chunks = list(output.chunks)
         if not chunks:
             return []

@@ -135,6 +135,16 @@ def test_engine_dtype_is_float32_by_default_read_when_set_and_local_only(tmp_pat
         assert expected in str(caught.value)
 
 
+def test_interrupt_batch_steps_is_read_checked_and_local_only(tmp_path: Path) -> None:
+    assert all(b.interrupt_batch_steps == 1.0 for b in load(DEFAULT_CONFIG, {}).backends)
+    [backend] = load_text(tmp_path, '[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\ninterrupt_batch_steps = 0.5\n').backends
+    assert backend.interrupt_batch_steps == 0.5
+    for entry in ('interrupt_batch_steps = 1.5\n', 'interrupt_batch_steps = -1\n', 'kind = "instant"\ninterrupt_batch_steps = 0\n'):
+        with pytest.raises(SettingsError) as caught:
+            load_text(tmp_path, f'[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\n{entry}')
+        assert "interrupt_batch_steps is a local backend's setting, 0 to 1" in str(caught.value)
+
+
 def test_speculative_decoding_is_off_by_default_and_read_when_set(tmp_path: Path) -> None:
     assert all(b.speculative == "off" for b in load(DEFAULT_CONFIG, {}).backends)
     entry = '[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\nspeculative = "ngram"\nnum_draft_tokens = 6\n'

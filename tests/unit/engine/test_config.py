@@ -19,6 +19,6 @@ def test_nonsense_limits_are_refused(bad: dict[str, object], named: str) -> None
 
 
 def test_the_defaults_and_the_edges_are_accepted() -> None:
-    assert EngineConfig().interrupt_batch_steps == 0.5
+    assert EngineConfig().interrupt_batch_steps == 1.0
     EngineConfig(interrupt_batch_steps=0.0, shared_prompt_tokens=0, batch_prompt_tokens=0, handoff_hold_ms=0.0)
     EngineConfig(interrupt_batch_steps=1.0)

@@ -86,14 +86,14 @@ def test_bfloat16_weights_keep_a_float32_pool_on_cpu_and_score_like_float32(load
 def test_an_interrupt_stops_a_step_only_in_its_first_half(
     loaded: Loaded, set_at_layer: int, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Set before layer 3 of 30, the step stops at the next check; set 3 layers before the end, it
-    finishes (what is done outweighs the wait saved) and samples what an uninterrupted step samples."""
+    """With `interrupt_batch_steps` 0.5: set before layer 3 of 30, the step stops at the next check; set 3
+    layers before the end, it finishes and samples what an uninterrupted step samples."""
     prompt = chat_ids(loaded, PROMPTS[0])
     plain = make_engine(loaded)
     plain.add_request(EngineRequest(prompt, max_tokens=2))
     expected = plain.execute(plain.scheduler.schedule())
 
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, interrupt_batch_steps=0.5)  # type: ignore[arg-type]
     engine.add_request(EngineRequest(prompt, max_tokens=2))
     layers = len(engine.runner.weights.layers)
     interrupt, calls = threading.Event(), []
