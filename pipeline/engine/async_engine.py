@@ -68,7 +68,8 @@ class AsyncEngine:
         self._hold_for = engine.scheduler.config.handoff_hold_ms / 1000
         self._held_since: float | None = None
         # Set when interactive work arrives; a batch-only step's model run checks it before every layer.
-        self._arrived: threading.Event | None = threading.Event() if engine.scheduler.config.interrupt_batch_steps > 0 else None
+        stops = engine.scheduler.config.interrupt_batch_steps > 0
+        self._arrived: threading.Event | None = threading.Event() if stops else None
 
     @property
     def num_active(self) -> int:

@@ -192,12 +192,14 @@ class ModelRunner:
         self.k_cache.view(k.shape[0], flat, *k.shape[2:]).index_copy_(1, slots, k.to(self.device, self.kv_dtype))
         self.v_cache.view(v.shape[0], flat, *v.shape[2:]).index_copy_(1, slots, v.to(self.device, self.kv_dtype))
 
-    def _forward(self, chunks: list[ScheduledChunk], rows: torch.Tensor, interrupt: threading.Event | None = None) -> torch.Tensor:
+    def _forward(
+        self, chunks: list[ScheduledChunk], rows: torch.Tensor, interrupt: threading.Event | None = None,
+    ) -> torch.Tensor:
         plan = self._plan(chunks)
         cfg, w = self.model_config, self.weights
         x = F.embedding(plan.ids, w.embed)
         tokens = x.shape[0]
-        stoppable = math.ceil(len(w.layers) * self.config.interrupt_batch_steps)  # an interrupt stops the step before one of these only
+        stoppable = math.ceil(len(w.layers) * self.config.interrupt_batch_steps)  # an interrupt acts before these layers only
         for index, layer in enumerate(w.layers):
             if interrupt is not None and index < stoppable and interrupt.is_set():
                 raise StepInterrupted(f"step stopped before layer {index} of {len(w.layers)}")

@@ -16,8 +16,8 @@ and blocks allow, interactive first, except that on the batch lane's steps a bat
 `aging_steps` steps or more goes ahead of waiting interactive ones, so batch work is never starved
 (on a step where the batch lane yields, no batch request starts, aged or not: a preempted request is
 aged at once, and with long batch prompts its prompt chunk in nearly every interactive step made those
-steps several times slower; its later chunks would wait for the lane's steps anyway). An interactive request that
-finds no free blocks or no free seat preempts running batch-lane sequences (the last arrived first)
+steps several times slower; its later chunks would wait for the lane's steps anyway). An interactive
+request that finds no free blocks or no free seat preempts running batch-lane sequences (the last arrived first)
 until it fits: otherwise a backfill of long prompts that fills the KV pool would hold it back until
 batch sequences finish, tens of seconds on a CPU (docs/benchmarks.md, "long prompts").
 

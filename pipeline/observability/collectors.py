@@ -1,7 +1,7 @@
 """Metrics read at scrape time from objects that already know them: the engine's scheduler (running and
 waiting sequences, KV blocks in use, as vLLM reports them; speculative draft tokens proposed and
-accepted; batch-only steps stopped for interactive arrivals) and route's view of backend health (which backends are ejected). Objects are held weakly: a
-closed engine or stage drops out of the output."""
+accepted; batch-only steps stopped for interactive arrivals) and route's view of backend health
+(which backends are ejected). Objects are held weakly: a closed engine or stage drops out of the output."""
 
 from __future__ import annotations
 
