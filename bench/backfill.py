@@ -11,6 +11,8 @@ same prompts must not be answered from the cache) in this process with the local
 1. interactive, one at a time: each prompt sent and answered before the next (tokens/s);
 2. backfill: the same prompts as one batch job (files, Redis progress, the worker, priority batch,
    `batch.max_in_flight` lines at once), from creation to completed (tokens/s, from the output file);
+   then the engine alone: the same prompts straight into the backend (no Kafka, no stages, no job),
+   `batch.max_in_flight` at once on the batch lane: the batched rate the backfill should approach;
 3. interactive latency, idle: `--probes` short requests one after another, each sent 0.1-0.3 s
    (uniform, seeded) after the last one's answer, so that they meet the engine's steps at every
    point (a fixed pause lands every probe at the same point of a batch step) (p50, p99);
@@ -47,7 +49,7 @@ from bench.step_trace import StepTrace
 from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
-from pipeline.backends.base import Backend
+from pipeline.backends.base import Backend, GenerationRequest, Message
 from pipeline.batch.execute import Executor
 from pipeline.batch.files import FileStore
 from pipeline.batch.records import TERMINAL, Batch, Status, new_batch_id
@@ -127,6 +129,23 @@ async def probe(client: Client, n: int, max_tokens: int, phase: str = "idle") ->
         await asyncio.sleep(PAUSES.uniform(0.1, 0.3))
     print("  where: " + ", ".join(f"{stage} {sum(v) / len(v):.0f} ms" for stage, v in timings.items()), flush=True)
     return latencies
+
+
+async def engine_alone(backends: dict[str, Backend], texts: list[str], max_tokens: int, in_flight: int) -> float:
+    """Tokens/s of the same prompts sent straight to the backend, `in_flight` at once, batch lane, the
+    bridge's tenant (so the prefix cache serves them as it serves the job's lines)."""
+    backend = next(iter(backends.values()))
+    gate = asyncio.Semaphore(in_flight)
+
+    async def one(i: int, text: str) -> int:
+        request = GenerationRequest(f"alone-{i}", messages=(Message("user", text),), max_tokens=max_tokens,
+                                    tenant="default", priority="batch", stream=False)
+        async with gate:
+            return sum([len(delta.token_ids) async for delta in backend.generate(request)])
+
+    started = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i, text) for i, text in enumerate(texts))))
+    return tokens / (time.perf_counter() - started)
 
 
 def block_order(blocks: int) -> list[str]:
@@ -232,6 +251,9 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
             batch_tokens = backfill.completion_tokens(job)
             backfill_tps = batch_tokens / backfill_s
             print(f"backfill ({job.status.value}): {batch_tokens} tokens in {backfill_s:.1f} s = {backfill_tps:.1f} tokens/s", flush=True)
+            alone_tps = await engine_alone(backends, texts, args.max_tokens, settings.batch.max_in_flight)
+            print(f"engine alone, the same prompts {settings.batch.max_in_flight} at once: {alone_tps:.1f} tokens/s "
+                  f"(the backfill {backfill_tps / alone_tps:.2f}x of it)", flush=True)
 
             idle: list[float] = []
             busy: list[float] = []
@@ -269,6 +291,8 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
           f"| interactive, one at a time ({len(texts)} prompts of at most {args.prompt_chars} characters, max_tokens {args.max_tokens}) | {interactive_tps:.1f} tokens/s |\n"
           f"| backfill, the same prompts (batch lane, max_in_flight {b.max_in_flight}, max_batch "
           f"{settings.backends[0].max_batch}, torch_threads {settings.runtime.torch_threads}, dtype {settings.backends[0].dtype}, engine {overrides or 'defaults'}) | {backfill_tps:.1f} tokens/s ({backfill_tps / interactive_tps:.2f}x) |\n"
+          f"| the engine alone, the same prompts, {b.max_in_flight} at once (no Kafka, no stages) | {alone_tps:.1f} tokens/s "
+          f"(the backfill {backfill_tps / alone_tps:.2f}x of it) |\n"
           f"| interactive p50 / p99, idle ({len(idle)} probes in {args.blocks} block(s), max_tokens {args.probe_tokens}) | "
           f"{percentile(idle, 50):.0f} / {percentile(idle, 99):.0f} ms |\n"
           f"| interactive p50 / p99, during a backfill ({'distinct prompts' if args.distinct_load else 'the same prompts x8'}) | {percentile(busy, 50):.0f} / {percentile(busy, 99):.0f} ms "
