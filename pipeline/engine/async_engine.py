@@ -67,9 +67,9 @@ class AsyncEngine:
         self._due: dict[int, float] = {}  # interactive parked sequences -> until when the batch lane waits for them
         self._hold_for = engine.scheduler.config.handoff_hold_ms / 1000
         self._held_since: float | None = None
-        # Set when interactive work arrives; a batch-only step's model run checks it before every layer.
-        stops = engine.scheduler.config.interrupt_batch_steps > 0
-        self._arrived: threading.Event | None = threading.Event() if stops else None
+        # Set when interactive work arrives; a batch-only step's model run checks it before its layers
+        # (those within `interrupt_batch_steps`: none when that is 0).
+        self._arrived = threading.Event()
 
     @property
     def num_active(self) -> int:
@@ -201,7 +201,7 @@ class AsyncEngine:
         return seq
 
     def _interactive_arrived(self, seq: Sequence) -> None:
-        if self._arrived is not None and seq.priority is Priority.INTERACTIVE:
+        if seq.priority is Priority.INTERACTIVE:
             self._arrived.set()
 
     def _release(self, handle: str, seq: Sequence) -> None:
@@ -255,8 +255,7 @@ class AsyncEngine:
                 await self._wake.wait()
                 continue
             hold = self._hold_s()
-            if self._arrived is not None:
-                self._arrived.clear()  # whatever arrived so far, this schedule sees
+            self._arrived.clear()  # whatever arrived so far, this schedule sees
             output = scheduler.schedule(hold_batch=hold > 0)
             self._forget(output.dropped)
             if output.is_empty:  # nothing fits yet, or a decode is due: wait for a wake-up (a release, a decode)
