@@ -2,9 +2,9 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: setup run run-observe run-triton test test-all chaos bench bench-models train-guard clean
+.PHONY: setup kernels run run-observe run-triton test test-all chaos bench bench-models train-guard clean
 
-setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted .venv-triton/.installed .observe-installed
+setup: .venv/.installed infra/kafka/lib/.resolved .redis-installed .cache/models/.converted .venv-triton/.installed .observe-installed kernels
 
 .venv/.installed: requirements.lock.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -30,6 +30,11 @@ infra/kafka/lib/.resolved: infra/kafka/pom.xml
 .observe-installed:
 	command -v promtool >/dev/null && command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q prometheus chromium)
 	touch $@
+
+# The engine's decode-attention kernel, compiled for this CPU into torch's extensions directory (about a
+# minute the first time, a second when built; an engine builds it itself otherwise).
+kernels: .venv/.installed
+	$(PY) -m pipeline.engine.paged_kernel
 
 .cache/models/.converted: .venv/.installed pipeline/models.py pipeline/guard/minilm_onnx.py pipeline/guard/finetune.py pipeline/guard/data/injection_lora.npz pipeline/guard/data/injection_head.npz
 	$(PY) -m pipeline.models .cache/models

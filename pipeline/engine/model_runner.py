@@ -4,11 +4,13 @@ The KV pool is two tensors per engine, [layers, blocks, block_size, kv_heads, he
 writes the new tokens' K and V into their slots (block_table[pos // block_size], pos % block_size),
 then attends by gathering each sequence's blocks from the pool:
 
-- decode chunks (one token each) are attended in groups of similar length: sorted by length and cut
-  into groups of up to DECODE_GROUP, each group's blocks are gathered into one padded
-  [group, kv_heads, max_len, head_dim] tensor and one scaled_dot_product_attention call runs with a
-  mask hiding each sequence's padding (batched decode across different lengths; sorting keeps the
-  padding, and so the bytes gathered, small when lengths differ widely);
+- decode chunks (one token each), on a CPU: one call per layer of the compiled kernel
+  (`paged_kernel.py`) that reads every decoding sequence's keys and values in place from its blocks;
+- decode chunks elsewhere (or where the kernel cannot be built): in groups of similar length, sorted
+  by length and cut into groups of up to DECODE_GROUP, each group's blocks gathered into one padded
+  [group, kv_heads, max_len, head_dim] tensor and one scaled_dot_product_attention call run with a
+  mask hiding each sequence's padding (sorting keeps the padding, and so the bytes gathered, small
+  when lengths differ widely);
 - prefill chunks are attended one by one: a first chunk attends to its own fresh K/V causally, a later
   chunk (or one after a prefix-cache hit) gathers its earlier blocks with a causal offset mask.
 
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from pipeline.engine.config import EngineConfig, ModelConfig
 from pipeline.engine.errors import StepInterrupted
 from pipeline.engine.llama import LlamaWeights, apply_rotary, mlp, rms_norm, rotary
+from pipeline.engine.paged_kernel import paged_decode
 from pipeline.engine.sampler import sample_batch
 from pipeline.engine.scheduler import ScheduledChunk, SchedulerOutput, StepTokens
 from pipeline.engine.sequence import Sequence
@@ -60,12 +63,20 @@ class _DecodeGroup:
 
 
 @dataclass(frozen=True)
+class _PagedDecodes:
+    count: int  # rows 0..count-1 of the step's tokens
+    tables: torch.Tensor  # [count, max_blocks] int64, padded with block 0 (never read past a length)
+    lengths: torch.Tensor  # [count] int64, tokens each attends to, its new one included
+
+
+@dataclass(frozen=True)
 class _Plan:
     ids: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] flat slot of each token in the pool
     cos: torch.Tensor
     sin: torch.Tensor
     decodes: tuple[_DecodeGroup, ...]  # rows 0..num_decode-1 are single-token decodes
+    paged: _PagedDecodes | None  # the same decodes for the kernel (then `decodes` is empty)
     prefills: tuple[_Prefill, ...]
 
 
@@ -93,6 +104,8 @@ class ModelRunner:
         self.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         self._zeroed = 0  # blocks 0 .. _zeroed - 1 have been zeroed (the block manager hands out fresh ones in order)
         self._staging: torch.Tensor | None = None  # `read_kv(staged=True)`'s buffer
+        on_cpu = self.device.type == "cpu" and self.kv_dtype == torch.float32
+        self._paged_decode = paged_decode() if config.decode_kernel and on_cpu else None
 
     @classmethod
     def from_path(cls, path: Path, config: EngineConfig) -> ModelRunner:
@@ -228,6 +241,10 @@ class ModelRunner:
     ) -> torch.Tensor:
         scale = self.model_config.head_dim**-0.5
         out = torch.empty_like(q)  # [T, heads, head_dim]
+        if plan.paged is not None and self._paged_decode is not None:
+            n = plan.paged.count
+            o = self._paged_decode(q[:n].to(self.kv_dtype).contiguous(), k_pool, v_pool, plan.paged.tables, plan.paged.lengths, scale)
+            out[:n] = o.to(q.dtype)
         for g in plan.decodes:
             keys = _gather(k_pool, g.blocks)[:, : g.length].transpose(1, 2)  # [G, kv_heads, L, head_dim]
             values = _gather(v_pool, g.blocks)[:, : g.length].transpose(1, 2)
@@ -278,7 +295,8 @@ class ModelRunner:
         num_decode = 0
         while num_decode < len(chunks) and len(chunks[num_decode].token_ids) == 1 and chunks[num_decode].start > 0:
             num_decode += 1
-        decodes = self._decode_groups(chunks[:num_decode])
+        paged = self._paged_plan(chunks[:num_decode]) if self._paged_decode is not None and num_decode else None
+        decodes = self._decode_groups(chunks[:num_decode]) if paged is None else ()
         prefills, row = [], 0
         for i, chunk in enumerate(chunks):
             n = len(chunk.token_ids)
@@ -291,6 +309,7 @@ class ModelRunner:
             cos=cos,
             sin=sin,
             decodes=decodes,
+            paged=paged,
             prefills=tuple(prefills),
         )
 
@@ -311,6 +330,14 @@ class ModelRunner:
             rows = torch.tensor(members, dtype=torch.long, device=self.device)
             groups.append(_DecodeGroup(rows, length, table.to(self.device), mask))
         return tuple(groups)
+
+    def _paged_plan(self, decodes: list[ScheduledChunk]) -> _PagedDecodes:
+        lengths = [c.start + 1 for c in decodes]
+        table = torch.zeros(len(decodes), -(-max(lengths) // self.block_size), dtype=torch.long)
+        for row, (chunk, length) in enumerate(zip(decodes, lengths, strict=True)):
+            used = chunk.block_table[: -(-length // self.block_size)]
+            table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+        return _PagedDecodes(len(decodes), table, torch.tensor(lengths, dtype=torch.long))
 
     def _prefill_plan(self, chunk: ScheduledChunk, row: int) -> _Prefill:
         n, start = len(chunk.token_ids), chunk.start

@@ -31,15 +31,19 @@ def reference(loaded: Loaded, ids: tuple[int, ...], n: int) -> list[int]:
     return [int(t) for t in out[0, len(ids) :]]
 
 
-@pytest.mark.parametrize("group", [8, 2], ids=["one-decode-group", "decodes-in-length-groups"])
-def test_batched_greedy_equals_transformers_generate(loaded: Loaded, group: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # with groups of 2 the three decodes are sorted by length and split ("Hi" and the poem, then the
-    # long one), so rows are attended out of order and written back in place
+@pytest.mark.parametrize(("kernel", "group"), [(True, 8), (False, 8), (False, 2)],
+                         ids=["paged-kernel", "one-decode-group", "decodes-in-length-groups"])
+def test_batched_greedy_equals_transformers_generate(
+    loaded: Loaded, kernel: bool, group: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the torch path: with groups of 2 the three decodes are sorted by length and split ("Hi" and the
+    # poem, then the long one), so rows are attended out of order and written back in place
     monkeypatch.setattr(model_runner, "DECODE_GROUP", group)
     prompts = [chat_ids(loaded, p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) == len(prompts)
     # a small token budget: the long prompt is prefilled in chunks while the others already decode
-    engine = make_engine(loaded, max_num_batched_tokens=24, block_size=8)
+    engine = make_engine(loaded, max_num_batched_tokens=24, block_size=8, decode_kernel=kernel)
+    assert (engine.runner._paged_decode is not None) == kernel, "the kernel did not build here (see the warning)"
     # the pool starts as whatever memory held: NaN there must not reach a token through masked slots
     engine.runner.k_cache.fill_(float("nan"))
     engine.runner.v_cache.fill_(float("nan"))
