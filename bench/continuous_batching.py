@@ -176,6 +176,8 @@ def main() -> None:
     parser.add_argument("--engine-batch", type=int, default=32, help="the engine's max_num_seqs in that KV memory")
     parser.add_argument("--sweep-batches", default="4,8,16", help="--split dev: static B values tried")
     parser.add_argument("--sweep-engine", default="8,16,32,64", help="--split dev: max_num_seqs values tried")
+    parser.add_argument("--systems", default="", help="--split test: a comma-separated subset of continuous, "
+                        "engine-static, hf-generate, hf-rowdrop (default: all)")
     parser.add_argument("--max-prompt", type=int, default=192)
     parser.add_argument("--max-output", type=int, default=256, help="clip ShareGPT answer lengths to this")
     args = parser.parse_args()
@@ -245,6 +247,9 @@ def compare(args, workload, model, engine_for, kv_bytes) -> None:  # type: ignor
         f"hf-generate (B {hf_batch}, per-row stopping, {args.hf_cache} cache)": lambda r: hf_generate(model, workload, hf_batch, args.hf_cache, device),
         f"hf-rowdrop (B {hf_batch}, finished rows leave the batch)": lambda r: hf_rowdrop(model, workload, hf_batch, device),
     }
+    if args.systems:
+        wanted = args.systems.split(",")
+        systems = {label: run for label, run in systems.items() if label.split(" (")[0] in wanted}
     runs: dict[str, list[Run]] = {label: [] for label in systems}
     for r in range(args.repeats):
         print(f"repeat {r + 1}:")
