@@ -2,7 +2,7 @@
 
 The KV pool is two tensors per engine, [layers, blocks, block_size, kv_heads, head_dim]. Each step
 writes the new tokens' K and V into their slots (block_table[pos // block_size], pos % block_size),
-then attends by gathering each sequence's blocks from the pool:
+then attends:
 
 - decode chunks (one token each), on a CPU: one call per layer of the compiled kernel
   (`paged_kernel.py`) that reads every decoding sequence's keys and values in place from its blocks;
