@@ -17,7 +17,7 @@ import statistics
 import time
 
 from bench.engine_common import add_model_args, load_model, make_engine
-from pipeline.engine.config import EngineConfig
+from pipeline.engine.config import EngineConfig, ModelConfig
 from pipeline.engine.params import EngineRequest
 
 STEPS = 24  # timed decode steps per engine and repeat
@@ -25,7 +25,7 @@ STEPS = 24  # timed decode steps per engine and repeat
 
 def decoding_engine(model, seqs: int, context: int, kernel: bool, seed: int):  # type: ignore[no-untyped-def]
     rng = random.Random(seed)
-    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (model.config.hidden_size // model.config.num_attention_heads) * 4
+    per_token = ModelConfig.from_dict(model.config.to_dict()).kv_bytes_per_token(4)  # a float32 pool on a CPU
     config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=2048, decode_kernel=kernel,
                           kv_cache_bytes=seqs * (context + 4 * STEPS + 64) * per_token)
     engine = make_engine(model, config)

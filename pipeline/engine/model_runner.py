@@ -104,8 +104,7 @@ class ModelRunner:
         self.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         self._zeroed = 0  # blocks 0 .. _zeroed - 1 have been zeroed (the block manager hands out fresh ones in order)
         self._staging: torch.Tensor | None = None  # `read_kv(staged=True)`'s buffer
-        on_cpu = self.device.type == "cpu" and self.kv_dtype == torch.float32
-        self._paged_decode = paged_decode() if config.decode_kernel and on_cpu else None
+        self._paged_decode = paged_decode() if config.decode_kernel and self.device.type == "cpu" else None  # a float32 pool there
 
     @classmethod
     def from_path(cls, path: Path, config: EngineConfig) -> ModelRunner:
