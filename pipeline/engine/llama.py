@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from pipeline.engine.config import ModelConfig
+from pipeline.engine.packed_linear import linear
 
 __all__ = ["LayerWeights", "LlamaWeights", "rms_norm", "rotary", "apply_rotary"]
 
@@ -128,4 +129,4 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
+    return linear(F.silu(linear(x, layer.gate)) * linear(x, layer.up), layer.down)

@@ -4,15 +4,17 @@ The KV pool is two tensors per engine, [layers, blocks, block_size, kv_heads, he
 writes the new tokens' K and V into their slots (block_table[pos // block_size], pos % block_size),
 then attends:
 
-- decode chunks (one token each), on a CPU: one call per layer of the compiled kernel
-  (`paged_kernel.py`) that reads every decoding sequence's keys and values in place from its blocks;
+- decode chunks (one token each) and other short chunks over earlier KV (speculative decoding's
+  verification chunks of k + 1 tokens), on a CPU: one call per layer of the compiled kernel
+  (`paged_kernel.py`) that reads each query row's keys and values in place from its sequence's blocks;
+  a chunk's tokens are rows of their own, token j attending to positions up to start + j (causal);
 - decode chunks elsewhere (or where the kernel cannot be built): in groups of similar length, sorted
   by length and cut into groups of up to DECODE_GROUP, each group's blocks gathered into one padded
   [group, kv_heads, max_len, head_dim] tensor and one scaled_dot_product_attention call run with a
   mask hiding each sequence's padding (sorting keeps the padding, and so the bytes gathered, small
   when lengths differ widely);
-- prefill chunks are attended one by one: a first chunk attends to its own fresh K/V causally, a later
-  chunk (or one after a prefix-cache hit) gathers its earlier blocks with a causal offset mask.
+- other chunks are attended one by one: a first chunk attends to its own fresh K/V causally, a later
+  one (or one after a prefix-cache hit) gathers its earlier blocks with a causal offset mask.
 
 The projections, MLPs and lm_head run once over all the step's tokens, in the weights' dtype. The same
 code runs on CUDA with device tensors; one choice differs by device: on a CPU the KV pool and attention
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from pipeline.engine.config import EngineConfig, ModelConfig
 from pipeline.engine.errors import StepInterrupted
 from pipeline.engine.llama import LlamaWeights, apply_rotary, mlp, rms_norm, rotary
+from pipeline.engine.packed_linear import linear, pack
 from pipeline.engine.paged_kernel import paged_decode
 from pipeline.engine.sampler import sample_batch
 from pipeline.engine.scheduler import ScheduledChunk, SchedulerOutput, StepTokens
@@ -43,6 +46,7 @@ __all__ = ["ModelRunner"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODE_GROUP = 8
+KERNEL_CHUNK = 16  # chunks over earlier KV of up to this many tokens attend with the kernel, longer ones gather
 
 
 @dataclass(frozen=True)
@@ -63,10 +67,10 @@ class _DecodeGroup:
 
 
 @dataclass(frozen=True)
-class _PagedDecodes:
-    count: int  # rows 0..count-1 of the step's tokens
-    tables: torch.Tensor  # [count, max_blocks] int64, padded with block 0 (never read past a length)
-    lengths: torch.Tensor  # [count] int64, tokens each attends to, its new one included
+class _PagedRows:
+    rows: torch.Tensor  # [R] rows of the step's tokens that the kernel attends
+    tables: torch.Tensor  # [R, max_blocks] int64, each row's sequence's blocks, padded with block 0 (never read past a length)
+    lengths: torch.Tensor  # [R] int64, positions each row attends to, its own included
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,8 @@ class _Plan:
     slots: torch.Tensor  # [T] flat slot of each token in the pool
     cos: torch.Tensor
     sin: torch.Tensor
-    decodes: tuple[_DecodeGroup, ...]  # rows 0..num_decode-1 are single-token decodes
-    paged: _PagedDecodes | None  # the same decodes for the kernel (then `decodes` is empty)
+    decodes: tuple[_DecodeGroup, ...]  # single-token decodes, without the kernel
+    paged: _PagedRows | None  # decodes and short chunks, with the kernel (then `decodes` is empty)
     prefills: tuple[_Prefill, ...]
 
 
@@ -84,8 +88,9 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: LlamaWeights, config: EngineConfig) -> None:
         self.model_config = model_config
         self.config = config
-        self.weights = weights
         self.device = torch.device(config.device)
+        cpu = self.device.type == "cpu"
+        self.weights = pack(weights) if cpu and config.packed_weights else weights  # reordered once for oneDNN
         self.dtype = _DTYPES[config.dtype]
         # The KV pool's dtype, in which attention computes: the model's, except on a CPU, where PyTorch's
         # attention kernel is several times slower in bfloat16 than in float32 (1.3 against 0.26 ms a call
@@ -104,7 +109,7 @@ class ModelRunner:
         self.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         self._zeroed = 0  # blocks 0 .. _zeroed - 1 have been zeroed (the block manager hands out fresh ones in order)
         self._staging: torch.Tensor | None = None  # `read_kv(staged=True)`'s buffer
-        self._paged_decode = paged_decode() if config.decode_kernel and self.device.type == "cpu" else None  # a float32 pool there
+        self._paged_decode = paged_decode() if config.decode_kernel and cpu else None  # a float32 pool there
 
     @classmethod
     def from_path(cls, path: Path, config: EngineConfig) -> ModelRunner:
@@ -216,18 +221,18 @@ class ModelRunner:
             if interrupt is not None and index < stoppable and interrupt.is_set():
                 raise StepInterrupted(f"step stopped before layer {index} of {len(w.layers)}")
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            q = F.linear(h, layer.q, layer.q_bias).view(tokens, cfg.num_heads, cfg.head_dim)
-            k = F.linear(h, layer.k, layer.k_bias).view(tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = F.linear(h, layer.v, layer.v_bias).view(tokens, cfg.num_kv_heads, cfg.head_dim)
+            q = linear(h, layer.q, layer.q_bias).view(tokens, cfg.num_heads, cfg.head_dim)
+            k = linear(h, layer.k, layer.k_bias).view(tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = linear(h, layer.v, layer.v_bias).view(tokens, cfg.num_kv_heads, cfg.head_dim)
             q, k = apply_rotary(q, plan.cos, plan.sin), apply_rotary(k, plan.cos, plan.sin)
             k_pool, v_pool = self.k_cache[index], self.v_cache[index]
             k_pool.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, plan.slots, k.to(self.kv_dtype))
             v_pool.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, plan.slots, v.to(self.kv_dtype))
             attn = self._attention(q, k, v, k_pool, v_pool, plan)
-            x = x + F.linear(attn.reshape(tokens, -1), layer.o)
+            x = x + linear(attn.reshape(tokens, -1), layer.o)
             x = x + mlp(rms_norm(x, layer.post_norm, cfg.rms_norm_eps), layer)
         x = rms_norm(x.index_select(0, rows), w.norm, cfg.rms_norm_eps)
-        return F.linear(x, w.lm_head)
+        return linear(x, w.lm_head)
 
     def _attention(
         self,
@@ -241,9 +246,9 @@ class ModelRunner:
         scale = self.model_config.head_dim**-0.5
         out = torch.empty_like(q)  # [T, heads, head_dim]
         if plan.paged is not None and self._paged_decode is not None:
-            n = plan.paged.count
-            o = self._paged_decode(q[:n].to(self.kv_dtype).contiguous(), k_pool, v_pool, plan.paged.tables, plan.paged.lengths, scale)
-            out[:n] = o.to(q.dtype)
+            p = plan.paged
+            query = q.index_select(0, p.rows).to(self.kv_dtype)
+            out.index_copy_(0, p.rows, self._paged_decode(query, k_pool, v_pool, p.tables, p.lengths, scale).to(q.dtype))
         for g in plan.decodes:
             keys = _gather(k_pool, g.blocks)[:, : g.length].transpose(1, 2)  # [G, kv_heads, L, head_dim]
             values = _gather(v_pool, g.blocks)[:, : g.length].transpose(1, 2)
@@ -294,21 +299,24 @@ class ModelRunner:
         num_decode = 0
         while num_decode < len(chunks) and len(chunks[num_decode].token_ids) == 1 and chunks[num_decode].start > 0:
             num_decode += 1
-        paged = self._paged_plan(chunks[:num_decode]) if self._paged_decode is not None and num_decode else None
-        decodes = self._decode_groups(chunks[:num_decode]) if paged is None else ()
+        kernel = self._paged_decode is not None
+        paged: list[tuple[int, ScheduledChunk]] = []  # (first row, chunk) attended by the kernel
         prefills, row = [], 0
         for i, chunk in enumerate(chunks):
             n = len(chunk.token_ids)
-            if i >= num_decode:
+            if kernel and chunk.start > 0 and n <= KERNEL_CHUNK:
+                paged.append((row, chunk))
+            elif i >= num_decode or kernel:
                 prefills.append(self._prefill_plan(chunk, row))
             row += n
+        decodes = self._decode_groups(chunks[:num_decode]) if not kernel else ()
         return _Plan(
             ids=torch.tensor(ids, dtype=torch.long).to(dev),
             slots=torch.cat(slots).to(dev),
             cos=cos,
             sin=sin,
             decodes=decodes,
-            paged=paged,
+            paged=self._paged_plan(paged) if paged else None,
             prefills=tuple(prefills),
         )
 
@@ -330,13 +338,22 @@ class ModelRunner:
             groups.append(_DecodeGroup(rows, length, table.to(self.device), mask))
         return tuple(groups)
 
-    def _paged_plan(self, decodes: list[ScheduledChunk]) -> _PagedDecodes:
-        lengths = [c.start + 1 for c in decodes]
-        table = torch.zeros(len(decodes), -(-max(lengths) // self.block_size), dtype=torch.long)
-        for row, (chunk, length) in enumerate(zip(decodes, lengths, strict=True)):
-            used = chunk.block_table[: -(-length // self.block_size)]
-            table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-        return _PagedDecodes(len(decodes), table, torch.tensor(lengths, dtype=torch.long))
+    def _paged_plan(self, chunks: list[tuple[int, ScheduledChunk]]) -> _PagedRows:
+        """One kernel row per token of each chunk: token j of a chunk at `start` attends to start + j + 1
+        positions of its sequence's blocks (its own K/V written before attention)."""
+        rows: list[int] = []
+        lengths: list[int] = []
+        tables: list[tuple[int, ...]] = []
+        for first, chunk in chunks:
+            n = len(chunk.token_ids)
+            used = chunk.block_table[: -(-(chunk.start + n) // self.block_size)]
+            rows.extend(range(first, first + n))
+            lengths.extend(range(chunk.start + 1, chunk.start + n + 1))
+            tables.extend([used] * n)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + (0,) * (width - len(t)) for t in tables], dtype=torch.long)
+        dev = self.device
+        return _PagedRows(torch.tensor(rows, dtype=torch.long, device=dev), table, torch.tensor(lengths, dtype=torch.long))
 
     def _prefill_plan(self, chunk: ScheduledChunk, row: int) -> _Prefill:
         n, start = len(chunk.token_ids), chunk.start

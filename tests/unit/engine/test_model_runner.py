@@ -52,9 +52,13 @@ def test_batched_greedy_equals_transformers_generate(
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_forward_tokens_scores_every_position_like_transformers(loaded: Loaded) -> None:
+@pytest.mark.parametrize(("kernel", "packed"), [(True, True), (False, False)], ids=["paged-kernel-packed", "gathered-f-linear"])
+def test_forward_tokens_scores_every_position_like_transformers(loaded: Loaded, kernel: bool, packed: bool) -> None:
+    # chunks over earlier KV of a few tokens (speculative verification's shape) attend with the kernel,
+    # one row per token, causal within the chunk; projections with weights packed for oneDNN or not
     ids = list(chat_ids(loaded, PROMPTS[0]))
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, decode_kernel=kernel, packed_weights=packed)
+    assert (engine.runner._paged_decode is not None) == kernel, "the kernel did not build here (see the warning)"
     seq = engine.scheduler.new_sequence(EngineRequest(tuple(ids), max_tokens=4))
     logits = engine.forward_tokens(seq, ids[:-3])
     more = engine.forward_tokens(seq, ids[-3:])
