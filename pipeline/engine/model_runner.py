@@ -16,7 +16,8 @@ then attends:
 - other chunks are attended one by one: a first chunk attends to its own fresh K/V causally, a later
   one (or one after a prefix-cache hit) gathers its earlier blocks with a causal offset mask.
 
-The projections, MLPs and lm_head run once over all the step's tokens, in the weights' dtype. The same
+The projections, MLPs and lm_head run once over all the step's tokens, in the weights' dtype; on a CPU
+their weights are packed once into oneDNN's layout (`packed_linear.py`, `EngineConfig.packed_weights`). The same
 code runs on CUDA with device tensors; one choice differs by device: on a CPU the KV pool and attention
 stay float32 whatever the weights' dtype (`kv_dtype`).
 """
@@ -37,6 +38,7 @@ from pipeline.engine.errors import StepInterrupted
 from pipeline.engine.llama import LlamaWeights, apply_rotary, mlp, rms_norm, rotary
 from pipeline.engine.packed_linear import linear, pack
 from pipeline.engine.paged_kernel import paged_decode
+from pipeline.engine.params import MAX_DRAFT_TOKENS
 from pipeline.engine.sampler import sample_batch
 from pipeline.engine.scheduler import ScheduledChunk, SchedulerOutput, StepTokens
 from pipeline.engine.sequence import Sequence
@@ -46,7 +48,7 @@ __all__ = ["ModelRunner"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODE_GROUP = 8
-KERNEL_CHUNK = 16  # chunks over earlier KV of up to this many tokens attend with the kernel, longer ones gather
+KERNEL_CHUNK = MAX_DRAFT_TOKENS + 1  # chunks over earlier KV up to this long (a verification's) use the kernel
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ class SpeculativeParams:
     """Speculative decoding inside the engine's decode steps (scheduler.py): n-gram prompt lookup drafts up
     to `num_draft_tokens` tokens per step, verified with the other sequences' work in the same forward."""
 
-    num_draft_tokens: int = 8  # the most drafts verified in one step (the adaptive length starts here)
+    num_draft_tokens: int = 4  # the most drafts verified in one step (the adaptive length starts here)
     adaptive: bool = True  # move the length between 1 and num_draft_tokens with the acceptance rate
 
     def __post_init__(self) -> None:
