@@ -2,9 +2,9 @@
 
 `F.linear` hands a weight to MKL's sgemm in its stored layout, and sgemm packs it again on every call:
 for the few rows of a decode step that packing is most of the cost (SmolLM2-135M on this CPU, one
-thread, a forward over 300 tokens of context: 43.7 ms for 1 row, 71 ms for 2, 95 ms for 9, 155 ms
-for 32). Reordered once at load (`pack`), the same forwards take 38, 39, 54 and 118 ms, prefill chunks
-of 300 tokens 1.0 s against 1.08 (docs/benchmarks.md, "Weights packed for oneDNN"). Fewer than
+thread, a forward after 300 tokens of context: 49 ms for 1 row, 76 for 2, 99 for 9, 159 for 32).
+Reordered once at load (`pack`), the same forwards take 39, 40, 57 and 118 ms, a 300-token chunk
+0.99 s against 1.10 (`bench.packed_weights`; docs/benchmarks.md, "Weights packed for oneDNN"). Fewer than
 MIN_ROWS rows are padded with zero rows to MIN_ROWS: oneDNN picks a slower kernel for one or two rows
 than for four (44 and 55 ms against 38.5 ms for the whole forward; each row's result depends on its
 own input only, so the padding changes nothing but the time).
