@@ -101,6 +101,9 @@ class RowLimits(StoppingCriteria):
 
 
 def hf_generate(model, workload: Workload, batch: int, cache: str, device: str) -> Run:  # type: ignore[no-untyped-def]
+    # transformers (4.50 on) fills an eos_token_id left unset from the model's own generation config, so
+    # rows stopped at EOS and were padded where every other system runs to the forced length: unset it there
+    model.generation_config.eos_token_id = None
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id, config.pad_token_id, config.do_sample = None, PAD, False  # no EOS: forced lengths
     config.temperature = config.top_p = config.top_k = None

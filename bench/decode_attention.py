@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from bench.engine_common import add_model_args, load_model, make_engine
+from bench.engine_common import abba, add_model_args, load_model, make_engine, ratio_row
 from pipeline.engine.config import EngineConfig, ModelConfig
 from pipeline.engine.params import EngineRequest
 
@@ -59,17 +59,11 @@ def main() -> None:
         for repeat in range(args.repeats):
             a = decoding_engine(model, seqs, context, True, repeat)
             b = decoding_engine(model, seqs, context, False, repeat)
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for i in range(STEPS):
-                order = (True, False) if i % 2 == 0 else (False, True)
-                for kernel in order:
-                    times[kernel].append(timed_step(a if kernel else b))
+            times = abba(STEPS, lambda kernel: timed_step(a if kernel else b))
             on.append(statistics.median(times[True]))
             off.append(statistics.median(times[False]))
             ratios.append(off[-1] / on[-1])
-        print(f"| {seqs} x {context} | {statistics.median(on) * 1000:.1f} ({min(on) * 1000:.1f} - {max(on) * 1000:.1f}) | "
-              f"{statistics.median(off) * 1000:.1f} ({min(off) * 1000:.1f} - {max(off) * 1000:.1f}) | "
-              f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f} - {max(ratios):.2f}) |", flush=True)
+        print(ratio_row(f"{seqs} x {context}", on, off, ratios), flush=True)
     print(f"load average at end {os.getloadavg()[0]:.2f}")
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import random
 import resource
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,3 +90,19 @@ def peak_rss_mib() -> float:
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def abba(calls: int, timed: Callable[[bool], float]) -> dict[bool, list[float]]:
+    """`timed(True)` and `timed(False)`, `calls` times each, alternated ABBA; their times per mode."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(calls):
+        for mode in (True, False) if i % 2 == 0 else (False, True):
+            times[mode].append(timed(mode))
+    return times
+
+
+def ratio_row(label: str, on: list[float], off: list[float], ratios: list[float]) -> str:
+    """A markdown row: each mode's median seconds per repeat as ms (median, range), then off / on."""
+    def ms(xs: list[float]) -> str:
+        return f"{statistics.median(xs) * 1000:.1f} ({min(xs) * 1000:.1f} - {max(xs) * 1000:.1f})"
+    return f"| {label} | {ms(on)} | {ms(off)} | **{statistics.median(ratios):.2f}x** ({min(ratios):.2f} - {max(ratios):.2f}) |"

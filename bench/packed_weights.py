@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 
-from bench.engine_common import add_model_args, load_model, make_engine
+from bench.engine_common import abba, add_model_args, load_model, make_engine, ratio_row
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.params import EngineRequest
 
@@ -58,16 +58,11 @@ def main() -> None:
         on, off, ratios = [], [], []
         for repeat in range(args.repeats):
             engines = {packed: engine_with_context(model, packed, args.context, repeat) for packed in (True, False)}
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for i in range(CALLS):
-                for packed in (True, False) if i % 2 == 0 else (False, True):
-                    times[packed].append(timed_forward(*engines[packed], rows))
+            times = abba(CALLS, lambda packed: timed_forward(*engines[packed], rows))
             on.append(statistics.median(times[True]))
             off.append(statistics.median(times[False]))
             ratios.append(off[-1] / on[-1])
-        print(f"| {rows} | {statistics.median(on) * 1000:.1f} ({min(on) * 1000:.1f} - {max(on) * 1000:.1f}) | "
-              f"{statistics.median(off) * 1000:.1f} ({min(off) * 1000:.1f} - {max(off) * 1000:.1f}) | "
-              f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f} - {max(ratios):.2f}) |", flush=True)
+        print(ratio_row(str(rows), on, off, ratios), flush=True)
     print(f"load average at end {os.getloadavg()[0]:.2f}")
 
 
