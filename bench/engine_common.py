@@ -1,5 +1,6 @@
 """Shared setup for the engine benchmarks: the model (real SmolLM2, or random weights of a larger
-Llama shape for GPU checks), ShareGPT prompts decoded object by object, peak resident memory."""
+Llama shape for GPU checks), ShareGPT prompts decoded object by object, peak resident memory, and the
+ABBA loop and ratio row of the A/B benchmarks (bench.decode_attention, bench.packed_weights)."""
 
 from __future__ import annotations
 
