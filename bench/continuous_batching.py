@@ -105,7 +105,7 @@ def hf_generate(model, workload: Workload, batch: int, cache: str, device: str) 
     # rows stopped at EOS and were padded where every other system runs to the forced length: unset it there
     model.generation_config.eos_token_id = None
     config = copy.deepcopy(model.generation_config)
-    config.eos_token_id, config.pad_token_id, config.do_sample = None, PAD, False  # no EOS: forced lengths
+    config.pad_token_id, config.do_sample = PAD, False
     config.temperature = config.top_p = config.top_k = None
     outputs: Outputs = []
     start = time.perf_counter()
