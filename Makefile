@@ -31,10 +31,11 @@ infra/kafka/lib/.resolved: infra/kafka/pom.xml
 	command -v promtool >/dev/null && command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q prometheus chromium)
 	touch $@
 
-# The engine's decode-attention kernel, compiled for this CPU into torch's extensions directory (about a
+# The engine's decode-attention kernel, compiled for this CPU into each environment's torch_extensions/ (about a
 # minute the first time, a second when built; an engine builds it itself otherwise).
-kernels: .venv/.installed
+kernels: .venv/.installed .venv-triton/.installed
 	$(PY) -m pipeline.engine.paged_kernel
+	.venv-triton/bin/python -m pipeline.engine.paged_kernel  # Triton's sluice_llm: a build of its own
 
 .cache/models/.converted: .venv/.installed pipeline/models.py pipeline/guard/minilm_onnx.py pipeline/guard/finetune.py pipeline/guard/data/injection_lora.npz pipeline/guard/data/injection_head.npz
 	$(PY) -m pipeline.models .cache/models

@@ -3,12 +3,14 @@ the paged KV pool, where the torch path first gathers each sequence's blocks int
 a masked attention over it (a decode step of 32 sequences at 700 tokens of context: 507 ms that way,
 285 with the kernel; the gather alone copies as many bytes as the kernel reads; docs/benchmarks.md).
 
-Built once per machine with PyTorch's C++ extension loader (g++ and ninja; `make setup` builds it, the
-first engine on a machine without the build does it in about a minute) into PyTorch's extensions
-directory (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), under a name that includes this
-CPU's instruction sets, since the build targets them (-march=native). Where it cannot be built the engine
-logs why once and attends with the torch path; `EngineConfig.decode_kernel = false` chooses the torch
-path outright.
+Built once per virtual environment with PyTorch's C++ extension loader (g++ and ninja; `make setup` builds
+it, the first engine in an environment without the build does it in about half a minute) into
+`torch_extensions/` inside the environment (`TORCH_EXTENSIONS_DIR` when set), under a name that includes
+this CPU's instruction sets, since the build targets them (-march=native). One directory per environment:
+the loader rebuilds whenever its include paths change, so .venv and .venv-triton (the Triton server's
+sluice_llm), or two checkouts, sharing ~/.cache/torch_extensions rebuilt it in turn, ~35 s each time.
+Where it cannot be built the engine logs why once and attends with the torch path;
+`EngineConfig.decode_kernel = false` chooses the torch path outright.
 
     .venv/bin/python -m pipeline.engine.paged_kernel     # build it now (make setup runs this)
 """
@@ -18,6 +20,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,8 +52,12 @@ def paged_decode() -> PagedDecode | None:
         from torch.utils.cpp_extension import load
 
         tag = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:8]
+        name = f"sluice_paged_decode_{tag}"
+        build = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions") / name
+        build.mkdir(parents=True, exist_ok=True)
         module = load(
-            name=f"sluice_paged_decode_{tag}",
+            name=name,
+            build_directory=str(build),
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
