@@ -102,12 +102,13 @@ class LocalBackend:
     def from_path(
         cls, path: Path, *, device: str = "cpu", name: str = "local", max_batch: int = 16,
         kv_store: KVStore | None = None, speculative: SpeculativeParams | None = None, dtype: str = "float32",
-        interrupt_batch_steps: float = 1.0,
+        interrupt_batch_steps: float = 1.0, gather_arrivals_ms: float = 0.0,
     ) -> LocalBackend:
         """A backend over a checkpoint written by `pipeline.models.convert_default_model` (weights are
         read straight into the engine, in `dtype`; no transformers model is built); `interrupt_batch_steps`
-        as `EngineConfig` takes it."""
-        config = EngineConfig(max_num_seqs=max_batch, device=device, dtype=dtype, interrupt_batch_steps=interrupt_batch_steps)
+        and `gather_arrivals_ms` as `EngineConfig` takes them."""
+        config = EngineConfig(max_num_seqs=max_batch, device=device, dtype=dtype, interrupt_batch_steps=interrupt_batch_steps,
+                              gather_arrivals_ms=gather_arrivals_ms)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         generation = GenerationConfig.from_pretrained(path, local_files_only=True)
         runner = ModelRunner.from_path(path, config)

@@ -7,6 +7,8 @@
                                                 export_kv(handle) is `exported` as bytes
     cancel(handle)                              stop a sequence wherever it is (its waiter gets
                                                 `SequenceAborted`) and free its blocks
+    next_step()                                 returns when the next model step starts (a caller
+                                                that checks something once per step)
 
 A handle names a sequence from its start (callers may choose it) until it ends.
 
@@ -45,6 +47,7 @@ __all__ = ["AsyncEngine"]
 _Item = int | BaseException | None  # a token, an error, or None for "finished"
 _T = TypeVar("_T")
 IDLE_RECHECK_S = 0.05  # when nothing fits, look again this often even if no wake-up came
+ARRIVAL_GAP_S = 0.003  # `gather_arrivals_ms`: a burst has ended when no request arrived for this long
 
 
 class AsyncEngine:
@@ -70,6 +73,9 @@ class AsyncEngine:
         # Set when interactive work arrives; a batch-only step's model run checks it before its layers
         # (those within `interrupt_batch_steps`: none when that is 0).
         self._arrived = threading.Event()
+        self._step_waiters: list[asyncio.Future[None]] = []  # `next_step` callers, woken as a step starts
+        self._gather_s = engine.scheduler.config.gather_arrivals_ms / 1000
+        self._last_arrival = 0.0
 
     @property
     def num_active(self) -> int:
@@ -196,9 +202,17 @@ class AsyncEngine:
         seq = self.engine.add_request(request, park_after_first=park)
         self._handles[handle] = seq
         self._listeners[seq.seq_id] = asyncio.Queue()
+        self._last_arrival = time.monotonic()
         self._wake.set()
         self._interactive_arrived(seq)
         return seq
+
+    async def _gather_arrivals(self) -> None:
+        """Woken from idle: wait while requests keep arriving (each within ARRIVAL_GAP_S of the last), at
+        most `gather_arrivals_ms`, so a burst starts in one step."""
+        deadline = time.monotonic() + self._gather_s
+        while (now := time.monotonic()) < deadline and now < self._last_arrival + ARRIVAL_GAP_S:
+            await asyncio.sleep(min(self._last_arrival + ARRIVAL_GAP_S, deadline) - now)
 
     def _interactive_arrived(self, seq: Sequence) -> None:
         if seq.priority is Priority.INTERACTIVE:
@@ -235,6 +249,21 @@ class AsyncEngine:
             self._errors[seq.seq_id] = error
             queue.put_nowait(error)
 
+    async def next_step(self) -> None:
+        """Returns when the engine's next model step starts: while it computes in the model thread, the
+        event loop is free, and anything checked then (Triton's `is_cancelled()`, an IPC round trip per
+        request) is checked once per step instead of on a clock."""
+        self._step_waiters = [waiter for waiter in self._step_waiters if not waiter.done()]
+        waiter = asyncio.get_running_loop().create_future()
+        self._step_waiters.append(waiter)
+        await waiter
+
+    def _step_started(self) -> None:
+        waiters, self._step_waiters = self._step_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     async def _in_model_thread(self, fn: Callable[[], _T]) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
@@ -249,11 +278,16 @@ class AsyncEngine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         scheduler = self.engine.scheduler
+        idle = True  # nothing to do since the last step (or ever): the next arrivals may be a burst
         while True:
             if not scheduler.num_unfinished:
+                idle = True
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if idle and self._gather_s:
+                await self._gather_arrivals()
+            idle = False
             hold = self._hold_s()
             self._arrived.clear()  # whatever arrived so far, this schedule sees
             output = scheduler.schedule(hold_batch=hold > 0)
@@ -265,6 +299,7 @@ class AsyncEngine:
                 continue
             batch_only = not any(c.seq.priority is Priority.INTERACTIVE for c in output.chunks)
             interrupt = self._arrived if batch_only else None
+            self._step_started()
             try:
                 sampled = await loop.run_in_executor(self._executor, self.engine.execute, output, interrupt)
             except StepInterrupted:  # an interactive request arrived: the next schedule takes it first

@@ -68,6 +68,11 @@ class EngineConfig:
     aging_steps: int = 32  # on the batch lane's steps, a batch request waiting this many steps goes ahead of interactive ones
     batch_every: int = 8  # while interactive sequences run, the batch lane is fed on every n-th step only (1: always)
     handoff_hold_ms: float = 50.0  # after an interactive prefill, the batch lane waits up to this for its decode (0: never)
+    # woken from idle, the engine waits up to this long for a burst of arrivals to pause (3 ms
+    # without one) before its first step, so requests handed over one by one (Triton's, ~1 ms apart) start
+    # in one step instead of the first alone and the rest behind it (0: step at once; with it a lone request
+    # waits 3 ms, a burst up to this)
+    gather_arrivals_ms: float = 0.0
     batch_prompt_tokens: int = 64  # batch-lane prompt tokens per step, bounding the step an interactive request waits behind (0: no cap)
     shared_prompt_tokens: int = 16  # the same cap in a step shared with interactive rows (0: batch_prompt_tokens applies)
     # an interactive arrival stops a batch-only step within this share of its layers (1: anywhere, 0.5: in its
@@ -102,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"interrupt_batch_steps is a share of a step's layers, 0 to 1, got {self.interrupt_batch_steps}")
         if self.handoff_hold_ms < 0:
             raise ValueError(f"handoff_hold_ms must not be negative, got {self.handoff_hold_ms}")
+        if self.gather_arrivals_ms < 0:
+            raise ValueError(f"gather_arrivals_ms must not be negative, got {self.gather_arrivals_ms}")
         if self.num_blocks < 0 or (self.num_blocks == 0 and self.kv_cache_bytes < 1):
             raise ValueError("num_blocks must be positive, or 0 with a positive kv_cache_bytes")
         if self.dtype not in ("float32", "bfloat16", "float16"):

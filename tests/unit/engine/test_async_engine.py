@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -119,6 +120,67 @@ async def test_a_cancel_during_a_step_stops_the_sequence_within_that_step(loaded
     bm = engine.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and engine.num_active == 0
     await engine.aclose()
+
+
+@pytest.mark.asyncio
+async def test_next_step_wakes_once_per_step_while_that_step_computes(loaded: Loaded) -> None:
+    """What sluice_llm's cancellation watcher relies on: each wake-up comes as a step starts, before it
+    ends (the event loop is free while the model thread computes), one per step."""
+    engine = AsyncEngine(make_engine(loaded))
+    execute = engine.engine.execute
+    steps = finished = 0
+
+    def spy(output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[int | None]:
+        nonlocal steps, finished
+        steps += 1
+        time.sleep(0.05)
+        try:
+            return execute(output, interrupt)
+        finally:
+            finished += 1
+
+    engine.engine.execute = spy  # type: ignore[method-assign]
+    stream = asyncio.create_task(_drain(engine.generate(EngineRequest(chat_ids(loaded, "Count to ten."), 8), handle="h")))
+    woken = []  # steps finished at each wake-up
+    while not stream.done():
+        waiter = asyncio.create_task(engine.next_step())
+        done, _ = await asyncio.wait([waiter, stream], return_when=asyncio.FIRST_COMPLETED)
+        if waiter in done:
+            woken.append(finished)
+        else:
+            waiter.cancel()
+    assert len(await stream) == 8 and steps >= 8
+    assert woken == list(range(woken[0], woken[0] + len(woken)))  # one wake-up per step, none skipped
+    assert woken[0] <= 1  # at most the first step began before the first waiter
+    assert woken[-1] == steps - 1  # the last wake-up came before its step ended
+    await engine.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("gather_ms", [0.0, 500.0])
+async def test_a_burst_arriving_one_by_one_starts_in_one_step_when_gathered(loaded: Loaded, gather_ms: float) -> None:
+    """`gather_arrivals_ms`: four requests handed over 1 ms apart (as Triton hands them to sluice_llm)
+    share the first step; without it the first runs alone and the rest wait behind its step."""
+    engine = AsyncEngine(make_engine(loaded, max_num_batched_tokens=512, gather_arrivals_ms=gather_ms))  # type: ignore[arg-type]
+    execute = engine.engine.execute
+    fed: list[int] = []
+
+    def spy(output: SchedulerOutput, interrupt: threading.Event | None = None) -> list[int | None]:
+        fed.append(len(output.chunks))
+        return execute(output, interrupt)
+
+    engine.engine.execute = spy  # type: ignore[method-assign]
+    streams = []
+    for i in range(4):
+        streams.append(asyncio.create_task(_drain(engine.generate(EngineRequest(chat_ids(loaded, f"Say {i}."), 2), handle=f"h{i}"))))
+        await asyncio.sleep(0.001)
+    assert [len(tokens) for tokens in await asyncio.gather(*streams)] == [2, 2, 2, 2]
+    assert fed[0] == (4 if gather_ms else 1)
+    await engine.aclose()
+
+
+async def _drain(stream: AsyncIterator[int]) -> list[int]:
+    return [token async for token in stream]
 
 
 @pytest.mark.asyncio
