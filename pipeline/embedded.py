@@ -25,7 +25,9 @@ async def _main(settings: Settings, stop: asyncio.Event, *, with_stages: bool = 
     try:
         tasks = {asyncio.create_task(serve_bridge(settings, client, stop))}
         if with_stages:
-            tasks.add(asyncio.create_task(run_stages(None, settings, stop)))
+            tasks.add(asyncio.create_task(run_stages(None, settings, stop)))  # settles the GC once its stages run
+        else:
+            serve.settle_gc(settings)
         log.info("bridge on http://%s:%d", settings.bridge.host, settings.bridge.port)
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stop.set()

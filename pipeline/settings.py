@@ -146,6 +146,10 @@ class RuntimeSettings:
     # A stage's output for guard, cache or route running in the same process is handed to it in memory
     # instead of through the broker (pipeline/handling.py); false: every hop crosses the broker
     handover: bool = True
+    # Once a process has started (models loaded, stages running), what it loaded is frozen out of the garbage
+    # collector's walks (gc.freeze) and its youngest generation is collected after this many net allocations
+    # instead of Python's 700 (pipeline/serve.py, settle_gc); 0 keeps Python's defaults
+    gc_threshold: int = 10000
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,8 @@ class Settings:
                 raise SettingsError(f"profile {name!r}: {'; '.join(problems)}")
         if min(self.bridge.header_timeout_s, self.bridge.body_timeout_s, self.bridge.keep_alive_s) <= 0:
             raise SettingsError("bridge.header_timeout_s, body_timeout_s and keep_alive_s must be positive")
+        if self.runtime.gc_threshold < 0:
+            raise SettingsError(f"runtime.gc_threshold must be 0 (Python's defaults) or positive, got {self.runtime.gc_threshold}")
         if self.bridge.max_in_flight < 0:
             raise SettingsError(f"bridge.max_in_flight must be 0 (no bound) or positive, got {self.bridge.max_in_flight}")
         if not 0 < self.kafka.heartbeat_interval_ms * 3 <= self.kafka.session_timeout_ms:
