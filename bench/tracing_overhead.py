@@ -52,7 +52,7 @@ from opentelemetry.util.types import Attributes
 from bench.echo_backend import EchoBackend
 from bench.pipeline_overhead import PROMPTS, paced
 from bench.stats import percentile
-from pipeline import assemble, kafka, tracing
+from pipeline import assemble, kafka, serve, tracing
 from pipeline import settings as settings_module
 from pipeline.observability.config import ObservabilitySettings
 from pipeline.observability.otlp import OtlpHttpExporter
@@ -216,6 +216,7 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
     runners = runners_for(stages, settings, producer, "bench")
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
+    serve.settle_gc(settings)  # as pipeline.serve.run_stages does once the stages run (runtime.gc_threshold)
     modes = args.modes
     # per round and mode: latency percentiles, mean rate of the throughput slices, and their totals (requests
     # done, seconds taken, CPU seconds of this process), from which per-request CPU and pooled rates follow
