@@ -159,8 +159,10 @@ async def test_next_step_wakes_once_per_step_while_that_step_computes(loaded: Lo
 @pytest.mark.asyncio
 @pytest.mark.parametrize("gather_ms", [0.0, 500.0])
 async def test_a_burst_arriving_one_by_one_starts_in_one_step_when_gathered(loaded: Loaded, gather_ms: float) -> None:
-    """`gather_arrivals_ms`: four requests handed over 1 ms apart (as Triton hands them to sluice_llm)
-    share the first step; without it the first runs alone and the rest wait behind its step."""
+    """`gather_arrivals_ms`: four requests handed over one by one, each in a later turn of the event loop
+    (as Triton hands them to sluice_llm, ~1 ms apart) share the first step; without it the first runs
+    alone and the rest wait behind its step. (Turns, not 1 ms sleeps: a timer late by 3 ms on a busy
+    host would end the burst and make the test flaky.)"""
     engine = AsyncEngine(make_engine(loaded, max_num_batched_tokens=512, gather_arrivals_ms=gather_ms))  # type: ignore[arg-type]
     execute = engine.engine.execute
     fed: list[int] = []
@@ -173,7 +175,7 @@ async def test_a_burst_arriving_one_by_one_starts_in_one_step_when_gathered(load
     streams = []
     for i in range(4):
         streams.append(asyncio.create_task(_drain(engine.generate(EngineRequest(chat_ids(loaded, f"Say {i}."), 2), handle=f"h{i}"))))
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0)
     assert [len(tokens) for tokens in await asyncio.gather(*streams)] == [2, 2, 2, 2]
     assert fed[0] == (4 if gather_ms else 1)
     await engine.aclose()
