@@ -73,7 +73,7 @@ class AsyncEngine:
         # Set when interactive work arrives; a batch-only step's model run checks it before its layers
         # (those within `interrupt_batch_steps`: none when that is 0).
         self._arrived = threading.Event()
-        self._step_waiters: list[asyncio.Future[None]] = []  # `next_step` callers, woken as a step starts
+        self._stepped = asyncio.Event()  # set (and replaced) as each step starts: `next_step`
         self._gather_s = engine.scheduler.config.gather_arrivals_ms / 1000
         self._last_arrival = 0.0
 
@@ -253,16 +253,7 @@ class AsyncEngine:
         """Returns when the engine's next model step starts: while it computes in the model thread, the
         event loop is free, and anything checked then (Triton's `is_cancelled()`, an IPC round trip per
         request) is checked once per step instead of on a clock."""
-        self._step_waiters = [waiter for waiter in self._step_waiters if not waiter.done()]
-        waiter = asyncio.get_running_loop().create_future()
-        self._step_waiters.append(waiter)
-        await waiter
-
-    def _step_started(self) -> None:
-        waiters, self._step_waiters = self._step_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        await self._stepped.wait()
 
     async def _in_model_thread(self, fn: Callable[[], _T]) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
@@ -299,7 +290,8 @@ class AsyncEngine:
                 continue
             batch_only = not any(c.seq.priority is Priority.INTERACTIVE for c in output.chunks)
             interrupt = self._arrived if batch_only else None
-            self._step_started()
+            self._stepped.set()
+            self._stepped = asyncio.Event()
             try:
                 sampled = await loop.run_in_executor(self._executor, self.engine.execute, output, interrupt)
             except StepInterrupted:  # an interactive request arrived: the next schedule takes it first
