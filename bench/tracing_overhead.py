@@ -21,7 +21,10 @@ CPU counts against "on"; at the knee one process is bound by it, and it moves le
 with the host's neighbours).
 
 `--modes on,off,on-recorded` adds a third mode to the rotation, reported against "off": spans recorded
-and not exported (what recording alone costs, so that the export's share is the rest).
+and not exported (what recording alone costs, so that the export's share is the rest); `on-thread`
+exports from the batch processor's thread in this process (`observability.export_process = false`, the
+default before session 22) instead of from the export child. The CPU per request counts the export
+child's CPU with this process's.
 
 Then `--connected` requests (1,000) with tracing on: how many of their traces are one connected tree in
 which the terminal event's path passes every stage, in pipeline order.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -42,9 +46,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, Sampler, SamplingResult
 from opentelemetry.trace import Link, SpanKind
 from opentelemetry.util.types import Attributes
@@ -55,7 +59,6 @@ from bench.stats import percentile
 from pipeline import assemble, kafka, serve, tracing
 from pipeline import settings as settings_module
 from pipeline.observability.config import ObservabilitySettings
-from pipeline.observability.otlp import OtlpHttpExporter
 from pipeline.producing import Producer
 from pipeline.sdk import Client
 from pipeline.serve import runners_for
@@ -143,7 +146,7 @@ class Switch(Sampler):
 
 class Choice(SpanProcessor):
     """Hands each ended span to the processor of the mode being measured: `on`, the batch processor and
-    exporter `sluice run` installs; `on-recorded`, none."""
+    exporter `sluice run` installs; `on-thread`, the same exporting from this process; `on-recorded`, none."""
 
     def __init__(self, processors: dict[str, SpanProcessor]) -> None:
         self.processors = processors
@@ -188,7 +191,7 @@ async def throughput(client: Client, concurrency: int, seconds: float, max_token
     return done, time.perf_counter() - start
 
 
-LABELS = {"on": "100%, exported", "on-recorded": "100%, not exported"}
+LABELS = {"on": "100%, exported", "on-thread": "100%, exported from a thread of this process", "on-recorded": "100%, not exported"}
 
 
 def choose(switch: Switch, choice: Choice, mode: str) -> None:
@@ -220,7 +223,7 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
     modes = args.modes
     # per round and mode: latency percentiles, mean rate of the throughput slices, and their totals (requests
     # done, seconds taken, CPU seconds of this process), from which per-request CPU and pooled rates follow
-    results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": [], "done": [], "busy": [], "cpu_s": []}
+    results: dict[str, dict[str, list[float]]] = {m: {"p50": [], "p99": [], "rps": [], "done": [], "busy": [], "cpu_s": [], "child_s": []}
                                                   for m in modes}
     async with Client(settings) as client:
         for mode in modes:  # warm-up of every mode and both loads, not recorded: the first closed-loop
@@ -229,24 +232,26 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
             await throughput(client, args.concurrency, args.seconds / 2, args.max_tokens)
         for r in range(args.rounds):
             lat: dict[str, list[float]] = {m: [] for m in modes}
-            served: dict[str, list[tuple[int, float, float]]] = {m: [] for m in modes}  # requests, seconds, CPU seconds
+            served: dict[str, list[tuple[int, float, float, float]]] = {m: [] for m in modes}  # requests, seconds, CPU s, of which the child's
             for part in ("latency", "throughput"):  # each part in `--slices` slices of every mode, the order rotating
                 for s in range(args.slices):
                     for mode in rotated(modes, r + s):
                         choose(switch, choice, mode)
-                        cpu_start = time.process_time()
+                        child_start = export_cpu(choice)
+                        cpu_start = time.process_time() + child_start
                         if part == "latency":
                             lat[mode] += await latency(client, args.requests // args.slices, args.rate, args.max_tokens)
                         else:
                             done, seconds = await throughput(client, args.concurrency, args.seconds / args.slices, args.max_tokens)
                         provider.force_flush()  # type: ignore[attr-defined]  # a slice's spans leave before the next slice
                         if part == "throughput":  # the flush counted: the CPU of exporting the slice's spans is in
-                            served[mode].append((done, seconds, time.process_time() - cpu_start))
+                            child = export_cpu(choice)
+                            served[mode].append((done, seconds, time.process_time() + child - cpu_start, child - child_start))
             for mode in rotated(modes, r):
                 results[mode]["p50"].append(percentile(lat[mode], 50))
                 results[mode]["p99"].append(percentile(lat[mode], 99))
-                results[mode]["rps"].append(statistics.fmean(n / t for n, t, _ in served[mode]))
-                for key, i in (("done", 0), ("busy", 1), ("cpu_s", 2)):
+                results[mode]["rps"].append(statistics.fmean(n / t for n, t, _, _ in served[mode]))
+                for key, i in (("done", 0), ("busy", 1), ("cpu_s", 2), ("child_s", 3)):
                     results[mode][key].append(sum(x[i] for x in served[mode]))
                 print(f"round {r + 1} {mode:>3}: p50 {percentile(lat[mode], 50):.2f} ms  p99 {percentile(lat[mode], 99):.2f} ms  "
                       f"{results[mode]['rps'][-1]:.1f} req/s at {args.concurrency} in flight, "
@@ -258,6 +263,19 @@ async def measure(settings: Settings, switch: Switch, choice: Choice, provider: 
     await asyncio.gather(*tasks)
     await producer.stop()
     return results
+
+
+def export_cpu(choice: Choice) -> float:
+    """CPU seconds of the export children (pipeline.observability.export_child) so far: counted with this
+    process's, so that exporting from a child costs what it costs."""
+    total = 0.0
+    for processor in choice.processors.values():
+        pid = getattr(getattr(processor, "span_exporter", None), "pid", None)
+        if pid is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = psutil.Process(pid).cpu_times()
+                total += times.user + times.system
+    return total
 
 
 def cpu_per_request(result: dict[str, list[float]]) -> list[float]:
@@ -286,13 +304,14 @@ def report(results: dict[str, dict[str, list[float]]], args: argparse.Namespace)
         print(f"| p99 latency, ms | {spread(off['p99'], '.2f')} | {spread(on['p99'], '.2f')} | {spread(p99_diff, '+.2f')} |")
         print(f"| throughput at {args.concurrency} in flight, req/s | {spread(off['rps'], '.1f')} | {spread(on['rps'], '.1f')} | "
               f"{mode} / off {spread(rps_ratio, '.3f')} |")
-        print(f"| this process's CPU per request at {args.concurrency} in flight, ms (export included) | {spread(cpu_per_request(off), '.2f')} | "
+        print(f"| CPU per request at {args.concurrency} in flight, ms (this process and its export child) | {spread(cpu_per_request(off), '.2f')} | "
               f"{spread(cpu_per_request(on), '.2f')} | {mode} / off {spread(cpu_ratio, '.3f')} |")
         pooled_on, pooled_off = sum(on["done"]) / sum(on["busy"]), sum(off["done"]) / sum(off["busy"])
         cpu_on, cpu_off = 1000 * sum(on["cpu_s"]) / sum(on["done"]), 1000 * sum(off["cpu_s"]) / sum(off["done"])
         print(f"| throughput, every slice of every round pooled (requests / seconds), req/s | {pooled_off:.1f} | {pooled_on:.1f} | "
               f"{mode} / off **{pooled_on / pooled_off:.3f}** |")
         print(f"| CPU per request, pooled, ms | {cpu_off:.2f} | {cpu_on:.2f} | {mode} / off {cpu_on / cpu_off:.3f} |")
+        print(f"| of which the export child, pooled, ms | - | {1000 * sum(on['child_s']) / sum(on['done']):.2f} | |")
     if "connected" in results:
         good, total = results["connected"]["good"][0], results["connected"]["total"][0]
         print(f"\n{args.connected} requests sent, {total} client traces, {good} ({100 * good / max(total, 1):.1f}%) connected with every "
@@ -311,12 +330,12 @@ def main() -> None:
     parser.add_argument("--bootstrap", help="use a running Kafka instead of starting one")
     parser.add_argument("--redis", help="with --bootstrap: the running Redis's URL")
     parser.add_argument("--sink-port", type=int, default=44318)
-    parser.add_argument("--modes", default="on,off", help="on (as sluice run exports), off, on-recorded (recorded, not exported)")
+    parser.add_argument("--modes", default="on,off", help="on (as sluice run exports: from a child process), off, on-thread (exported from a thread of this process), on-recorded (recorded, not exported)")
     parser.add_argument("--connected", type=int, default=1000, help="then this many requests traced: how many traces are whole")
     args = parser.parse_args()
     args.modes = args.modes.split(",")
     if "off" not in args.modes or not set(args.modes) <= set(LABELS) | {"off"} or len(set(args.modes)) < len(args.modes):
-        parser.error("--modes: off and one or both of on, on-recorded, each once")
+        parser.error("--modes: off and one or more of on, on-thread, on-recorded, each once")
     env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:48092", "SLUICE_REDIS_URL": args.redis or "redis://127.0.0.1:45379/0"}
     settings = settings_module.load(env=env)
     settings = replace(settings, profile="bare", runtime=replace(settings.runtime, max_in_flight=256))
@@ -330,10 +349,9 @@ def main() -> None:
         switch = Switch()
         provider = tracing.install(ObservabilitySettings(), sampler=ParentBased(root=switch))  # sluice's recorder, switchable
         endpoint = f"http://127.0.0.1:{args.sink_port}/v1/traces"
-        batching = ObservabilitySettings()
-        options = {"max_queue_size": batching.export_queue, "max_export_batch_size": batching.export_batch,
-                   "schedule_delay_millis": batching.export_delay_ms}
-        choice = Choice({m: BatchSpanProcessor(OtlpHttpExporter(endpoint), **options) if m == "on" else SpanProcessor()
+        exporting = ObservabilitySettings(otlp_endpoint=endpoint)  # the batch processor and exporter `sluice run` installs
+        exporters = {"on": exporting, "on-thread": replace(exporting, export_process=False)}
+        choice = Choice({m: tracing.batches(tracing.otlp_exporter(exporters[m]), exporting) if m in exporters else SpanProcessor()
                          for m in args.modes if m != "off"})
         provider.add_span_processor(choice)  # type: ignore[attr-defined]
         results = asyncio.run(measure(settings, switch, choice, provider, args))

@@ -15,9 +15,10 @@ Spans follow OpenTelemetry's messaging conventions (`messaging.system`, `messagi
 `messaging.destination.name`, `messaging.consumer.group.name`, `messaging.destination.partition.id`,
 `messaging.kafka.offset`, `messaging.message.body.size`). Sampling is parent-based: a client decides
 (`observability.sample_ratio`) and every stage follows the `traceparent` flag it received, so a trace is
-kept whole or not at all. Export is batched in a background thread (BatchSpanProcessor) over OTLP/HTTP
-with sluice's own protobuf encoder (pipeline.observability.otlp: the same bytes, a third of the CPU); a
-full queue drops spans, it never slows a stage.
+kept whole or not at all. Export is batched in a background thread (BatchSpanProcessor) that hands each
+batch to a child process (pipeline.observability.export_child), which encodes it with sluice's own
+protobuf encoder (pipeline.observability.otlp: the same bytes as the SDK's, a third of the CPU) and posts
+it over OTLP/HTTP; a full queue drops spans, it never slows a stage.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from opentelemetry.trace import TraceState
 
 from pipeline import metrics
 from pipeline.observability.config import ObservabilitySettings
+from pipeline.observability.export_child import ChildExporter
 from pipeline.observability.lean import LeanTracerProvider
 from pipeline.observability.otlp import OtlpHttpExporter
 from pipeline.observability.recent import TRACES
@@ -67,16 +69,34 @@ def install(settings: ObservabilitySettings | None = None, exporter: SpanExporte
     kind = LeanTracerProvider if settings.recorder == "lean" else TracerProvider
     provider = kind(resource=Resource.create({"service.name": settings.service_name}), sampler=sampler)
     if exporter is None and settings.otlp_endpoint:
-        exporter = OtlpHttpExporter(settings.otlp_endpoint, settings.otlp_timeout_s)
+        exporter = otlp_exporter(settings)
     if exporter is not None:
-        provider.add_span_processor(BatchSpanProcessor(
-            exporter, max_queue_size=settings.export_queue, max_export_batch_size=settings.export_batch,
-            schedule_delay_millis=settings.export_delay_ms,
-        ))
+        provider.add_span_processor(batches(exporter, settings))
     provider.add_span_processor(TRACES)  # the dashboard's waterfall of the last request
     _options["producer_spans"] = settings.producer_spans
     trace.set_tracer_provider(provider)
     return provider
+
+
+def otlp_exporter(settings: ObservabilitySettings) -> SpanExporter:
+    """The exporter to `settings.otlp_endpoint`: in a child process (`export_process`, the default), else in
+    the batch processor's thread."""
+    if settings.export_process:
+        return ChildExporter(settings.otlp_endpoint, settings.otlp_timeout_s)
+    return OtlpHttpExporter(settings.otlp_endpoint, settings.otlp_timeout_s)
+
+
+class Batches(BatchSpanProcessor):
+    """The SDK's batch processor, whose force_flush also waits for the exporter's own flush (the export
+    child posts after `export()` has returned)."""
+
+    def force_flush(self, timeout_millis: int | None = None) -> bool:
+        return super().force_flush(timeout_millis) and self.span_exporter.force_flush(timeout_millis or 30000)
+
+
+def batches(exporter: SpanExporter, settings: ObservabilitySettings) -> Batches:
+    return Batches(exporter, max_queue_size=settings.export_queue, max_export_batch_size=settings.export_batch,
+                   schedule_delay_millis=settings.export_delay_ms)
 
 
 def extract(headers: Iterable[Any] | None) -> context.Context:

@@ -15,6 +15,7 @@ class ObservabilitySettings:
     service_name: str = "sluice"  # the `service.name` resource attribute of every span
     otlp_endpoint: str = ""  # OTLP/HTTP traces endpoint (SLUICE_OTLP_ENDPOINT); empty: spans are made but not exported
     otlp_timeout_s: float = 10.0  # per export call
+    export_process: bool = True  # encode and post spans in a child process (off the stages' GIL); false: in a thread here
     sample_ratio: float = 1.0  # traces started here that are recorded (parent-based: a stage follows its parent)
     recorder: str = "lean"  # "lean": sluice's span recorder (pipeline.observability.lean); "sdk": OpenTelemetry SDK's
     producer_spans: bool = False  # a PRODUCER span per produced message (OpenTelemetry's "send"); off: half the spans

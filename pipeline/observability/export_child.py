@@ -1,0 +1,267 @@
+"""OTLP export from a child process: the spans of each batch leave the stage process as a pickled list of
+plain tuples on a pipe, and a child (`python -m pipeline.observability.export_child`) encodes and POSTs
+them with `OtlpHttpExporter`, as a collector beside the process would.
+
+Why: encoding and posting in the batch processor's thread hold the GIL the event loop needs; at the knee
+they were about 2-3 points of the ~6% that tracing cost a stage process (docs/benchmarks.md, tracing
+overhead). Flattening and pickling a span costs about a third of encoding it. The child's CPU is its own
+process's (the benchmark reports it beside the stage process's).
+
+The pipe: each frame is a 4-byte big-endian length and that many bytes of pickle (a list of `flatten()`
+tuples); a length of 0 is a flush, followed by a 4-byte token the child writes back on its stdout once
+it has posted every batch before it. The child trusts its pipe (only its parent writes to it), exits
+when the pipe closes (its parent shut down or died), and ignores SIGINT so that a Ctrl-C in a terminal
+leaves it to post the last spans its parent hands it while shutting down. A child that died is started
+again on the next batch (the batch that found it dead is dropped and logged, as a failed post is).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+log = logging.getLogger(__name__)
+_LENGTH = struct.Struct(">I")
+ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `pipeline` package
+
+
+def flatten(span: Any, origins: dict[tuple[int, int], tuple[Any, Any, tuple]]) -> tuple:
+    """A span (the SDK's or the lean recorder's) as plain values; `origins` keeps one tuple per
+    (resource, scope), so pickle writes it once per batch and the child rebuilds it once."""
+    context, parent, status = span.context, span.parent, span.status
+    resource, scope = span.resource, span.instrumentation_scope
+    key = (id(resource), id(scope))
+    kept = origins.get(key)
+    if kept is None or kept[0] is not resource or kept[1] is not scope:
+        origin = (tuple(dict(resource.attributes).items()), resource.schema_url,
+                  None if scope is None else (scope.name, scope.version, tuple(dict(scope.attributes or {}).items()), scope.schema_url))
+        kept = origins[key] = (resource, scope, origin)
+    attributes = span.attributes
+    return (
+        context.trace_id, context.span_id, tuple(context.trace_state.items()) if context.trace_state else (),
+        None if parent is None else (parent.span_id, parent.is_remote),
+        span.name, span.kind.value, span.start_time, span.end_time,
+        attributes if attributes.__class__ is dict else dict(attributes or {}), span.dropped_attributes,
+        tuple((e.timestamp, e.name, dict(e.attributes or {}), e.dropped_attributes) for e in span.events),
+        span.dropped_events,
+        tuple((link.context.trace_id, link.context.span_id, link.context.is_remote, dict(link.attributes or {}),
+               link.dropped_attributes) for link in span.links),
+        span.dropped_links,
+        None if status is None else (status.status_code.value, status.description),
+        kept[2],
+    )
+
+
+class _Value(NamedTuple):  # what the encoder reads as `.value` (a span kind, a status code)
+    value: int
+
+
+class _Context(NamedTuple):
+    trace_id: int
+    span_id: int
+    trace_state: dict[str, str]
+    is_remote: bool
+
+
+class _Parent(NamedTuple):
+    span_id: int
+    is_remote: bool
+
+
+class _Event(NamedTuple):
+    timestamp: int
+    name: str
+    attributes: dict[str, Any]
+    dropped_attributes: int
+
+
+class _Link(NamedTuple):
+    context: _Context
+    attributes: dict[str, Any]
+    dropped_attributes: int
+
+
+class _Status(NamedTuple):
+    status_code: _Value
+    description: str | None
+
+
+class _Resource(NamedTuple):
+    attributes: dict[str, Any]
+    schema_url: str
+
+
+class _Scope(NamedTuple):
+    name: str
+    version: str | None
+    attributes: dict[str, Any]
+    schema_url: str | None
+
+
+class _Span(NamedTuple):
+    """What `pipeline.observability.otlp.encode_span` and `Encoder` read of a span."""
+    context: _Context
+    parent: _Parent | None
+    name: str
+    kind: _Value
+    start_time: int
+    end_time: int
+    attributes: dict[str, Any]
+    dropped_attributes: int
+    events: tuple[_Event, ...]
+    dropped_events: int
+    links: tuple[_Link, ...]
+    dropped_links: int
+    status: _Status | None
+    resource: _Resource
+    instrumentation_scope: _Scope | None
+
+
+def rebuild(flat: tuple, origins: dict[tuple, Any]) -> _Span:
+    """`flatten()`'s tuple as an object the encoder takes; one resource and scope object per origin, so the
+    encoder groups by them as it does in the parent."""
+    (trace_id, span_id, state, parent, name, kind, start, end, attributes, dropped_attributes, events, dropped_events,
+     links, dropped_links, status, origin) = flat
+    made = origins.get(origin)
+    if made is None:  # one object per distinct resource and per distinct scope, however they pair
+        resource_attributes, resource_schema, scope = origin
+        resource = origins.setdefault((resource_attributes, resource_schema), _Resource(dict(resource_attributes), resource_schema))
+        if scope is not None:
+            scope = origins.setdefault(scope, _Scope(scope[0], scope[1], dict(scope[2]), scope[3]))
+        made = origins[origin] = (resource, scope)
+    return _Span(
+        _Context(trace_id, span_id, dict(state), False), None if parent is None else _Parent(*parent), name, _Value(kind),
+        start, end, attributes, dropped_attributes, tuple(_Event(*e) for e in events), dropped_events,
+        tuple(_Link(_Context(t, s, {}, remote), a, d) for t, s, remote, a, d in links), dropped_links,
+        None if status is None else _Status(_Value(status[0]), status[1]), made[0], made[1],
+    )
+
+
+class ChildExporter(SpanExporter):
+    """A SpanExporter for the batch processor: hands each batch to the export child, started on the
+    first batch (and again after it died)."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 10.0) -> None:
+        from pipeline.observability.otlp import OtlpHttpExporter
+
+        OtlpHttpExporter(endpoint, timeout_s)  # refuses a bad endpoint here, in the parent, as the in-process one does
+        self._argv = [sys.executable, "-m", "pipeline.observability.export_child", endpoint, str(timeout_s)]
+        self._child: subprocess.Popen[bytes] | None = None
+        self._origins: dict[tuple[int, int], tuple[Any, Any, tuple]] = {}
+        self._lock = threading.Lock()  # the batch processor's worker and a force_flush may both write
+        self._token = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None else None
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self._child is None or self._child.poll() is not None:
+            if self._child is not None:
+                log.warning("the span export child exited (%s); starting another", self._child.returncode)
+                _close_pipes(self._child)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+            self._child = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        return self._child
+
+    def _write(self, data: bytes) -> bool:
+        child = self._started()
+        try:
+            assert child.stdin is not None
+            child.stdin.write(data)
+            child.stdin.flush()
+            return True
+        except (OSError, ValueError) as exc:  # the child died: this batch is lost, the next starts another
+            log.warning("span export child unreachable: %s", type(exc).__name__)
+            return False
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        origins = self._origins
+        payload = pickle.dumps([flatten(span, origins) for span in spans], protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            ok = self._write(_LENGTH.pack(len(payload)) + payload)
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Waits until the child has posted every batch handed to it before this call."""
+        with self._lock:
+            if self._child is None:
+                return True
+            self._token = (self._token + 1) % (1 << 32)
+            token = _LENGTH.pack(self._token)
+            if not self._write(_LENGTH.pack(0) + token):
+                return False
+            assert self._child.stdout is not None
+            out = self._child.stdout.fileno()
+            deadline = time.monotonic() + timeout_millis / 1000
+            while (left := deadline - time.monotonic()) > 0:
+                if not select.select([out], [], [], left)[0]:
+                    break
+                answer = os.read(out, 4)  # tokens are 4 bytes, written whole on a pipe
+                if not answer:
+                    return False
+                if answer == token:
+                    return True
+            return False
+
+    def shutdown(self, timeout_millis: int = 30000) -> None:
+        """Closes the pipe; the child posts what it holds and exits (or is killed past the timeout)."""
+        with self._lock:
+            child, self._child = self._child, None
+        if child is None:
+            return
+        try:
+            assert child.stdin is not None
+            child.stdin.close()
+            child.wait(timeout_millis / 1000)
+        except (OSError, subprocess.TimeoutExpired):
+            child.kill()
+            child.wait()
+        _close_pipes(child)
+
+
+def _close_pipes(child: subprocess.Popen[bytes]) -> None:
+    for pipe in (child.stdin, child.stdout):
+        try:
+            if pipe is not None:
+                pipe.close()
+        except OSError:  # a broken pipe's buffered bytes cannot be flushed: they were for a dead child
+            pass
+
+
+def main(argv: list[str]) -> int:
+    from pipeline.observability.otlp import OtlpHttpExporter
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s sluice-export %(message)s")
+    exporter = OtlpHttpExporter(argv[1], float(argv[2]))
+    source, answers = sys.stdin.buffer, sys.stdout.buffer
+    origins: dict[tuple, Any] = {}
+    try:
+        while len(head := source.read(4)) == 4:
+            length = _LENGTH.unpack(head)[0]
+            if length == 0:  # a flush: every batch before it has been posted
+                answers.write(source.read(4))
+                answers.flush()
+                continue
+            exporter.export([rebuild(flat, origins) for flat in pickle.loads(source.read(length))])  # noqa: S301 (its parent's pipe)
+    finally:
+        exporter.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
