@@ -12,7 +12,8 @@ tuples); a length of 0 is a flush, followed by a 4-byte token the child writes b
 it has posted every batch before it. The child trusts its pipe (only its parent writes to it), exits
 when the pipe closes (its parent shut down or died), and ignores SIGINT so that a Ctrl-C in a terminal
 leaves it to post the last spans its parent hands it while shutting down. A child that died is started
-again on the next batch (the batch that found it dead is dropped and logged, as a failed post is).
+again on the next batch, at most every RESTART_S seconds (batches that find no child are dropped and
+logged, as a failed post is).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct(">I")
 ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `pipeline` package
+RESTART_S = 5.0  # a child is started at most this often: batches in between are dropped (and logged)
 
 
 def flatten(span: Any, origins: dict[tuple[int, int], tuple[Any, Any, tuple]]) -> tuple:
@@ -163,22 +165,31 @@ class ChildExporter(SpanExporter):
         self._origins: dict[tuple[int, int], tuple[Any, Any, tuple]] = {}
         self._lock = threading.Lock()  # the batch processor's worker and a force_flush may both write
         self._token = 0
+        self._next_start = 0.0  # monotonic time before which no new child is started
 
     @property
     def pid(self) -> int | None:
         return self._child.pid if self._child is not None else None
 
-    def _started(self) -> subprocess.Popen[bytes]:
+    def _started(self) -> subprocess.Popen[bytes] | None:
+        """The running child, started (again) if it is not running; None while a child that died is not
+        yet due to be replaced (one that cannot start must not cost an interpreter's start-up per batch)."""
         if self._child is None or self._child.poll() is not None:
             if self._child is not None:
                 log.warning("the span export child exited (%s); starting another", self._child.returncode)
                 _close_pipes(self._child)
+                self._child = None
+            if time.monotonic() < self._next_start:
+                return None
+            self._next_start = time.monotonic() + RESTART_S
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
             self._child = subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         return self._child
 
     def _write(self, data: bytes) -> bool:
         child = self._started()
+        if child is None:
+            return False
         try:
             assert child.stdin is not None
             child.stdin.write(data)

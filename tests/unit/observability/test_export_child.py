@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
@@ -18,6 +19,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from pipeline.observability import export_child
 from pipeline.observability.export_child import ROOT, ChildExporter, flatten, rebuild
 from pipeline.observability.lean import LeanTracerProvider
 from pipeline.observability.otlp import Encoder
@@ -49,7 +51,9 @@ def test_rebuilt_spans_encode_to_the_same_bytes() -> None:
     assert ExportTraceServiceRequest.FromString(Encoder().encode(through_the_pipe(spans))) == encode_spans(spans)
 
 
-def test_the_child_posts_each_batch_and_a_flush_waits_for_it(sink: tuple[str, list[tuple[str, bytes]]]) -> None:  # noqa: F811
+def test_the_child_posts_each_batch_and_a_flush_waits_for_it(sink: tuple[str, list[tuple[str, bytes]]],  # noqa: F811
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(export_child, "RESTART_S", 0.0)
     base, received = sink
     exporter = ChildExporter(base + "/v1/traces")
     spans = sdk_spans()
@@ -72,6 +76,23 @@ def test_the_child_posts_each_batch_and_a_flush_waits_for_it(sink: tuple[str, li
     finally:
         exporter.shutdown()
     assert exporter.pid is None
+
+
+def test_a_child_that_cannot_start_is_not_started_again_per_batch(sink: tuple[str, list[tuple[str, bytes]]]) -> None:  # noqa: F811
+    base, _ = sink
+    exporter = ChildExporter(base + "/v1/traces")
+    exporter._argv = [sys.executable, "-c", "import sys; sys.exit(3)"]  # as a child whose imports fail would
+    try:
+        exporter.export(lean_spans())  # starts it; whether this write lands before it exits is a race
+        first = exporter.pid
+        assert first is not None
+        while _state(first) not in ("Z", "gone"):
+            time.sleep(0.05)
+        for _ in range(3):  # within RESTART_S of the start: dropped, no new interpreter
+            assert exporter.export(lean_spans()) is SpanExportResult.FAILURE
+            assert exporter.pid is None
+    finally:
+        exporter.shutdown()
 
 
 def test_a_child_exits_when_its_parent_dies(sink: tuple[str, list[tuple[str, bytes]]]) -> None:  # noqa: F811
