@@ -14,6 +14,8 @@ Systems:
     sluice-instant  sluice with its in-process instant backend (the transport topology, no upstream hop)
     sluice-instant:N   the same with `bridge.max_in_flight = N` (admission control: over N open requests, a 503)
     sluice-instant@L   the same with its producers' `kafka.linger_ms = L` (else --linger-ms); both: @L:N
+    sluice-instant+pyredis   the same with redis-py's pure-Python reply parser: hiredis (which `make setup`
+                    installs) shadowed by a module that fails to import, in every process of that system
     before-instant, before-openai   the same, from the commit --before (a git worktree under .cache/bench):
                     the figures before this benchmark's changes, measured in the same run
 
@@ -114,6 +116,17 @@ model_list:
 litellm_settings:
   drop_params: true
 """
+
+
+PY_REDIS = "+pyredis"
+
+
+def no_hiredis() -> Path:
+    """A directory whose `hiredis` fails to import: first on PYTHONPATH, redis-py falls back to its Python parser."""
+    path = ROOT / ".cache" / "bench" / "no-hiredis" / "hiredis"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "__init__.py").write_text('raise ImportError("hiredis shadowed by bench.throughput (+pyredis)")\n')
+    return path.parent
 
 
 def litellm_venv() -> Path:
@@ -263,7 +276,7 @@ async def run(args: argparse.Namespace) -> None:
                 if system.startswith(("sluice-", "before-")):
                     port = SLUICE_PORT + 10 * len(servers)
                     path = Path(configs) / f"{system}.toml"
-                    variant, _, bound = system.split("-", 1)[1].partition(":")
+                    variant, _, bound = system.split("-", 1)[1].removesuffix(PY_REDIS).partition(":")
                     backend, _, linger = variant.partition("@")
                     config = sluice_config(backend, args.guards, args.processes, int(linger or args.linger_ms), int(bound or 0))
                     config = config.replace(f"port = {SLUICE_PORT}", f"port = {port}")
@@ -272,6 +285,8 @@ async def run(args: argparse.Namespace) -> None:
                     config = config.replace(f"redis://127.0.0.1:{REDIS_PORT}/0", service_env["SLUICE_REDIS_URL"])
                     path.write_text(before_config(config) if system.startswith("before-") else config)
                     env = {**service_env, "SLUICE_CONFIG": str(path)}
+                    if system.endswith(PY_REDIS):  # every process of it (the supervisor's too) finds no hiredis
+                        env["PYTHONPATH"] = os.pathsep.join([str(no_hiredis()), str(ROOT)])
                     cwd = before_tree(args.before) if system.startswith("before-") else ROOT
                     ports[system] = port
                     if not args.guards or system.startswith("before-"):
