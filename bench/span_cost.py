@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,7 @@ def measure(mode: str, spans: int) -> dict[str, float]:
 
     from pipeline import tracing
     from pipeline.observability.config import ObservabilitySettings
+    from pipeline.observability.export_child import flatten, rebuild
     from pipeline.observability.otlp import Encoder
 
     kept = InMemorySpanExporter()
@@ -46,7 +48,12 @@ def measure(mode: str, spans: int) -> dict[str, float]:
 
     trace.get_tracer_provider().force_flush()  # type: ignore[attr-defined]
     finished = list(kept.get_finished_spans())[:5000]
-    for name, encode in (("sdk_encoder_us", lambda b: encode_spans(b).SerializePartialToString()), ("sluice_encoder_us", Encoder().encode)):
+    origins: dict = {}
+    handoff = lambda b: pickle.dumps([flatten(s, origins) for s in b], protocol=pickle.HIGHEST_PROTOCOL)  # noqa: E731
+    rebuilt: dict = {}
+    child = lambda b: Encoder().encode([rebuild(f, rebuilt) for f in pickle.loads(handoff(b))])  # noqa: E731
+    for name, encode in (("sdk_encoder_us", lambda b: encode_spans(b).SerializePartialToString()), ("sluice_encoder_us", Encoder().encode),
+                         ("handoff_us", handoff), ("child_us", child)):
         started = time.process_time()
         for i in range(0, len(finished), 512):
             encode(finished[i : i + 512])
@@ -81,6 +88,10 @@ def main() -> None:
     encoded = results["sdk"]["sdk_encoder_us"] + results["lean"]["sdk_encoder_us"]
     ours = results["sdk"]["sluice_encoder_us"] + results["lean"]["sluice_encoder_us"]
     print(f"| OTLP encoding, export thread | {cell(encoded)} | {cell(ours)} |")
+    handoff = results["sdk"]["handoff_us"] + results["lean"]["handoff_us"]
+    child = [c - h for c, h in zip(results["sdk"]["child_us"] + results["lean"]["child_us"], handoff, strict=True)]
+    print(f"| handed to the export child instead (flatten + pickle, export thread) | - | {cell(handoff)} |")
+    print(f"| in the export child (unpickle, rebuild, encode) | - | {cell(child)} |")
 
 
 if __name__ == "__main__":

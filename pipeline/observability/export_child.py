@@ -4,8 +4,8 @@ them with `OtlpHttpExporter`, as a collector beside the process would.
 
 Why: encoding and posting in the batch processor's thread hold the GIL the event loop needs; at the knee
 they were about 2-3 points of the ~6% that tracing cost a stage process (docs/benchmarks.md, tracing
-overhead). Flattening and pickling a span costs about a third of encoding it. The child's CPU is its own
-process's (the benchmark reports it beside the stage process's).
+overhead). Flattening and pickling a span costs about half of encoding it (bench/span_cost.py: 4.8 against
+9.4 µs); the child's CPU is its own process's (bench/tracing_overhead.py counts it with the stage process's).
 
 The pipe: each frame is a 4-byte big-endian length and that many bytes of pickle (a list of `flatten()`
 tuples); a length of 0 is a flush, followed by a 4-byte token the child writes back on its stdout once
