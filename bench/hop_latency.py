@@ -19,16 +19,19 @@ import os
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from bench import throughput
 from bench.http_load import Pool
 from bench.services import own_services
 from bench.stats import percentile
 from bench.throughput import PATH, SLUICE_PORT, Started, body, sluice_config, wait_ready
+from pipeline import kafka
+from pipeline import settings as settings_module
+from pipeline.settings import Settings
 
 KAFKA_PORT, REDIS_PORT = 49892, 47179
 
@@ -43,15 +46,17 @@ async def send_paced(pool: Pool, bodies: list[bytes], rate: float) -> list[tuple
     return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
 
 
-async def records(bootstrap: str) -> dict[str, list[tuple[str, int]]]:
-    """Every record of every llm.* topic, by the client's request id (keys are `<tenant>/<id>` past ingest)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False)
-    await consumer.start()
+async def records(settings: Settings) -> dict[str, list[tuple[str, int]]]:
+    """Every record of every llm.* topic up to its end now, by the client's request id (keys are
+    `<tenant>/<id>` past ingest): [(topic, timestamp ms)]."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap)
+    await admin.start()
     try:
-        cluster = await consumer._client.fetch_all_metadata()  # noqa: SLF001 (topics() keeps no partitions)
-        topics = sorted(t for t in cluster.topics() if t.startswith("llm."))
-        consumer.assign([TopicPartition(t, p) for t in topics for p in cluster.partitions_for_topic(t) or ()])
-        await consumer.seek_to_beginning()
+        topics = tuple(sorted(t for t in await admin.list_topics() if t.startswith("llm.")))
+    finally:
+        await admin.close()
+    consumer = await kafka.broadcast_consumer(settings, topics, "bench-hop-latency", from_start=True)
+    try:
         by_key: dict[str, list[tuple[str, int]]] = defaultdict(list)
         ends = await consumer.end_offsets(list(consumer.assignment()))
         while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
@@ -80,11 +85,11 @@ async def run(args: argparse.Namespace) -> None:
             cut = time.time()
             done = await send_paced(pool, [body(i, 16) for i in range(int(args.rate * args.seconds))], args.rate)
             pool.close()
-            by_key = await records(env["SLUICE_KAFKA_BOOTSTRAP"])
+            by_key = await records(settings_module.load(env={**env, "SLUICE_CONFIG": str(path)}))
         finally:
             server.stop()
     gaps: dict[str, list[float]] = defaultdict(list)
-    counts: dict[str, list[int]] = defaultdict(list)
+    counts: Counter[str] = Counter()
     for sent, answered, answer in done:
         request_id = json.loads(answer)["id"].removeprefix("chatcmpl-")
         hops = sorted(by_key.get(request_id, []), key=lambda r: r[1])
@@ -97,7 +102,7 @@ async def run(args: argparse.Namespace) -> None:
                 firsts[name] = ts
             else:
                 firsts[f"{name} (last)"] = ts
-            counts[name].append(1)
+            counts[name] += 1
         points = [("client sent", sent * 1000), *sorted(firsts.items(), key=lambda kv: kv[1]), ("client answered", answered * 1000)]
         for (a, ta), (b, tb) in zip(points, points[1:], strict=False):
             gaps[f"{a} -> {b}"].append(tb - ta)
@@ -108,7 +113,7 @@ async def run(args: argparse.Namespace) -> None:
     print("| --- | --- | --- | --- |")
     for name, values in gaps.items():
         print(f"| {name} | {percentile(values, 50):.2f} | {percentile(values, 90):.2f} | {len(values)} |")
-    print("records per request: " + ", ".join(f"{t} {len(c) / len(gaps['total']):.1f}" for t, c in counts.items()))
+    print("records per request: " + ", ".join(f"{t} {c / len(gaps['total']):.1f}" for t, c in counts.items()))
 
 
 def main() -> None:
