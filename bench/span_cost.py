@@ -27,8 +27,7 @@ def measure(mode: str, spans: int) -> dict[str, float]:
 
     from pipeline import tracing
     from pipeline.observability.config import ObservabilitySettings
-    from pipeline.observability.export_child import flatten, rebuild
-    from pipeline.observability.otlp import Encoder
+    from pipeline.observability.otlp import Encoder, flatten
 
     kept = InMemorySpanExporter()
     settings = ObservabilitySettings(recorder="sdk" if mode == "sdk" else "lean")
@@ -50,8 +49,8 @@ def measure(mode: str, spans: int) -> dict[str, float]:
     finished = list(kept.get_finished_spans())[:5000]
     origins: dict = {}
     handoff = lambda b: pickle.dumps([flatten(s, origins) for s in b], protocol=pickle.HIGHEST_PROTOCOL)  # noqa: E731
-    rebuilt: dict = {}
-    child = lambda b: Encoder().encode([rebuild(f, rebuilt) for f in pickle.loads(handoff(b))])  # noqa: E731
+    encoder = Encoder()
+    child = lambda b: encoder.encode_flat(pickle.loads(handoff(b)))  # noqa: E731
     for name, encode in (("sdk_encoder_us", lambda b: encode_spans(b).SerializePartialToString()), ("sluice_encoder_us", Encoder().encode),
                          ("handoff_us", handoff), ("child_us", child)):
         started = time.process_time()
@@ -91,7 +90,7 @@ def main() -> None:
     handoff = results["sdk"]["handoff_us"] + results["lean"]["handoff_us"]
     child = [c - h for c, h in zip(results["sdk"]["child_us"] + results["lean"]["child_us"], handoff, strict=True)]
     print(f"| handed to the export child instead (flatten + pickle, export thread) | - | {cell(handoff)} |")
-    print(f"| in the export child (unpickle, rebuild, encode) | - | {cell(child)} |")
+    print(f"| in the export child (unpickle, encode) | - | {cell(child)} |")
 
 
 if __name__ == "__main__":

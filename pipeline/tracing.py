@@ -45,7 +45,7 @@ from pipeline.observability.recent import TRACES
 
 Headers = Sequence[tuple[str, bytes]]
 
-tracer = trace.get_tracer("sluice")
+tracer = trace.get_tracer("sluice")  # a proxy until install() puts the provider's own tracer here
 
 MAX_HEADER_BYTES = 512  # a traceparent is 55 bytes; W3C lets tracestate reach 512 characters
 _TRACE_KEYS = frozenset({"traceparent", "tracestate"})
@@ -75,6 +75,8 @@ def install(settings: ObservabilitySettings | None = None, exporter: SpanExporte
     provider.add_span_processor(TRACES)  # the dashboard's waterfall of the last request
     _options["producer_spans"] = settings.producer_spans
     trace.set_tracer_provider(provider)
+    global tracer  # the proxy would wrap every span in one more context manager, resolving the provider each time
+    tracer = trace.get_tracer_provider().get_tracer("sluice")
     return provider
 
 

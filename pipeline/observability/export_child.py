@@ -1,6 +1,7 @@
 """OTLP export from a child process: the spans of each batch leave the stage process as a pickled list of
-plain tuples on a pipe, and a child (`python -m pipeline.observability.export_child`) encodes and POSTs
-them with `OtlpHttpExporter`, as a collector beside the process would.
+plain tuples on a pipe (`pipeline.observability.otlp.flatten`: the form the encoder reads), and a child
+(`python -m pipeline.observability.export_child`) encodes and POSTs them with `OtlpHttpExporter`, as a
+collector beside the process would.
 
 Why: encoding and posting in the batch processor's thread hold the GIL the event loop needs; at the knee
 they were about 2-3 points of the ~6% that tracing cost a stage process (docs/benchmarks.md, tracing
@@ -30,9 +31,11 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from pipeline.observability.otlp import OtlpHttpExporter, flatten
 
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct(">I")
@@ -40,125 +43,11 @@ ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `pipelin
 RESTART_S = 5.0  # a child is started at most this often: batches in between are dropped (and logged)
 
 
-def flatten(span: Any, origins: dict[tuple[int, int], tuple[Any, Any, tuple]]) -> tuple:
-    """A span (the SDK's or the lean recorder's) as plain values; `origins` keeps one tuple per
-    (resource, scope), so pickle writes it once per batch and the child rebuilds it once."""
-    context, parent, status = span.context, span.parent, span.status
-    resource, scope = span.resource, span.instrumentation_scope
-    key = (id(resource), id(scope))
-    kept = origins.get(key)
-    if kept is None or kept[0] is not resource or kept[1] is not scope:
-        origin = (tuple(dict(resource.attributes).items()), resource.schema_url,
-                  None if scope is None else (scope.name, scope.version, tuple(dict(scope.attributes or {}).items()), scope.schema_url))
-        kept = origins[key] = (resource, scope, origin)
-    attributes = span.attributes
-    return (
-        context.trace_id, context.span_id, tuple(context.trace_state.items()) if context.trace_state else (),
-        None if parent is None else (parent.span_id, parent.is_remote),
-        span.name, span.kind.value, span.start_time, span.end_time,
-        attributes if attributes.__class__ is dict else dict(attributes or {}), span.dropped_attributes,
-        tuple((e.timestamp, e.name, dict(e.attributes or {}), e.dropped_attributes) for e in span.events),
-        span.dropped_events,
-        tuple((link.context.trace_id, link.context.span_id, link.context.is_remote, dict(link.attributes or {}),
-               link.dropped_attributes) for link in span.links),
-        span.dropped_links,
-        None if status is None else (status.status_code.value, status.description),
-        kept[2],
-    )
-
-
-class _Value(NamedTuple):  # what the encoder reads as `.value` (a span kind, a status code)
-    value: int
-
-
-class _Context(NamedTuple):
-    trace_id: int
-    span_id: int
-    trace_state: dict[str, str]
-    is_remote: bool
-
-
-class _Parent(NamedTuple):
-    span_id: int
-    is_remote: bool
-
-
-class _Event(NamedTuple):
-    timestamp: int
-    name: str
-    attributes: dict[str, Any]
-    dropped_attributes: int
-
-
-class _Link(NamedTuple):
-    context: _Context
-    attributes: dict[str, Any]
-    dropped_attributes: int
-
-
-class _Status(NamedTuple):
-    status_code: _Value
-    description: str | None
-
-
-class _Resource(NamedTuple):
-    attributes: dict[str, Any]
-    schema_url: str
-
-
-class _Scope(NamedTuple):
-    name: str
-    version: str | None
-    attributes: dict[str, Any]
-    schema_url: str | None
-
-
-class _Span(NamedTuple):
-    """What `pipeline.observability.otlp.encode_span` and `Encoder` read of a span."""
-    context: _Context
-    parent: _Parent | None
-    name: str
-    kind: _Value
-    start_time: int
-    end_time: int
-    attributes: dict[str, Any]
-    dropped_attributes: int
-    events: tuple[_Event, ...]
-    dropped_events: int
-    links: tuple[_Link, ...]
-    dropped_links: int
-    status: _Status | None
-    resource: _Resource
-    instrumentation_scope: _Scope | None
-
-
-def rebuild(flat: tuple, origins: dict[tuple, Any]) -> _Span:
-    """`flatten()`'s tuple as an object the encoder takes; one resource and scope object per origin, so the
-    encoder groups by them as it does in the parent."""
-    (trace_id, span_id, state, parent, name, kind, start, end, attributes, dropped_attributes, events, dropped_events,
-     links, dropped_links, status, origin) = flat
-    made = origins.get(origin)
-    if made is None:  # one object per distinct resource and per distinct scope, however they pair
-        resource_attributes, resource_schema, scope = origin
-        resource = origins.setdefault((resource_attributes, resource_schema), _Resource(dict(resource_attributes), resource_schema))
-        if scope is not None:
-            scope = origins.setdefault(scope, _Scope(scope[0], scope[1], dict(scope[2]), scope[3]))
-        made = origins[origin] = (resource, scope)
-    return _Span(
-        _Context(trace_id, span_id, dict(state), False), None if parent is None else _Parent(*parent), name, _Value(kind),
-        start, end, attributes, dropped_attributes, tuple(_Event(*e) for e in events), dropped_events,
-        tuple(_Link(_Context(t, s, {}, remote), a, d) for t, s, remote, a, d in links), dropped_links,
-        None if status is None else _Status(_Value(status[0]), status[1]), made[0], made[1],
-    )
-
-
 class ChildExporter(SpanExporter):
     """A SpanExporter for the batch processor: hands each batch to the export child, started on the
     first batch (and again after it died)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 10.0) -> None:
-        from pipeline.observability.otlp import OtlpHttpExporter
-
         OtlpHttpExporter(endpoint, timeout_s)  # refuses a bad endpoint here, in the parent, as the in-process one does
         self._argv = [sys.executable, "-m", "pipeline.observability.export_child", endpoint, str(timeout_s)]
         self._child: subprocess.Popen[bytes] | None = None
@@ -254,13 +143,10 @@ def _close_pipes(child: subprocess.Popen[bytes]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from pipeline.observability.otlp import OtlpHttpExporter
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s sluice-export %(message)s")
     exporter = OtlpHttpExporter(argv[1], float(argv[2]))
     source, answers = sys.stdin.buffer, sys.stdout.buffer
-    origins: dict[tuple, Any] = {}
     try:
         while len(head := source.read(4)) == 4:
             length = _LENGTH.unpack(head)[0]
@@ -268,7 +154,7 @@ def main(argv: list[str]) -> int:
                 answers.write(source.read(4))
                 answers.flush()
                 continue
-            exporter.export([rebuild(flat, origins) for flat in pickle.loads(source.read(length))])  # noqa: S301 (its parent's pipe)
+            exporter.export_flat(pickle.loads(source.read(length)))  # noqa: S301 (its parent's pipe)
     finally:
         exporter.shutdown()
     return 0

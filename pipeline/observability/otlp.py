@@ -115,88 +115,127 @@ def _count(tag: bytes, n: int) -> bytes:
     return tag + _varint(n) if n else b""
 
 
-def _trace_state(state: Any) -> str:
-    return ",".join(f"{k}={v}" for k, v in state.items()) if state else ""
+def flatten(span: Any, origins: dict[tuple[int, int], tuple[Any, Any, tuple]]) -> tuple:
+    """A span (the SDK's `ReadableSpan` or the lean recorder's) as the plain tuple the encoder reads, which
+    also crosses a pipe to the export child as it is; `origins` keeps one tuple per (resource, scope), so
+    pickle writes it once per batch and the encoder groups by it:
+
+        (trace_id, span_id, trace_state items, (parent span_id, parent is_remote) | None, name, kind value,
+         start, end, attributes, dropped attributes, events ((time, name, attributes, dropped), ...), dropped
+         events, links ((trace_id, span_id, is_remote, attributes, dropped), ...), dropped links,
+         (status code value, description) | None, origin: (resource items, resource schema, scope | None))
+    """
+    context, parent, status = span.context, span.parent, span.status
+    resource, scope = span.resource, span.instrumentation_scope
+    key = (id(resource), id(scope))
+    kept = origins.get(key)
+    if kept is None or kept[0] is not resource or kept[1] is not scope:
+        origin = (tuple(dict(resource.attributes).items()), resource.schema_url,
+                  None if scope is None else (scope.name, scope.version, tuple(dict(scope.attributes or {}).items()), scope.schema_url))
+        kept = origins[key] = (resource, scope, origin)
+    attributes = span.attributes
+    events, links = span.events, span.links
+    return (
+        context.trace_id, context.span_id, tuple(context.trace_state.items()) if context.trace_state else (),
+        None if parent is None else (parent.span_id, parent.is_remote),
+        span.name, span.kind.value, span.start_time or 0, span.end_time or 0,
+        attributes if attributes.__class__ is dict else dict(attributes or {}), span.dropped_attributes,
+        tuple((e.timestamp, e.name, dict(e.attributes or {}), e.dropped_attributes) for e in events) if events else (),
+        span.dropped_events,
+        tuple((link.context.trace_id, link.context.span_id, link.context.is_remote, dict(link.attributes or {}),
+               link.dropped_attributes) for link in links) if links else (),
+        span.dropped_links,
+        None if status is None else (status.status_code.value, status.description),
+        kept[2],
+    )
 
 
-def _flags(parent: Any) -> bytes:
-    flags = _FLAGS_HAS_IS_REMOTE | (_FLAGS_IS_REMOTE if parent is not None and parent.is_remote else 0)
-    return _SPAN_FLAGS + _FIXED32.pack(flags)
+_TRACE_ID_HEAD, _SPAN_ID_HEAD, _PARENT_HEAD = _SPAN_TRACE_ID + b"\x10", _SPAN_ID + b"\x08", _SPAN_PARENT + b"\x08"
+_KINDS = [_SPAN_KIND + _varint(k + 1) for k in range(6)]  # OTLP counts from SPAN_KIND_UNSPECIFIED = 0
+_SPAN_FLAGS_BY_REMOTE = {remote: _SPAN_FLAGS + _FIXED32.pack(_FLAGS_HAS_IS_REMOTE | (_FLAGS_IS_REMOTE if remote else 0))
+                         for remote in (False, True)}
 
 
-def encode_span(span: Any) -> bytes:
-    """One `Span` message, as the SDK's encoder fills it."""
-    context, parent = span.context, span.parent
-    parts = [_ld(_SPAN_TRACE_ID, context.trace_id.to_bytes(16, "big")), _ld(_SPAN_ID, context.span_id.to_bytes(8, "big"))]
-    if state := _trace_state(context.trace_state):
-        parts.append(_ld(_SPAN_TRACE_STATE, state.encode()))
+def encode_span(flat: tuple) -> bytes:
+    """One `Span` message from a `flatten()` tuple, as the SDK's encoder fills it."""
+    (trace_id, span_id, state, parent, name, kind, start, end, attributes, dropped_attributes, events, dropped_events,
+     links, dropped_links, status, _) = flat
+    parts = [_TRACE_ID_HEAD + trace_id.to_bytes(16, "big"), _SPAN_ID_HEAD + span_id.to_bytes(8, "big")]
+    if state:
+        parts.append(_ld(_SPAN_TRACE_STATE, ",".join(f"{k}={v}" for k, v in state).encode()))
     if parent is not None:
-        parts.append(_ld(_SPAN_PARENT, parent.span_id.to_bytes(8, "big")))
-    if span.name:
-        parts.append(_ld(_SPAN_NAME, span.name.encode()))
-    parts += [_SPAN_KIND + _varint(span.kind.value + 1),  # OTLP counts from SPAN_KIND_UNSPECIFIED = 0
-              _SPAN_START + _FIXED64.pack(span.start_time or 0), _SPAN_END + _FIXED64.pack(span.end_time or 0),
-              _attributes(_SPAN_ATTR, span.attributes), _count(_SPAN_DROPPED_ATTR, span.dropped_attributes)]
-    for event in span.events or ():
-        parts.append(_ld(_SPAN_EVENT, _EVENT_TIME + _FIXED64.pack(event.timestamp) + _ld(_EVENT_NAME, event.name.encode())
-                         + _attributes(_EVENT_ATTR, event.attributes) + _count(_EVENT_DROPPED, event.dropped_attributes)))
-    parts.append(_count(_SPAN_DROPPED_EVENTS, span.dropped_events))
-    for link in span.links or ():
-        parts.append(_ld(_SPAN_LINK, _ld(_LINK_TRACE_ID, link.context.trace_id.to_bytes(16, "big"))
-                         + _ld(_LINK_SPAN_ID, link.context.span_id.to_bytes(8, "big")) + _attributes(_LINK_ATTR, link.attributes)
-                         + _count(_LINK_DROPPED, link.dropped_attributes) + _LINK_FLAGS + _FIXED32.pack(
-                             _FLAGS_HAS_IS_REMOTE | (_FLAGS_IS_REMOTE if link.context.is_remote else 0))))
-    parts.append(_count(_SPAN_DROPPED_LINKS, span.dropped_links))
-    status = span.status
+        parts.append(_PARENT_HEAD + parent[0].to_bytes(8, "big"))
+    if name:
+        parts.append(_ld(_SPAN_NAME, name.encode()))
+    parts += [_KINDS[kind], _SPAN_START + _FIXED64.pack(start), _SPAN_END + _FIXED64.pack(end), _attributes(_SPAN_ATTR, attributes)]
+    if dropped_attributes:
+        parts.append(_SPAN_DROPPED_ATTR + _varint(dropped_attributes))
+    for timestamp, event_name, event_attributes, event_dropped in events:
+        parts.append(_ld(_SPAN_EVENT, _EVENT_TIME + _FIXED64.pack(timestamp) + _ld(_EVENT_NAME, event_name.encode())
+                         + _attributes(_EVENT_ATTR, event_attributes) + _count(_EVENT_DROPPED, event_dropped)))
+    parts.append(_count(_SPAN_DROPPED_EVENTS, dropped_events))
+    for link_trace, link_span, link_remote, link_attributes, link_dropped in links:
+        parts.append(_ld(_SPAN_LINK, _ld(_LINK_TRACE_ID, link_trace.to_bytes(16, "big")) + _ld(_LINK_SPAN_ID, link_span.to_bytes(8, "big"))
+                         + _attributes(_LINK_ATTR, link_attributes) + _count(_LINK_DROPPED, link_dropped) + _LINK_FLAGS
+                         + _FIXED32.pack(_FLAGS_HAS_IS_REMOTE | (_FLAGS_IS_REMOTE if link_remote else 0))))
+    parts.append(_count(_SPAN_DROPPED_LINKS, dropped_links))
     if status is not None:
-        message = _ld(_STATUS_MESSAGE, status.description.encode()) if status.description else b""
-        parts.append(_ld(_SPAN_STATUS, message + _count(_STATUS_CODE, status.status_code.value)))
-    parts.append(_flags(parent))
+        code, description = status
+        parts.append(_ld(_SPAN_STATUS, (_ld(_STATUS_MESSAGE, description.encode()) if description else b"") + _count(_STATUS_CODE, code)))
+    parts.append(_SPAN_FLAGS_BY_REMOTE[parent is not None and bool(parent[1])])
     return b"".join(parts)
 
 
 class Encoder:
     """Spans to one ExportTraceServiceRequest, grouped by resource and instrumentation scope (each
-    encoded once per encoder, they repeat on every call)."""
+    encoded once per encoder, they repeat on every call). `encode` takes span objects; `encode_flat`
+    their `flatten()` tuples (what the export child receives)."""
 
     def __init__(self) -> None:
-        self._resources: dict[int, tuple[Any, bytes]] = {}
-        self._scopes: dict[int, tuple[Any, bytes]] = {}
+        self._origins: dict[tuple[int, int], tuple[Any, Any, tuple]] = {}
+        self._resources: dict[tuple, bytes] = {}
+        self._scopes: dict[tuple, bytes] = {}
 
     def encode(self, spans: Sequence[Any]) -> bytes:
-        groups: dict[int, dict[int, list[bytes]]] = {}
-        keep: dict[int, Any] = {}
-        for span in spans:
-            resource, scope = span.resource, span.instrumentation_scope
-            keep[id(resource)], keep[id(scope)] = resource, scope
-            groups.setdefault(id(resource), {}).setdefault(id(scope), []).append(_ld(_SS_SPAN, encode_span(span)))
+        origins = self._origins
+        return self.encode_flat([flatten(span, origins) for span in spans])
+
+    def encode_flat(self, spans: Sequence[tuple]) -> bytes:
+        by_origin: dict[int, tuple[tuple, list[bytes]]] = {}  # by id: an origin is one object per batch
+        for flat in spans:
+            origin = flat[15]
+            group = by_origin.get(id(origin))
+            if group is None:
+                group = by_origin[id(origin)] = (origin, [])
+            group[1].append(_ld(_SS_SPAN, encode_span(flat)))
+        resources: dict[tuple, dict[Any, list[bytes]]] = {}  # the SDK's grouping: by resource, then by scope
+        for origin, encoded_spans in by_origin.values():
+            resources.setdefault(origin[:2], {}).setdefault(origin[2], []).extend(encoded_spans)
         out = []
-        for resource_id, scopes in groups.items():
-            resource = keep[resource_id]
-            body = [_ld(_RS_RESOURCE, self._resource(resource))]
-            for scope_id, encoded in scopes.items():
-                scope = keep[scope_id]
+        for (resource_items, resource_schema), scopes in resources.items():
+            body = [_ld(_RS_RESOURCE, self._resource(resource_items))]
+            for scope, encoded_spans in scopes.items():
                 head = _ld(_SS_SCOPE, self._scope(scope)) if scope is not None else b""
-                schema = _ld(_SS_SCHEMA, scope.schema_url.encode()) if scope is not None and scope.schema_url else b""
-                body.append(_ld(_RS_SCOPE_SPANS, head + b"".join(encoded) + schema))
-            if resource.schema_url:
-                body.append(_ld(_RS_SCHEMA, resource.schema_url.encode()))
+                schema = _ld(_SS_SCHEMA, scope[3].encode()) if scope is not None and scope[3] else b""
+                body.append(_ld(_RS_SCOPE_SPANS, head + b"".join(encoded_spans) + schema))
+            if resource_schema:
+                body.append(_ld(_RS_SCHEMA, resource_schema.encode()))
             out.append(_ld(_REQUEST_RESOURCE_SPANS, b"".join(body)))
         return b"".join(out)
 
-    def _resource(self, resource: Any) -> bytes:
-        cached = self._resources.get(id(resource))
-        if cached is None or cached[0] is not resource:
-            cached = self._resources[id(resource)] = (resource, _attributes(_RESOURCE_ATTR, resource.attributes))
-        return cached[1]
+    def _resource(self, items: tuple) -> bytes:
+        cached = self._resources.get(items)
+        if cached is None:
+            cached = self._resources[items] = _attributes(_RESOURCE_ATTR, dict(items))
+        return cached
 
-    def _scope(self, scope: Any) -> bytes:
-        cached = self._scopes.get(id(scope))
-        if cached is None or cached[0] is not scope:
-            body = (_ld(_SCOPE_NAME, scope.name.encode()) if scope.name else b"") + \
-                (_ld(_SCOPE_VERSION, scope.version.encode()) if scope.version else b"") + _attributes(_SCOPE_ATTR, scope.attributes)
-            cached = self._scopes[id(scope)] = (scope, body)
-        return cached[1]
+    def _scope(self, scope: tuple) -> bytes:
+        cached = self._scopes.get(scope)
+        if cached is None:
+            name, version, items, _ = scope
+            cached = self._scopes[scope] = (_ld(_SCOPE_NAME, name.encode()) if name else b"") + \
+                (_ld(_SCOPE_VERSION, version.encode()) if version else b"") + _attributes(_SCOPE_ATTR, dict(items))
+        return cached
 
 
 class OtlpHttpExporter(SpanExporter):
@@ -213,19 +252,25 @@ class OtlpHttpExporter(SpanExporter):
         self._encoder = Encoder()
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        body = self._encoder.encode(spans)
+        return self.post(self._encoder.encode(spans), len(spans))
+
+    def export_flat(self, spans: Sequence[tuple]) -> SpanExportResult:
+        """Exports spans already flattened (`flatten()`): what the export child receives."""
+        return self.post(self._encoder.encode_flat(spans), len(spans))
+
+    def post(self, body: bytes, count: int) -> SpanExportResult:
         for attempt in (1, 2):  # a kept-alive connection the server closed meanwhile fails once, at once
             try:
                 status = self._post(body)
             except (OSError, http.client.HTTPException) as exc:
                 self._close()
                 if attempt == 2:
-                    log.warning("OTLP export of %d spans failed: %s", len(spans), type(exc).__name__)
+                    log.warning("OTLP export of %d spans failed: %s", count, type(exc).__name__)
                     return SpanExportResult.FAILURE
                 continue
             if 200 <= status < 300:
                 return SpanExportResult.SUCCESS
-            log.warning("OTLP export of %d spans refused: HTTP %d", len(spans), status)
+            log.warning("OTLP export of %d spans refused: HTTP %d", count, status)
             return SpanExportResult.FAILURE
         return SpanExportResult.FAILURE
 
