@@ -1,7 +1,7 @@
 """The export child posts exactly what the in-process exporter posts: spans flattened, pickled and
 encoded in the child give the same bytes as encoding the spans themselves (the SDK's spans and the lean
-recorder's), and the SDK's encoder's message; a flush waits for the child's posts; a dead child is replaced; a child whose
-parent dies exits."""
+recorder's), and the SDK's encoder's message; the child runs at a lower priority; a flush waits for the
+child's posts; a dead child is replaced; a child whose parent dies exits."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def test_the_child_posts_each_batch_and_a_flush_waits_for_it(sink: tuple[str, li
         assert ExportTraceServiceRequest.FromString(received[1][1]) == encode_spans(spans[3:])
         first = exporter.pid
         assert first is not None
+        assert os.getpriority(os.PRIO_PROCESS, first) == min(os.getpriority(os.PRIO_PROCESS, 0) + export_child.NICE, 19)  # background work
         os.kill(first, 9)
         while _state(first) not in ("Z", "gone"):  # dead (Popen reaps it when the exporter next looks)
             time.sleep(0.05)
