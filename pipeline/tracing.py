@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from opentelemetry import context, trace
@@ -144,11 +144,11 @@ def inject(ctx: context.Context | None = None) -> list[tuple[str, bytes]]:
     return headers
 
 
-@contextlib.contextmanager
-def consume_span(record: Any, group: str) -> Iterator[trace.Span]:
+def consume_span(record: Any, group: str) -> contextlib.AbstractContextManager[trace.Span]:
     """The CONSUMER span of one record at stage `group` (the stage's name: its consumer group and span
-    name), continuing the trace its headers carry; also observes the record's queue time (from its
-    produce timestamp to now, when the stage starts on it)."""
+    name), continuing the trace its headers carry, to be entered at once (`with`); also observes the
+    record's queue time (from its produce timestamp to now, when the stage starts on it). The tracer's
+    own context manager, not one wrapped around it: one generator fewer per message."""
     timestamp = getattr(record, "timestamp", None)
     if isinstance(timestamp, int) and timestamp > 0:
         metrics.QUEUE_SECONDS.labels(group).observe(max(0.0, time.time() - timestamp / 1000.0))
@@ -161,12 +161,10 @@ def consume_span(record: Any, group: str) -> Iterator[trace.Span]:
         "messaging.kafka.offset": record.offset,
         "messaging.message.body.size": len(record.value or b""),
     }
-    with tracer.start_as_current_span(group, context=extract(record.headers), kind=CONSUMER, attributes=attributes) as span:
-        yield span
+    return tracer.start_as_current_span(group, context=extract(record.headers), kind=CONSUMER, attributes=attributes)
 
 
-@contextlib.contextmanager
-def handover_span(topic: str, group: str) -> Iterator[trace.Span]:
+def handover_span(topic: str, group: str) -> contextlib.AbstractContextManager[trace.Span]:
     """The span of stage `group` handling a message that a stage of the same process handed over on
     `topic` instead of producing it (`runtime.handover`): a child of the sender's span, with the
     messaging attributes a consumed record's span has, less the partition and offset it never had.
@@ -179,8 +177,7 @@ def handover_span(topic: str, group: str) -> Iterator[trace.Span]:
         "messaging.consumer.group.name": group,
         "sluice.handover": True,
     }
-    with tracer.start_as_current_span(group, kind=CONSUMER, attributes=attributes) as span:
-        yield span
+    return tracer.start_as_current_span(group, kind=CONSUMER, attributes=attributes)
 
 
 def publish(topic: str, parent: context.Context | None = None, *, span: bool | None = None) -> list[tuple[str, bytes]]:
