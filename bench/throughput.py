@@ -146,10 +146,18 @@ def before_tree(rev: str) -> Path:
     return tree
 
 
-def before_config(config: str) -> str:
-    """The config without the keys the earlier code did not know (its instant backend always splits)."""
-    dropped = ("split = ", "linger_ms = ", "[run]", "processes = ", "max_in_flight = ")
-    return "\n".join(line for line in config.splitlines() if not line.startswith(dropped))
+# Config lines the benchmark writes that older commits do not know, each with the field whose presence
+# in that commit's pipeline/settings.py says it does (an older instant backend always splits).
+_NEWER_KEYS = {"split = ": "split:", "linger_ms = ": "linger_ms:", "[run]": "class RunSettings",
+               "processes = ": "class RunSettings", "max_in_flight = ": "bridge.max_in_flight"}
+
+
+def before_config(config: str, tree: Path) -> str:
+    """The config without the keys the code in `tree` does not know, and only those: dropping one a commit
+    knows changes what it runs (without `split = false` the instant backend splits: a hop more)."""
+    known = (tree / "pipeline" / "settings.py").read_text()
+    dropped = tuple(line for line, field in _NEWER_KEYS.items() if field not in known)
+    return "\n".join(line for line in config.splitlines() if not (dropped and line.startswith(dropped)))
 
 
 class Started:
@@ -283,11 +291,11 @@ async def run(args: argparse.Namespace) -> None:
                     service_env = service_envs[system]
                     config = config.replace(f"127.0.0.1:{KAFKA_PORT}", service_env["SLUICE_KAFKA_BOOTSTRAP"])
                     config = config.replace(f"redis://127.0.0.1:{REDIS_PORT}/0", service_env["SLUICE_REDIS_URL"])
-                    path.write_text(before_config(config) if system.startswith("before-") else config)
+                    cwd = before_tree(args.before) if system.startswith("before-") else ROOT
+                    path.write_text(before_config(config, cwd) if system.startswith("before-") else config)
                     env = {**service_env, "SLUICE_CONFIG": str(path)}
                     if system.endswith(PY_REDIS):  # every process of it (the supervisor's too) finds no hiredis
                         env["PYTHONPATH"] = os.pathsep.join([str(no_hiredis()), str(ROOT)])
-                    cwd = before_tree(args.before) if system.startswith("before-") else ROOT
                     ports[system] = port
                     if not args.guards or system.startswith("before-"):
                         servers[system] = Started(system, [sys.executable, "-m", "pipeline.cli", "run"], env, port, cwd)
