@@ -158,22 +158,45 @@ class Handling:
     async def _send_all(self, message: Any, handed_over: asyncio.Future[None] | None) -> None:
         """Produces each output as soon as it is yielded (a stream reaches the client token by token),
         a terminal event only after the outputs before it are acknowledged, runs each output's `acked`
-        in order once the broker acknowledged it, then waits for all of it.
+        in order once the broker acknowledged it, then waits for all of it. Outputs the stage marks
+        `with_next` are held until the next one comes and go with it as one record batch, which needs
+        no such wait: the broker appends a batch whole or not at all (a cache hit's chunks and `Done`,
+        an answer's last chunk and its terminal event: about a millisecond less per request).
         The next message of an ordered partition may start once this one's outputs are queued in the
         producer, before they are acknowledged."""
         acks: list[asyncio.Future[Any]] = []
         last: asyncio.Task[None] | None = None
-        try:
-            async for out in self.stage.handle(message):
+        held: list[Out] = []
+
+        async def send(outs: list[Out]) -> None:
+            nonlocal last
+            ack = await self._send_together(outs) if len(outs) > 1 else None
+            if ack is not None:
+                acks.append(ack)
+                for out in outs:
+                    if out.acked is not None:
+                        last = asyncio.create_task(_after(ack, out.acked, last))
+                return
+            for out in outs:  # one at a time, as yielded
                 if isinstance(out.value, Done | Failed) and acks:
-                    # A terminal event goes out only once every chunk before it is acknowledged: after a
-                    # broker outage, batches that expired are refused while later ones are accepted, and a
-                    # terminal event sent then would overtake the chunks the retry sends again.
+                    # A terminal event sent on its own goes out only once every chunk before it is
+                    # acknowledged: after a broker outage, batches that expired are refused while later
+                    # ones are accepted, and a terminal event sent then would overtake the chunks the
+                    # retry sends again.
                     await asyncio.gather(*acks)
                 ack = await self._send(out)
                 acks.append(ack)
                 if out.acked is not None:
                     last = asyncio.create_task(_after(ack, out.acked, last))
+
+        try:
+            async for out in self.stage.handle(message):
+                held.append(out)
+                if not out.with_next:
+                    outs, held = held, []
+                    await send(outs)
+            if held:  # the stage ended after an output marked `with_next`
+                await send(held)
             if handed_over is not None and not handed_over.done():
                 handed_over.set_result(None)
             await asyncio.gather(*acks)
@@ -184,6 +207,18 @@ class Handling:
                 ack.add_done_callback(_quiet)
             if last is not None:
                 last.add_done_callback(_quiet)
+
+    async def _send_together(self, outs: list[Out]) -> asyncio.Future[Any] | None:
+        """One record batch for `outs` when they share a topic and key, the topic is produced (not handed
+        over) and they fit; None, with nothing sent, otherwise (they are sent one by one)."""
+        first = outs[0]
+        if self.takers.get(first.topic) is not None or any(o.topic != first.topic or o.key != first.key for o in outs):
+            return None
+        items = [(codec.encode(o.value), tracing.publish(o.topic)) for o in outs]
+        ack = await self._producer.send_together(first.topic, first.key.encode(), items)
+        if ack is not None:
+            metrics.PRODUCED.labels(self.stage.name, first.topic).inc(len(outs))
+        return ack
 
     async def _send(self, out: Out) -> asyncio.Future[Any]:
         taker = self.takers.get(out.topic)

@@ -50,6 +50,26 @@ class Producer:
         ack.add_done_callback(self._watch)
         return ack
 
+    async def send_together(
+        self, topic: str, key: bytes, items: list[tuple[bytes, list[tuple[str, bytes]]]]
+    ) -> asyncio.Future[Any] | None:
+        """Queues several messages with one key as one record batch on the key's partition (the one `send`
+        picks): the broker appends all of them or none, so a later one cannot overtake an earlier one that
+        failed. None, with nothing queued, when they do not fit in one batch (`max_batch_size`)."""
+        if self._unusable():
+            await self._renew()
+        client = self._client
+        assert client is not None
+        batch = client.create_batch()
+        for value, headers in items:
+            if batch.append(key=key, value=value, timestamp=None, headers=headers) is None:
+                return None
+        await client.client._wait_on_metadata(topic)  # as `send` does; aiokafka is pinned below 0.15
+        partition = client._partition(topic, None, None, None, key, value)
+        ack = await client.send_batch(batch, topic, partition=partition)
+        ack.add_done_callback(self._watch)
+        return ack
+
     async def send_and_wait(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]] | None = None) -> None:
         """Sends one message and waits for the broker's acknowledgement."""
         await (await self.send(topic, value, key=key, headers=headers or []))

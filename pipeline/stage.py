@@ -32,12 +32,15 @@ from topics.stream import Chunk, Done, Failed, FinishReason, RateLimit, Usage
 class Out:
     """One message to produce. `key` is the request id, so a request's messages keep their order.
     `acked`, if set, is awaited once the broker has acknowledged this message (in yield order): a stage
-    records progress there, so what it records was really sent."""
+    records progress there, so what it records was really sent. `with_next`: the stage yields the next
+    output at once (the last chunk of an answer, then its terminal event) and the two may travel as one
+    record batch, which the broker appends whole or not at all: the runner holds this one until then."""
 
     topic: str
     key: str
     value: msgspec.Struct
     acked: Callable[[], Awaitable[None]] | None = None
+    with_next: bool = False
 
 
 class Stage(Protocol):

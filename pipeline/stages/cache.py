@@ -3,7 +3,8 @@ under which emit stores the finished answer (topics.cache).
 
 It sits after the input guard (a refused prompt is never answered from the cache) and before route.
 A hit is replayed at once as the stored chunks, same boundaries, each and the `Done` marked with the
-tier, straight to emit's input: what was stored had already passed postguard. Exact tier first
+tier, straight to emit's input, in one record batch (`Out.with_next`) where they fit: what was stored
+had already passed postguard. Exact tier first
 (Redis, `keys.exact_key`), then the semantic tier (this worker's per-tenant index, fed by the runner
 with every record of `llm.cache.entries` from the start: `on_table`).
 
@@ -110,7 +111,7 @@ class CacheStage:
         outs, digest = [], EMPTY_DIGEST
         for seq, text in enumerate(entry.chunks):
             digest = digest_step(digest, text)
-            outs.append(Out(stream, message.id, msgspec.structs.replace(address.chunk(seq, text), cache=tier)))
+            outs.append(Out(stream, message.id, msgspec.structs.replace(address.chunk(seq, text), cache=tier), with_next=True))
         done = address.done(
             chunks=len(entry.chunks), digest=digest, finish=FinishReason(entry.finish_reason),
             usage=Usage(entry.prompt_tokens, entry.completion_tokens), timings={**message.timings, self.name: clock.ms()},

@@ -184,7 +184,9 @@ class DecodeStage:
                         chunk = address.chunk(progress.next_seq - 1, delta.text, pending)
                         if chunk.seq == 0 and self.stats is not None:
                             self.stats.first_token(clock.ms())
-                        yield Out(self.topics.stream or "", rid, chunk, acked=self._record(rid, progress))
+                        # the backend's last delta: its terminal event follows at once, in the same batch
+                        ends = delta.finish_reason is not None
+                        yield Out(self.topics.stream or "", rid, chunk, acked=self._record(rid, progress), with_next=ends)
                         pending = ()
                     elif pending:
                         progress = msgspec.structs.replace(progress, tokens=progress.tokens + pending)

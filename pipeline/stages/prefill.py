@@ -95,7 +95,8 @@ class PrefillStage:
             self.stats.first_token(clock.ms())
             self.stats.finished(failed=False)
         if prefilled.first_text:
-            yield Out(stream, message.id, address.chunk(0, prefilled.first_text, (prefilled.first_token_id,)))
+            ends = prefilled.finish_reason is not None  # its Done follows at once, in the same batch
+            yield Out(stream, message.id, address.chunk(0, prefilled.first_text, (prefilled.first_token_id,)), with_next=ends)
         if prefilled.finish_reason is None and isinstance(self._backend, KVHandoff):
             await self._backend.hand_off(prefilled)  # after the first token went: it costs no time to first token
         timings = {**message.timings, self.name: clock.ms()}

@@ -65,6 +65,7 @@ class Pipeline:
                     await self.cache.on_table(out.value)
             return "miss", [o.value for o in sent if o.topic == message.request.reply_to]
         assert all(o.topic == CACHE.topics.stream == registry.CHECKED for o in outs)  # straight to emit
+        assert [o.with_next for o in outs] == [True] * (len(outs) - 1) + [False]  # one record batch
         sent = [o for out in outs for o in await run_handler(self.emit, out.value)]
         done = outs[-1].value
         assert isinstance(done, Done) and done.cache is not None

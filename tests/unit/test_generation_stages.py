@@ -74,6 +74,20 @@ async def test_chunks_are_numbered_without_gaps_and_end_in_one_done() -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_last_chunk_travels_with_the_done_and_the_others_alone() -> None:
+    """The last chunk is marked to go in one record batch with the terminal event (pipeline/handling.py)."""
+    backend = ScriptedBackend(WORDS)
+    outs = await run_handler(decode_stage(backend), await prefilled(backend))
+    assert [type(o.value) for o in outs] == [Chunk] * (len(WORDS) - 1) + [Done]
+    assert [o.with_next for o in outs] == [False] * (len(WORDS) - 2) + [True, False]
+    assert len({o.topic for o in outs}) == 1
+    first_only = await run_handler(PrefillStage(backend, PREFILL.topics), routed(request(sampling=Sampling(max_tokens=1))))
+    assert [(type(o.value), o.with_next) for o in first_only] == [(Chunk, True), (Done, False)]
+    handed_on = await run_handler(PrefillStage(backend, PREFILL.topics), routed(request()))
+    assert not any(o.with_next for o in handed_on)  # the first token of a longer answer goes at once
+
+
+@pytest.mark.asyncio
 async def test_max_tokens_ends_with_length() -> None:
     events = await prefill_then_decode(ScriptedBackend(WORDS), sampling=Sampling(max_tokens=3))
     assert isinstance(events[-1], Done)
