@@ -98,10 +98,8 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     stages = assemble.build(assemble.nodes_of(settings), settings, backend_registry.load(settings))
     producer = Producer(settings, "sluice-stages-bench")  # as `sluice run` wires them (handover included)
-    replies = Producer(settings, "sluice-replies-bench")  # emit's own (pipeline.serve.run_stages)
     await producer.start(stop)
-    await replies.start(stop)
-    runners = runners_for(stages, settings, producer, "bench", replies=replies)
+    runners = runners_for(stages, settings, producer, "bench")
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
     cache = next(s for s in stages if s.name == "cache")
@@ -132,7 +130,6 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
         await serving
     await asyncio.gather(*tasks)
     await producer.stop()
-    await replies.stop()
     print(f"\nprofile={settings.profile} entries in the tenant's index={len(cache.index)} rounds={args.rounds}"  # type: ignore[attr-defined]
           f" warm-up={args.warmup_s:g} s ({warm} exact hits)\n")
     print("| request (through the bridge, non-streamed) | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")

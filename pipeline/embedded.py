@@ -31,7 +31,11 @@ async def _main(settings: Settings, stop: asyncio.Event, *, with_stages: bool = 
         log.info("bridge on http://%s:%d", settings.bridge.host, settings.bridge.port)
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stop.set()
-        await asyncio.gather(*tasks)
+        # every task to its end (the stages close their producers) before the first failure is raised
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
     finally:
         await client.stop()
 

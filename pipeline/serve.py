@@ -17,7 +17,7 @@ from pipeline.producing import Producer
 from pipeline.runner import Runner
 from pipeline.settings import Settings
 from pipeline.stage import Stage
-from pipeline.topology import HANDOVER, REPLIES
+from pipeline.topology import HANDOVER
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +33,10 @@ def configure_logging(level: str = "INFO") -> None:
 
 async def run_stages(stages: list[Stage], settings: Settings, stop: asyncio.Event, *, instance: str = "0") -> None:
     """Runs one runner per stage until `stop` is set; a runner that crashes stops the others. The
-    runners share one producer, but for emit's, which has its own (`replies`)."""
+    runners share one producer."""
     producer = Producer(settings, f"sluice-stages-{instance}")
     await producer.start(stop)
-    replies = None
-    if any(stage.name == REPLIES for stage in stages):
-        replies = Producer(settings, f"sluice-replies-{instance}")
-        await replies.start(stop)
-    runners = runners_for(stages, settings, producer, instance, replies=replies)
+    runners = runners_for(stages, settings, producer, instance)
     tasks = [asyncio.create_task(r.run(stop), name=r.stage.name) for r in runners]
     log.info("running stages: %s", ", ".join(s.name for s in stages))
     settling = asyncio.create_task(_settle_when_ready(runners, settings))
@@ -55,8 +51,6 @@ async def run_stages(stages: list[Stage], settings: Settings, stop: asyncio.Even
         settling.cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         await producer.stop()
-        if replies is not None:
-            await replies.stop()
     errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
     if errors:
         raise errors[0]
@@ -80,20 +74,15 @@ def settle_gc(settings: Settings) -> None:
         gc.set_threshold(settings.runtime.gc_threshold, older, oldest)
 
 
-def runners_for(
-    stages: list[Stage], settings: Settings, producer: Producer, instance: str, *, replies: Producer | None = None
-) -> list[Runner]:
-    """A runner per stage, sharing `producer` (emit uses `replies` if given: its replies then never wait
-    for a produce request of another stage; 0.3-1 ms p50 end to end at 50 requests/s, docs/benchmarks.md);
-    with `runtime.handover`, the request-part stages after ingest (guard, cache, route) take their input
-    from the stages of this process in memory."""
-    own = {stage.name: replies if replies is not None and stage.name == REPLIES else producer for stage in stages}
-    handlings = {stage.name: Handling(stage, settings, own[stage.name]) for stage in stages}
+def runners_for(stages: list[Stage], settings: Settings, producer: Producer, instance: str) -> list[Runner]:
+    """A runner per stage, sharing `producer`; with `runtime.handover`, the request-part stages after
+    ingest (guard, cache, route) take their input from the stages of this process in memory."""
+    handlings = {stage.name: Handling(stage, settings, producer) for stage in stages}
     if settings.runtime.handover:
         takers = {stage.topics.inputs[0]: handlings[stage.name] for stage in stages if stage.name in HANDOVER}
         for handling in handlings.values():
             handling.takers = takers
-    runners = [Runner(stage, settings, instance=instance, producer=own[stage.name], handling=handlings[stage.name]) for stage in stages]
+    runners = [Runner(stage, settings, instance=instance, producer=producer, handling=handlings[stage.name]) for stage in stages]
     if settings.runtime.handover:  # a taker closes its connections after every runner that may hand it work
         for runner in runners:
             if runner.stage.name in HANDOVER:

@@ -29,9 +29,6 @@ STREAM_PART = ("postguard", "emit")  # the token stream on its way to the client
 # The stages a message may be handed to in memory by a stage of the same process (`runtime.handover`):
 # they keep no per-request state in memory and no order, so who calls them does not matter.
 HANDOVER = frozenset(REQUEST_PART[1:])
-# The stage whose outputs reach the client: it produces with a producer of its own, so its replies do not
-# queue behind the other stages' produce requests (aiokafka sends one request at a time to a broker).
-REPLIES = "emit"
 KINDS = REQUEST_PART + POOL_PART + (GENERATE,) + STREAM_PART
 REQUIRED = frozenset({"ingest", "route", "prefill", "decode", "emit"})
 
