@@ -1,14 +1,22 @@
-"""In-memory stand-ins for unit tests of handlers: a scripted backend and a sink that runs a handler."""
+"""In-memory stand-ins for unit tests of handlers: a scripted backend, a sink that runs a handler, and for
+the runner's handling a producer whose acknowledgements the test gives and a stage that yields what it
+is given."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
+
+from aiokafka.structs import ConsumerRecord
 
 from pipeline.backends.base import Delta, GenerationRequest, Prefilled
 from pipeline.backends.errors import Cancelled
 from pipeline.stage import Out, Stage
+from pipeline.topology import Topics
+from topics import codec
+from topics.hops import Admitted
 
 
 class ScriptedBackend:
@@ -68,3 +76,53 @@ async def run_handler(stage: Stage, message: Any) -> list[Out]:
         if out.acked is not None:
             await out.acked()
     return outs
+
+
+class HeldAcks:
+    """The runner's producer, acknowledging nothing until the test resolves `pending` (`release()`: all).
+    `calls`: ("one" | "batch", [values]) per send; `send_together` declines (None) unless `fits`."""
+
+    def __init__(self, fits: bool = True) -> None:
+        self.fits = fits
+        self.calls: list[tuple[str, list[bytes]]] = []
+        self.pending: list[asyncio.Future[Any]] = []
+
+    def _ack(self) -> asyncio.Future[Any]:
+        ack = asyncio.get_running_loop().create_future()
+        self.pending.append(ack)
+        return ack
+
+    async def send(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
+        self.calls.append(("one", [value]))
+        return self._ack()
+
+    async def send_together(self, topic: str, key: bytes, items: list[tuple[bytes, list[tuple[str, bytes]]]]) -> asyncio.Future[Any] | None:
+        if not self.fits:
+            return None
+        self.calls.append(("batch", [value for value, _ in items]))
+        return self._ack()
+
+    def release(self) -> None:
+        for ack in self.pending:
+            if not ack.done():
+                ack.set_result(None)
+
+
+@dataclass
+class Yields:
+    """A stage that yields the outputs it is given, whatever the message."""
+
+    outs: list[Out]
+    name: str = "yields"
+    topics: Topics = Topics(("t.in",), None, "t.stream")
+    input_type: Any = Admitted
+    ordered: bool = False
+
+    async def handle(self, message: Admitted) -> AsyncIterator[Out]:
+        for out in self.outs:
+            yield out
+
+
+def record_of(message: Admitted, topic: str = "t.in") -> ConsumerRecord[bytes, bytes]:
+    value = codec.encode(message)
+    return ConsumerRecord(topic, 0, 7, 0, 0, None, value, None, 0, len(value), [])

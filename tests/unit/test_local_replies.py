@@ -5,55 +5,20 @@ from the topic is dropped, so the caller sees each chunk once (pipeline/sdk.py).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
-from aiokafka.structs import ConsumerRecord
 
 from pipeline import local_replies
 from pipeline.handling import Handling
 from pipeline.sdk import Client
 from pipeline.settings import Settings
 from pipeline.stage import Out, address_of
-from pipeline.topology import Topics
 from tests.unit import helpers
+from tests.unit.fakes import HeldAcks, Yields, record_of
 from tests.unit.helpers import SETTINGS
-from topics import codec
-from topics.hops import Admitted
 from topics.stream import Chunk, Done, FinishReason, Usage
 
 REPLIES = "llm.responses.sdk"
-
-
-class Producer:
-    def __init__(self) -> None:
-        self.pending: list[asyncio.Future[Any]] = []
-
-    def _ack(self) -> asyncio.Future[Any]:
-        ack = asyncio.get_running_loop().create_future()
-        self.pending.append(ack)
-        return ack
-
-    async def send(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
-        return self._ack()
-
-    async def send_together(self, topic: str, key: bytes, items: list[tuple[bytes, list[tuple[str, bytes]]]]) -> asyncio.Future[Any]:
-        return self._ack()
-
-
-@dataclass
-class Emits:
-    outs: list[Out]
-    name: str = "emit"
-    topics: Topics = Topics(("t.in",), None, None)
-    input_type: Any = Admitted
-    ordered: bool = True
-
-    async def handle(self, message: Admitted) -> AsyncIterator[Out]:
-        for out in self.outs:
-            yield out
 
 
 def answer(rid: str, *, together: bool) -> list[Out]:
@@ -62,11 +27,6 @@ def answer(rid: str, *, together: bool) -> list[Out]:
     chunk = address.chunk(0, "hello")
     done = address.done(chunks=1, digest="d", finish=FinishReason.stop, usage=Usage(1, 1), timings={})
     return [Out(REPLIES, rid, chunk, with_next=together), Out(REPLIES, rid, done)]
-
-
-def record() -> ConsumerRecord[bytes, bytes]:
-    value = codec.encode(helpers.admitted(helpers.request("r1")))
-    return ConsumerRecord("t.in", 0, 7, 0, 0, None, value, None, 0, len(value), [])
 
 
 async def settle() -> None:
@@ -80,9 +40,9 @@ async def test_a_reply_reaches_a_reader_here_only_once_acknowledged(together: bo
     got: list[object] = []
     stop = local_replies.listen(REPLIES, got.append)
     try:
-        producer = Producer()
+        producer = HeldAcks()
         outs = answer("r1", together=together)
-        task = asyncio.create_task(Handling(Emits(outs), Settings(), producer).process(record(), None))  # type: ignore[arg-type]
+        task = asyncio.create_task(Handling(Yields(outs), Settings(), producer).process(record_of(helpers.admitted(helpers.request("r1"))), None))  # type: ignore[arg-type]
         await settle()
         assert got == []  # produced, not yet acknowledged
         producer.pending[0].set_result(None)
@@ -103,8 +63,8 @@ async def test_a_refused_produce_hands_nothing_over() -> None:
     got: list[object] = []
     stop = local_replies.listen(REPLIES, got.append)
     try:
-        producer = Producer()
-        handling = Handling(Emits(answer("r1", together=True)), Settings(), producer)  # type: ignore[arg-type]
+        producer = HeldAcks()
+        handling = Handling(Yields(answer("r1", together=True)), Settings(), producer)  # type: ignore[arg-type]
         task = asyncio.create_task(handling._send_all(helpers.admitted(helpers.request("r1")), None))
         await settle()
         producer.pending[0].set_exception(ConnectionError("broker away"))
