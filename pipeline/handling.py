@@ -35,7 +35,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
 
-from pipeline import kafka, local_replies, metrics, tracing
+from pipeline import kafka, metrics, tracing
 from pipeline.errors import InfraUnavailable, RetriableError, StageError, Undeliverable
 from pipeline.producing import Producer
 from pipeline.settings import Settings
@@ -218,7 +218,6 @@ class Handling:
         ack = await self._producer.send_together(first.topic, first.key.encode(), items)
         if ack is not None:
             metrics.PRODUCED.labels(self.stage.name, first.topic).inc(len(outs))
-            _echo(ack, first.topic, [o.value for o in outs])
         return ack
 
     async def _send(self, out: Out) -> asyncio.Future[Any]:
@@ -226,9 +225,7 @@ class Handling:
         if taker is not None:
             return await taker.take(out)
         metrics.PRODUCED.labels(self.stage.name, out.topic).inc()
-        ack = await self._producer.send(out.topic, codec.encode(out.value), key=out.key.encode(), headers=tracing.publish(out.topic))
-        _echo(ack, out.topic, [out.value])
-        return ack
+        return await self._producer.send(out.topic, codec.encode(out.value), key=out.key.encode(), headers=tracing.publish(out.topic))
 
     async def _send_surely(self, out: Out) -> None:
         """Produces `out` and waits for its acknowledgement, through a broker outage (with backoff)."""
@@ -359,23 +356,6 @@ async def _after(ack: asyncio.Future[Any], acked: Callable[[], Awaitable[None]],
         await previous
     await ack
     await acked()
-
-
-def _echo(ack: asyncio.Future[Any], topic: str, values: list[Any]) -> None:
-    """Hands `values` to this process's readers of `topic` (pipeline.local_replies) once `ack` says the
-    broker has them: the bridge's client then need not wait for its consumer to fetch them."""
-    readers = local_replies.readers(topic)
-    if readers is None:
-        return
-
-    def hand(done: asyncio.Future[Any]) -> None:
-        if done.cancelled() or done.exception() is not None:
-            return
-        for value in values:
-            for reader in list(readers):
-                reader(value)
-
-    ack.add_done_callback(hand)
 
 
 def _quiet(future: asyncio.Future[Any]) -> None:

@@ -15,9 +15,7 @@ dropped by sequence number and early ones held until the gap fills, so each call
 and in order, then exactly one terminal event. A `Done` that arrives before some of its chunks waits
 for them up to `LATE_CHUNKS_S` (a chunk whose produce failed in a broker outage is sent again after the
 terminal event that overtook it); a stream still missing chunks then, or a `Failed` with a gap open,
-ends with `stream_incomplete` rather than a text with a hole. A client in the same process as emit is
-also handed each reply in memory once the broker acknowledged it (pipeline/local_replies.py); the copy
-it reads from the topic after that is dropped like any repeat. A sluice API key is never sent: each
+ends with `stream_incomplete` rather than a text with a hole. A sluice API key is never sent: each
 request is signed with a pair derived from it (pipeline/gateway/principal.py, docs/security.md).
 """
 
@@ -27,14 +25,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 
-from pipeline import kafka, local_replies
+from pipeline import kafka
 from pipeline.gateway.keys import well_formed
 from pipeline.gateway.principal import sign_with_key
 from pipeline.observability.watch import RequestWatch
@@ -170,7 +168,6 @@ class Client:
         self._producer: Producer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._unlisten: Callable[[], None] | None = None
 
     async def start(self) -> None:
         producer = Producer(self.settings, self._client_id)  # renewed if a long broker outage kills it
@@ -184,12 +181,8 @@ class Client:
             await self._producer.stop()
             raise
         self._reader = asyncio.create_task(self._read())
-        # replies an emit of this process produced reach us once acknowledged, before our fetch does
-        self._unlisten = local_replies.listen(self.reply_topic, self._dispatch)
 
     async def stop(self) -> None:
-        if self._unlisten is not None:
-            self._unlisten()
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
@@ -288,13 +281,9 @@ class Client:
                     except codec.SchemaError as exc:  # emit wrote it, so this is a version skew: say so
                         log.error("unreadable event on %s: %s", self.reply_topic, exc)
                         continue
-                    self._dispatch(event)
-
-    def _dispatch(self, event: StreamEvent) -> None:
-        """To the stream waiting for it, if any (a copy already handed over in memory is dropped there)."""
-        stream = self._streams.get(client_id_of(event.id))
-        if stream is not None:
-            stream._deliver(event)
+                    stream = self._streams.get(client_id_of(event.id))
+                    if stream is not None:
+                        stream._deliver(event)
 
 
 __all__ = ["Client", "Completion", "RequestFailed", "Stream", "Terminal"]
