@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.cache_latency                      # the default (guarded) profile
     .venv/bin/python -m bench.cache_latency --without-guards     # ingest, cache, route, prefill, decode, emit
     .venv/bin/python -m bench.cache_latency --no-handover        # every hop through the broker (runtime.handover off)
-    .venv/bin/python -m bench.cache_latency --warmup-s 0         # no warm-up: the broker's JIT still compiling
+    .venv/bin/python -m bench.cache_latency --warmup-s 0         # no warm-up: measured just after the start
 
 Each round asks three questions one after another: a new one (a miss: the default model generates it),
 one asked before word for word (an exact hit) and a paraphrase of one asked before (a semantic hit).
@@ -81,9 +81,9 @@ async def ask(http: httpx.AsyncClient, model: str, text: str) -> tuple[float, st
 
 async def warm_up(http: httpx.AsyncClient, model: str, seconds: float) -> int:
     """Exact hits back to back for `seconds`. Just after the start every hop is slower than it will be
-    (a JVM broker compiles its hot paths during its first minute of traffic, as bench/throughput.py
-    found): an exact hit's p50 was 17 ms cold and 9 ms after 12 s of hits, through the SDK, one run
-    each. A running deployment is warm."""
+    (probably mostly the broker: a JVM compiles its hot paths during its first minute of traffic, which
+    session 9 measured for bench/throughput.py; not split here): an exact hit's p50 was 17 ms cold and
+    9 ms after 12 s of hits, through the SDK, one run each. A running deployment is warm."""
     asked, end = 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         await ask(http, model, PAIRS[asked % len(PAIRS)][0])
