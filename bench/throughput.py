@@ -173,11 +173,22 @@ class Started:
         return [root, *root.children(recursive=True)]
 
     def stop(self) -> None:
+        """SIGTERM, then after 30 s SIGKILL to the whole tree: `sluice run` waits up to 30 s for its
+        children, and killing it alone would leave them holding the ports the next system needs."""
+        try:
+            tree = self.tree()
+        except psutil.NoSuchProcess:  # it has exited already
+            tree = []
         self.process.terminate()
         try:
             self.process.wait(30)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            for process in tree:
+                try:
+                    process.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            self.process.wait()
         self.log.close()
 
 
