@@ -157,7 +157,7 @@ def before_config(config: str, tree: Path) -> str:
     knows changes what it runs (without `split = false` the instant backend splits: a hop more)."""
     known = (tree / "pipeline" / "settings.py").read_text()
     dropped = tuple(line for line, field in _NEWER_KEYS.items() if field not in known)
-    return "\n".join(line for line in config.splitlines() if not (dropped and line.startswith(dropped)))
+    return "\n".join(line for line in config.splitlines() if not line.startswith(dropped))
 
 
 class Started:
@@ -302,8 +302,9 @@ async def run(args: argparse.Namespace) -> None:
                     service_env = service_envs[system]
                     config = config.replace(f"127.0.0.1:{KAFKA_PORT}", service_env["SLUICE_KAFKA_BOOTSTRAP"])
                     config = config.replace(f"redis://127.0.0.1:{REDIS_PORT}/0", service_env["SLUICE_REDIS_URL"])
-                    cwd = before_tree(args.before) if system.startswith("before-") else ROOT
-                    path.write_text(before_config(config, cwd) if system.startswith("before-") else config)
+                    before = system.startswith("before-")
+                    cwd = before_tree(args.before) if before else ROOT
+                    path.write_text(before_config(config, cwd) if before else config)
                     env = {**service_env, "SLUICE_CONFIG": str(path)}
                     if system.endswith(PY_REDIS):  # every process of it (the supervisor's too) finds no hiredis
                         env["PYTHONPATH"] = os.pathsep.join([str(no_hiredis()), str(ROOT)])

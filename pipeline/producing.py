@@ -65,7 +65,7 @@ class Producer:
             if batch.append(key=key, value=value, timestamp=None, headers=headers) is None:
                 return None
         await client.client._wait_on_metadata(topic)  # as `send` does; aiokafka is pinned below 0.15
-        partition = client._partition(topic, None, None, None, key, value)
+        partition = client._partition(topic, None, None, None, key, None)  # by the key alone, as `send` does
         ack = await client.send_batch(batch, topic, partition=partition)
         ack.add_done_callback(self._watch)
         return ack

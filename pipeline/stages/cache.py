@@ -4,9 +4,9 @@ under which emit stores the finished answer (topics.cache).
 It sits after the input guard (a refused prompt is never answered from the cache) and before route.
 A hit is replayed at once as the stored chunks, same boundaries, each and the `Done` marked with the
 tier, straight to emit's input, in one record batch (`Out.with_next`) where they fit: what was stored
-had already passed postguard. Exact tier first
-(Redis, `keys.exact_key`), then the semantic tier (this worker's per-tenant index, fed by the runner
-with every record of `llm.cache.entries` from the start: `on_table`).
+had already passed postguard. Exact tier first (Redis, `keys.exact_key`), then the semantic tier (this
+worker's per-tenant index, fed by the runner with every record of `llm.cache.entries` from the start:
+`on_table`).
 
 Not cached: tenants or models the config turns off, temperature > 0 without a seed (unless the tenant
 opts in), `no_cache` requests are not answered from it and `no_store` ones not stored. Redis away: the

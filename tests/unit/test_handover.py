@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiokafka.structs import ConsumerRecord
 
 from pipeline.errors import StageError
 from pipeline.handling import Handling
@@ -17,6 +16,7 @@ from pipeline.settings import Settings
 from pipeline.stage import Out
 from pipeline.topology import Topics
 from tests.unit import helpers
+from tests.unit.fakes import record_of
 from topics import codec, registry
 from topics.dlq import DeadLetter
 from topics.errors import ErrorCode
@@ -72,16 +72,11 @@ def chain(fail: Exception | None = None) -> tuple[FakeProducer, Forward, Forward
     return producer, first, second, sender
 
 
-def record(message: Admitted) -> ConsumerRecord[bytes, bytes]:
-    value = codec.encode(message)
-    return ConsumerRecord("t.a", 0, 7, 0, 0, None, value, None, 0, len(value), [])
-
-
 @pytest.mark.asyncio
 async def test_a_handed_over_message_never_reaches_the_broker() -> None:
     producer, first, second, sender = chain()
     message = helpers.admitted(helpers.request("r1"), tenant="acme")
-    assert await sender.process(record(message), None) == "ok"
+    assert await sender.process(record_of(message, "t.a"), None) == "ok"
     assert producer.topics() == ["t.c"]  # nothing on t.b: the second stage took it in hand
     assert second.seen[0].timings == {"ingest": 0.1, "first": 1.0}
     out = codec.decode(producer.sent[0][1], Admitted)
@@ -92,7 +87,7 @@ async def test_a_handed_over_message_never_reaches_the_broker() -> None:
 async def test_without_a_taker_the_output_is_produced() -> None:
     producer, _, second, sender = chain()
     sender.takers = {}
-    assert await sender.process(record(helpers.admitted(helpers.request("r1"))), None) == "ok"
+    assert await sender.process(record_of(helpers.admitted(helpers.request("r1")), "t.a"), None) == "ok"
     assert producer.topics() == ["t.b"] and second.seen == []
 
 
@@ -100,7 +95,7 @@ async def test_without_a_taker_the_output_is_produced() -> None:
 async def test_a_refusal_after_a_handover_ends_the_request_with_the_takers_address() -> None:
     producer, _, _, sender = chain(fail=StageError(ErrorCode.rate_limited, "slow down"))
     message = helpers.admitted(helpers.request("r1"), tenant="acme")
-    assert await sender.process(record(message), None) == "ok"  # the sender's part went well
+    assert await sender.process(record_of(message, "t.a"), None) == "ok"  # the sender's part went well
     assert producer.topics() == [STREAM]
     terminal = codec.decode(producer.sent[0][1], Failed)
     assert (terminal.id, terminal.code, terminal.tenant) == (message.id, ErrorCode.rate_limited, "acme")
@@ -110,7 +105,7 @@ async def test_a_refusal_after_a_handover_ends_the_request_with_the_takers_addre
 async def test_a_bug_in_the_taker_is_dead_lettered_with_the_handed_over_payload() -> None:
     producer, _, _, sender = chain(fail=ValueError("boom"))
     message = helpers.admitted(helpers.request("r1"), tenant="acme")
-    assert await sender.process(record(message), None) == "ok"
+    assert await sender.process(record_of(message, "t.a"), None) == "ok"
     assert producer.topics() == [registry.DLQ, STREAM]
     letter = codec.decode(producer.sent[0][1], DeadLetter)
     assert (letter.stage, letter.topic, letter.partition, letter.offset) == ("second", "t.b", -1, -1)
