@@ -89,6 +89,50 @@ class Handling:
             return "invalid"
         return await self._handle_message(message, record, span, handed_over, before)
 
+    async def process_group(
+        self, records: list[ConsumerRecord[bytes, bytes]], handed_over: asyncio.Future[None] | None,
+        before: asyncio.Task[None] | None,
+    ) -> list[str]:
+        """Consecutive records of one key for an ordered stage that can forget what it cached (emit,
+        postguard): a request's last chunk and its ending, which the stage before sent as one batch, or a
+        cache hit's replay. The outputs of all but the last record are held and go with the last one's
+        first outputs (`_send_all`), as one record batch when they fit, where one by one each produce
+        request would wait for the one before (aiokafka sends one at a time per broker): about 0.6 ms
+        more before the terminal event. Nothing of the group counts as done until all of it is
+        acknowledged. If anything goes differently (a payload that cannot be read, any exception), the
+        stage forgets what it cached of the request and the records are handled one by one, as without
+        grouping: the store, written after acknowledgements, says what must be sent again. Returns each
+        record's outcome."""
+        try:
+            messages = [codec.decode(record.value or b"", self.stage.input_type) for record in records]
+        except Exception:  # the record that cannot be read is dead-lettered by the one-by-one path
+            return await self._one_by_one(records, handed_over, before)
+        earlier: list[Out] = []
+        try:
+            for record, message in zip(records[:-1], messages[:-1], strict=True):
+                with tracing.consume_span(record, self.stage.name) as span:
+                    earlier += [out async for out in self.stage.handle(message)]
+                    span.set_attribute("outcome", "ok")
+            with tracing.consume_span(records[-1], self.stage.name) as span:
+                await self._send_all(messages[-1], handed_over, earlier)
+                span.set_attribute("outcome", "ok")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            address = address_of(messages[0])
+            log.info("stage=%s request=%s handled again record by record (%s)", self.stage.name,
+                     address and address.request_id, type(exc).__name__)
+            if isinstance(self.stage, Resettable) and address is not None:
+                await self.stage.reset(address.request_id)
+            return await self._one_by_one(records, handed_over, before)
+        return ["ok"] * len(records)
+
+    async def _one_by_one(
+        self, records: list[ConsumerRecord[bytes, bytes]], handed_over: asyncio.Future[None] | None,
+        before: asyncio.Task[None] | None,
+    ) -> list[str]:
+        return [await self.process(record, handed_over if record is records[-1] else None, before) for record in records]
+
     async def take(self, out: Out) -> asyncio.Future[Any]:
         """A message another stage of this process hands over instead of producing it (`runtime.handover`),
         handled here and now as if this stage had consumed it: the same span (a child of the sender's),
@@ -155,7 +199,7 @@ class Handling:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
-    async def _send_all(self, message: Any, handed_over: asyncio.Future[None] | None) -> None:
+    async def _send_all(self, message: Any, handed_over: asyncio.Future[None] | None, earlier: list[Out] | None = None) -> None:
         """Produces each output as soon as it is yielded (a stream reaches the client token by token),
         a terminal event only after the outputs before it are acknowledged, runs each output's `acked`
         in order once the broker acknowledged it, then waits for all of it. Outputs the stage marks
@@ -163,10 +207,11 @@ class Handling:
         no such wait: the broker appends a batch whole or not at all (a cache hit's chunks and `Done`,
         an answer's last chunk and its terminal event: about a millisecond less per request).
         The next message of an ordered partition may start once this one's outputs are queued in the
-        producer, before they are acknowledged."""
+        producer, before they are acknowledged. `earlier`: outputs of the records before this one in
+        its group (`process_group`), held as if marked `with_next`."""
         acks: list[asyncio.Future[Any]] = []
         last: asyncio.Task[None] | None = None
-        held: list[Out] = []
+        held: list[Out] = list(earlier or ())
 
         async def send(outs: list[Out]) -> None:
             nonlocal last

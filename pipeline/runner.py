@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 COMMIT_INTERVAL_S = 0.2
 REVOKE_WAIT_S = 5.0  # how long cancelled work may take to unwind before the partitions are let go
+GROUP_MAX = 32  # consecutive records of one key handled together, at most (`Runner._groups`)
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -145,9 +146,10 @@ class Runner:
                 self.ready.set()
             for tp, records in batch.items():
                 tracker = self.trackers.setdefault(tp, OffsetTracker())
-                for record in records:
-                    tracker.start(record.offset)
-                    self._spawn(tp, record, handling)
+                for group in self._groups(records):
+                    for record in group:
+                        tracker.start(record.offset)
+                    self._spawn(tp, group, handling)
             metrics.IN_FLIGHT.labels(self.stage.name).set(len(self._tasks))
             self._lag.observe(self._consumer)
             if time.monotonic() - self._last_commit >= COMMIT_INTERVAL_S and (self._committing is None or self._committing.done()):
@@ -155,20 +157,35 @@ class Runner:
                 self._last_commit = time.monotonic()
                 self._committing = asyncio.create_task(self._commit_quietly())
 
-    def _spawn(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], handling: Handling) -> None:
+    def _groups(self, records: list[ConsumerRecord[bytes, bytes]]) -> list[list[ConsumerRecord[bytes, bytes]]]:
+        """The records of one partition's fetch as the runner handles them: one by one, except that an
+        ordered stage that can forget what it cached (`Resettable`: emit, postguard) takes consecutive
+        records of one key together (`Handling.process_group`: a request's last chunk and its ending
+        leave in one record batch)."""
+        if not (self.stage.ordered and isinstance(self.stage, Resettable)):
+            return [[record] for record in records]
+        groups: list[list[ConsumerRecord[bytes, bytes]]] = []
+        for record in records:
+            if groups and record.key is not None and record.key == groups[-1][-1].key and len(groups[-1]) < GROUP_MAX:
+                groups[-1].append(record)
+            else:
+                groups.append([record])
+        return groups
+
+    def _spawn(self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]], handling: Handling) -> None:
         previous = handed_over = before = None
         if self.stage.ordered:
             previous = self._handed_over.get(tp)
             handed_over = self._handed_over[tp] = asyncio.get_running_loop().create_future()
             before = self._last_task.get(tp)
-        task = asyncio.create_task(self._process(tp, record, handling, previous, handed_over, before))
+        task = asyncio.create_task(self._process(tp, records, handling, previous, handed_over, before))
         if self.stage.ordered:
             self._last_task[tp] = task
         self._tasks[task] = tp
         task.add_done_callback(self._tasks.pop)
 
     async def _process(
-        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], handling: Handling,
+        self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]], handling: Handling,
         previous: asyncio.Future[None] | None, handed_over: asyncio.Future[None] | None,
         before: asyncio.Task[None] | None = None,
     ) -> None:
@@ -177,15 +194,23 @@ class Runner:
                 await asyncio.shield(previous)
             started = time.perf_counter()
             try:
-                outcome = await handling.process(record, handed_over, before)
+                if len(records) == 1:
+                    outcomes = [await handling.process(records[0], handed_over, before)]
+                else:
+                    outcomes = await handling.process_group(records, handed_over, before)
             except Exception:  # a bug in sluice itself, not in the record: say so loudly and move on
-                log.exception("stage=%s record %s:%d:%d could not be processed", self.stage.name, tp.topic, tp.partition, record.offset)
-                outcome = "bug"
-            metrics.MESSAGES.labels(self.stage.name, outcome).inc()
-            metrics.HANDLE_SECONDS.labels(self.stage.name).observe(time.perf_counter() - started)
+                first, last = records[0], records[-1]
+                log.exception("stage=%s records %s:%d:%d-%d could not be processed", self.stage.name, tp.topic, tp.partition,
+                              first.offset, last.offset)
+                outcomes = ["bug"] * len(records)
+            elapsed = (time.perf_counter() - started) / len(records)
+            for outcome in outcomes:
+                metrics.MESSAGES.labels(self.stage.name, outcome).inc()
+                metrics.HANDLE_SECONDS.labels(self.stage.name).observe(elapsed)
             tracker = self.trackers.get(tp)
             if tracker is not None:  # None when the partition was revoked meanwhile: the next owner redoes it
-                tracker.finish(record.offset)
+                for record in records:
+                    tracker.finish(record.offset)
         finally:
             if handed_over is not None and not handed_over.done():
                 handed_over.set_result(None)

@@ -1,0 +1,143 @@
+"""Consecutive records of one key, for an ordered stage that can forget what it cached (emit, postguard),
+are handled together: a request's last chunk and its ending leave in one record batch instead of one
+produce request after the other (pipeline/runner.py `_groups`, pipeline/handling.py `process_group`).
+Anything unusual and the group is handled record by record, as without grouping."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from aiokafka.structs import ConsumerRecord
+
+from pipeline.errors import InfraUnavailable
+from pipeline.handling import Handling
+from pipeline.runner import GROUP_MAX, Runner
+from pipeline.settings import Settings
+from pipeline.stages.emit import EmitStage
+from pipeline.state import MemoryStateStore
+from tests.unit.fakes import HeldAcks, Yields
+from tests.unit.helpers import SETTINGS, node
+from topics import codec
+from topics.stream import Chunk, Done, FinishReason, StreamEvent, Usage
+
+REPLY = "llm.responses.sdk"
+RID = "acme/r1"
+
+
+def chunk(seq: int, rid: str = RID) -> Chunk:
+    return Chunk(id=rid, reply_to=REPLY, seq=seq, text=f"t{seq}", tenant="acme")
+
+
+def done(chunks: int, rid: str = RID) -> Done:
+    return Done(id=rid, reply_to=REPLY, chunks=chunks, digest="d", finish_reason=FinishReason.stop, usage=Usage(3, chunks),
+                tenant="acme", model="m", created_at=1.0, timings={"decode": 5.0})
+
+
+def record(message: Any, offset: int, value: bytes | None = None) -> ConsumerRecord[bytes, bytes]:
+    value = codec.encode(message) if value is None else value
+    return ConsumerRecord("llm.checked", 0, offset, 0, 0, message.id.encode(), value, None, 0, len(value), [])
+
+
+def replies(producer: HeldAcks) -> list[tuple[str, list[str]]]:
+    """Per send to the reply topic: how it went and what it held (chunk seqs, "end")."""
+    shown = []
+    for how, values in producer.calls:
+        try:
+            events = [codec.decode(v, StreamEvent) for v in values]
+        except codec.SchemaError:  # a usage record or a dead letter
+            continue
+        shown.append((how, [str(e.seq) if isinstance(e, Chunk) else "end" for e in events]))
+    return shown
+
+
+class Flaky(EmitStage):
+    """emit, whose handling of its first ending fails once as if Redis had gone away; counts resets."""
+
+    def __init__(self, store: MemoryStateStore) -> None:
+        super().__init__(SETTINGS, node("emit").topics, store)
+        self.failed = False
+        self.resets: list[str | None] = []
+
+    async def reset(self, request_id: str | None) -> None:
+        self.resets.append(request_id)
+        await super().reset(request_id)
+
+    async def handle(self, message: Any):  # type: ignore[no-untyped-def]
+        if isinstance(message, Done) and not self.failed:
+            self.failed = True
+            raise InfraUnavailable("redis went away")
+        async for out in super().handle(message):
+            yield out
+
+
+async def settle() -> None:
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio
+async def test_the_last_chunk_and_the_ending_leave_in_one_batch_before_any_ack() -> None:
+    producer, store = HeldAcks(), MemoryStateStore()
+    handling = Handling(EmitStage(SETTINGS, node("emit").topics, store), Settings(), producer)  # type: ignore[arg-type]
+    handed_over = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(handling.process_group([record(chunk(0), 5), record(done(1), 6)], handed_over, None))
+    await settle()
+    assert replies(producer) == [("batch", ["0", "end"])]  # one produce request for both, none acknowledged yet
+    assert handed_over.done() and not task.done()  # the partition's next message may start; the group is not done
+    producer.release()
+    await settle()
+    producer.release()  # the usage record, produced after the terminal event
+    assert await task == ["ok", "ok"]
+    stored = await store.read(RID + "#emit")
+    assert stored.get("terminal") == b"1" and stored.get("emitted") == b"1"  # recorded after the acknowledgement
+
+
+@pytest.mark.asyncio
+async def test_a_failure_in_the_group_resets_the_request_and_handles_it_record_by_record() -> None:
+    producer, store = HeldAcks(), MemoryStateStore()
+    stage = Flaky(store)
+    handling = Handling(stage, Settings(), producer)  # type: ignore[arg-type]
+    task = asyncio.create_task(handling.process_group([record(chunk(0), 5), record(done(1), 6)], None, None))
+    for _ in range(10):
+        await settle()
+        producer.release()
+    assert await task == ["ok", "ok"]
+    assert stage.resets == [RID]  # what emit cached was not sent: it starts over from the store
+    assert replies(producer) == [("one", ["0"]), ("one", ["end"])]  # the chunk once, then the ending, one by one
+
+
+@pytest.mark.asyncio
+async def test_a_record_that_cannot_be_read_sends_the_group_one_by_one() -> None:
+    producer = HeldAcks()
+    handling = Handling(EmitStage(SETTINGS, node("emit").topics, MemoryStateStore()), Settings(), producer)  # type: ignore[arg-type]
+    group = [record(chunk(0), 5), record(chunk(1), 6, value=b"\x93not msgpack"), record(done(1), 7)]
+    task = asyncio.create_task(handling.process_group(group, None, None))
+    for _ in range(10):
+        await settle()
+        producer.release()
+    outcomes = await task
+    assert outcomes[1] == "invalid" and outcomes[0] == "ok"  # dead-lettered; the others handled as usual
+    assert replies(producer)[0] == ("one", ["0"])
+
+
+def runner(ordered: bool, resettable: bool) -> Runner:
+    stage: Any = EmitStage(SETTINGS, node("emit").topics, MemoryStateStore()) if resettable else Yields([])
+    if not resettable:
+        stage.ordered = ordered
+    return Runner(stage, Settings())
+
+
+def test_only_consecutive_records_of_one_key_are_grouped_and_only_for_resettable_ordered_stages() -> None:
+    records = [record(chunk(0, "a"), 1), record(done(1, "a"), 2), record(chunk(0, "b"), 3), record(chunk(1, "a"), 4)]
+    groups = runner(ordered=True, resettable=True)._groups(records)
+    assert [[r.offset for r in g] for g in groups] == [[1, 2], [3], [4]]
+    for plain in (runner(ordered=True, resettable=False), runner(ordered=False, resettable=False)):
+        assert [[r.offset for r in g] for g in plain._groups(records)] == [[1], [2], [3], [4]]
+
+
+def test_a_group_has_at_most_group_max_records() -> None:
+    records = [record(chunk(i), i) for i in range(GROUP_MAX + 3)]
+    groups = runner(ordered=True, resettable=True)._groups(records)
+    assert [len(g) for g in groups] == [GROUP_MAX, 3]
