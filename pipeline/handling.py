@@ -93,9 +93,9 @@ class Handling:
         self, records: list[ConsumerRecord[bytes, bytes]], handed_over: asyncio.Future[None] | None,
         before: asyncio.Task[None] | None,
     ) -> list[str]:
-        """Consecutive records of one key for an ordered stage that can forget what it cached (emit,
-        postguard): a request's last chunk and its ending, which the stage before sent as one batch, or a
-        cache hit's replay. The outputs of all but the last record are held and go with the last one's
+        """Consecutive records of one key for an ordered stage that takes them together and can forget
+        what it cached (emit): a request's last chunk and its ending, which the stage before sent as one
+        batch, or a cache hit's replay. The outputs of all but the last record are held and go with the last one's
         first outputs (`_send_all`), as one record batch when they fit, where one by one each produce
         request would wait for the one before (aiokafka sends one at a time per broker): about 0.6 ms
         more before the terminal event. Nothing of the group counts as done until all of it is

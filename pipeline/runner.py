@@ -159,10 +159,11 @@ class Runner:
 
     def _groups(self, records: list[ConsumerRecord[bytes, bytes]]) -> list[list[ConsumerRecord[bytes, bytes]]]:
         """The records of one partition's fetch as the runner handles them: one by one, except that an
-        ordered stage that can forget what it cached (`Resettable`: emit, postguard) takes consecutive
-        records of one key together (`Handling.process_group`: a request's last chunk and its ending
-        leave in one record batch)."""
-        if not (self.stage.ordered and isinstance(self.stage, Resettable)):
+        ordered stage that says so (`groups`: emit) and can forget what it cached (`Resettable`) takes
+        consecutive records of one key together (`Handling.process_group`: a request's last chunk and
+        its ending leave in one record batch). Not postguard: it writes the store before each record's
+        outputs, and a long run of one stream's chunks would all wait for the last one's write."""
+        if not (self.stage.ordered and getattr(self.stage, "groups", False) and isinstance(self.stage, Resettable)):
             return [[record] for record in records]
         groups: list[list[ConsumerRecord[bytes, bytes]]] = []
         for record in records:

@@ -91,6 +91,9 @@ class _Sent:
 class EmitStage:
     input_type = StreamEvent
     ordered = True  # chunks of one request must leave in the order they arrived
+    # Consecutive records of one request are handled together (pipeline/runner.py `_groups`): handling a
+    # chunk is quick and in memory, so a request's last chunk can wait for its ending and leave with it.
+    groups = True
 
     def __init__(
         self, settings: Settings, topics: Topics, store: StateStore | None = None, meter: Meter | None = None,

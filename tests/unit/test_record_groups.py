@@ -1,5 +1,5 @@
-"""Consecutive records of one key, for an ordered stage that can forget what it cached (emit, postguard),
-are handled together: a request's last chunk and its ending leave in one record batch instead of one
+"""Consecutive records of one key, for an ordered stage that takes them together and can forget what it
+cached (emit), are handled together: a request's last chunk and its ending leave in one record batch instead of one
 produce request after the other (pipeline/runner.py `_groups`, pipeline/handling.py `process_group`).
 Anything unusual and the group is handled record by record, as without grouping."""
 
@@ -16,6 +16,7 @@ from pipeline.handling import Handling
 from pipeline.runner import GROUP_MAX, Runner
 from pipeline.settings import Settings
 from pipeline.stages.emit import EmitStage
+from pipeline.stages.postguard import PostguardStage
 from pipeline.state import MemoryStateStore
 from tests.unit.fakes import HeldAcks, Yields
 from tests.unit.helpers import SETTINGS, node
@@ -122,22 +123,25 @@ async def test_a_record_that_cannot_be_read_sends_the_group_one_by_one() -> None
     assert replies(producer)[0] == ("one", ["0"])
 
 
-def runner(ordered: bool, resettable: bool) -> Runner:
-    stage: Any = EmitStage(SETTINGS, node("emit").topics, MemoryStateStore()) if resettable else Yields([])
-    if not resettable:
-        stage.ordered = ordered
+def runner(stage: Any) -> Runner:
     return Runner(stage, Settings())
 
 
-def test_only_consecutive_records_of_one_key_are_grouped_and_only_for_resettable_ordered_stages() -> None:
+def offsets(stage: Any, records: list[ConsumerRecord[bytes, bytes]]) -> list[list[int]]:
+    return [[r.offset for r in group] for group in runner(stage)._groups(records)]
+
+
+def test_only_consecutive_records_of_one_key_are_grouped_and_only_for_a_stage_that_groups() -> None:
     records = [record(chunk(0, "a"), 1), record(done(1, "a"), 2), record(chunk(0, "b"), 3), record(chunk(1, "a"), 4)]
-    groups = runner(ordered=True, resettable=True)._groups(records)
-    assert [[r.offset for r in g] for g in groups] == [[1, 2], [3], [4]]
-    for plain in (runner(ordered=True, resettable=False), runner(ordered=False, resettable=False)):
-        assert [[r.offset for r in g] for g in plain._groups(records)] == [[1], [2], [3], [4]]
+    assert offsets(EmitStage(SETTINGS, node("emit").topics, MemoryStateStore()), records) == [[1, 2], [3], [4]]
+    one_by_one = [[1], [2], [3], [4]]
+    postguard = PostguardStage(SETTINGS.guard, None, node("postguard").topics)  # type: ignore[arg-type]
+    assert offsets(postguard, records) == one_by_one  # ordered and resettable, but it does not group
+    ordered = Yields([])
+    ordered.ordered = True
+    assert offsets(ordered, records) == one_by_one  # ordered, but neither `groups` nor `Resettable`
 
 
 def test_a_group_has_at_most_group_max_records() -> None:
     records = [record(chunk(i), i) for i in range(GROUP_MAX + 3)]
-    groups = runner(ordered=True, resettable=True)._groups(records)
-    assert [len(g) for g in groups] == [GROUP_MAX, 3]
+    assert [len(g) for g in offsets(EmitStage(SETTINGS, node("emit").topics, MemoryStateStore()), records)] == [GROUP_MAX, 3]
