@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
 INFRA = (KafkaError, InfraUnavailable, ConnectionError, TimeoutError)
+FIRST_BACKOFF_S = 0.1  # before a message is tried again after the infrastructure failed it; doubled each time
 MAX_BACKOFF_S = 5.0
 
 
@@ -124,6 +125,8 @@ class Handling:
                      address and address.request_id, type(exc).__name__)
             if isinstance(self.stage, Resettable) and address is not None:
                 await self.stage.reset(address.request_id)
+            if isinstance(exc, INFRA):  # as the one-by-one path waits before it tries a message again
+                await asyncio.sleep(FIRST_BACKOFF_S)
             return await self._one_by_one(records, handed_over, before)
         return ["ok"] * len(records)
 
@@ -161,7 +164,7 @@ class Handling:
         address = address_of(message)
         if address is not None:
             span.set_attribute("request.id", address.request_id)
-        attempt, backoff = 0, 0.1
+        attempt, backoff = 0, FIRST_BACKOFF_S
         while True:
             attempt += 1
             try:
