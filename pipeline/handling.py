@@ -96,14 +96,14 @@ class Handling:
     ) -> list[str]:
         """Consecutive records of one key for an ordered stage that takes them together and can forget
         what it cached (emit): a request's last chunk and its ending, which the stage before sent as one
-        batch, or a cache hit's replay. The outputs of all but the last record are held and go with the last one's
-        first outputs (`_send_all`), as one record batch when they fit, where one by one each produce
-        request would wait for the one before (aiokafka sends one at a time per broker): about 0.6 ms
-        more before the terminal event. Nothing of the group counts as done until all of it is
-        acknowledged. If anything goes differently (a payload that cannot be read, any exception), the
-        stage forgets what it cached of the request and the records are handled one by one, as without
-        grouping: the store, written after acknowledgements, says what must be sent again. Returns each
-        record's outcome."""
+        batch, or a cache hit's replay. The outputs of all but the last record are held and go with the
+        last one's first outputs (`_send_all`; their trace context is the last record's span), as one
+        record batch when they fit, where one by one each produce request would wait for the one before
+        (aiokafka sends one at a time per broker): about 0.6 ms more before the terminal event. Nothing
+        of the group counts as done until all of it is acknowledged. If anything goes differently (a
+        payload that cannot be read, any exception), the stage forgets what it cached of the request and
+        the records are handled one by one, as without grouping: the store, written after
+        acknowledgements, says what must be sent again. Returns each record's outcome."""
         try:
             messages = [codec.decode(record.value or b"", self.stage.input_type) for record in records]
         except Exception:  # the record that cannot be read is dead-lettered by the one-by-one path
