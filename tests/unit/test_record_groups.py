@@ -1,7 +1,7 @@
 """Consecutive records of one key, for an ordered stage that takes them together and can forget what it
-cached (emit), are handled together: a request's last chunk and its ending leave in one record batch instead of one
-produce request after the other (pipeline/runner.py `_groups`, pipeline/handling.py `process_group`).
-Anything unusual and the group is handled record by record, as without grouping."""
+cached (emit), are handled together: a request's last chunk and its ending leave in one record batch
+instead of one produce request after the other (pipeline/runner.py `_groups`, pipeline/handling.py
+`process_group`). Anything unusual and the group is handled record by record, as without grouping."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ async def test_a_failure_in_the_group_resets_the_request_and_handles_it_record_b
 async def test_a_record_that_cannot_be_read_sends_the_group_one_by_one() -> None:
     producer = HeldAcks()
     handling = Handling(EmitStage(SETTINGS, node("emit").topics, MemoryStateStore()), Settings(), producer)  # type: ignore[arg-type]
-    group = [record(chunk(0), 5), record(chunk(1), 6, value=b"\x93not msgpack"), record(done(1), 7)]
+    group = [record(chunk(0), 5), record(chunk(1), 6, value=b"{not json"), record(done(1), 7)]
     outcomes = await acknowledged(asyncio.create_task(handling.process_group(group, None, None)), producer)
     assert outcomes[1] == "invalid" and outcomes[0] == "ok"  # dead-lettered; the others handled as usual
     assert replies(producer)[0] == ("one", ["0"])
