@@ -134,13 +134,15 @@ class PostguardStage:
             return [*resend, Out(self.topics.forward or "", rid, codec.decode(ended, StreamEvent))], True
         return resend, False
 
-    def _released(self, message: StreamEvent, seq: int, text: str, stream: _Stream) -> Out:
-        """A released chunk, forgotten from the window once the broker acknowledged it."""
+    def _released(self, message: StreamEvent, seq: int, text: str, stream: _Stream, *, with_next: bool = False) -> Out:
+        """A released chunk, forgotten from the window once the broker acknowledged it. `with_next`: the
+        request's ending follows it (what the window held back, released at the end): the two go as one
+        record batch, the ending not waiting for the chunk's acknowledgement."""
         async def acked() -> None:
             stream.unacked.pop(seq, None)
 
         chunk = Chunk(id=message.id, reply_to=message.reply_to, seq=seq, text=text, tenant=message.tenant, model=message.model)
-        return Out(self.topics.forward or "", message.id, chunk, acked=acked)
+        return Out(self.topics.forward or "", message.id, chunk, acked=acked, with_next=with_next)
 
     def _handle(self, message: StreamEvent, started: float) -> Iterator[Out]:
         rid = message.id
@@ -169,7 +171,7 @@ class PostguardStage:
             if step.release:
                 stream.digest = digest_step(stream.digest, step.release)
                 stream.unacked[stream.next_out] = step.release
-                yield self._released(message, stream.next_out, step.release, stream)
+                yield self._released(message, stream.next_out, step.release, stream, with_next=not isinstance(message, Chunk))
                 stream.next_out += 1
             if step.violation is not None and isinstance(message, Chunk):
                 # The kill switch: decode stops within a step and sends its terminal event, which becomes

@@ -50,7 +50,11 @@ async def test_holds_back_the_newest_chunks_then_releases_all_with_the_terminal_
     assert outs == []
     outs = await feed_more(guard, words, 3)
     assert texts(outs) == "Paris is the "
-    outs += await run_handler(guard, done(len(words)))
+    assert not any(o.with_next for o in outs)  # released as the stream goes: each on its way at once
+    ending = await run_handler(guard, done(len(words)))
+    # what the window held back goes with the terminal event as one record batch (pipeline/handling.py)
+    assert [o.with_next for o in ending] == [True] * (len(ending) - 1) + [False] and len(ending) > 1
+    outs += ending
     assert texts(outs) == "".join(words)
     chunks = [o.value for o in outs if isinstance(o.value, Chunk)]
     assert [c.seq for c in chunks] == list(range(len(chunks)))
