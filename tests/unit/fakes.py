@@ -123,6 +123,9 @@ class Yields:
             yield out
 
 
-def record_of(message: Admitted, topic: str = "t.in") -> ConsumerRecord[bytes, bytes]:
-    value = codec.encode(message)
-    return ConsumerRecord(topic, 0, 7, 0, 0, None, value, None, 0, len(value), [])
+def record_of(
+    message: Any, topic: str = "t.in", *, offset: int = 7, key: bytes | None = None, value: bytes | None = None,
+) -> ConsumerRecord[bytes, bytes]:
+    """`message` as the consumer hands it over (`value`: other bytes in its place, an unreadable payload)."""
+    value = codec.encode(message) if value is None else value
+    return ConsumerRecord(topic, 0, offset, 0, 0, key, value, None, 0, len(value), [])

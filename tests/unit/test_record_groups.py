@@ -18,7 +18,7 @@ from pipeline.settings import Settings
 from pipeline.stages.emit import EmitStage
 from pipeline.stages.postguard import PostguardStage
 from pipeline.state import MemoryStateStore
-from tests.unit.fakes import HeldAcks, Yields
+from tests.unit.fakes import HeldAcks, Yields, record_of
 from tests.unit.helpers import SETTINGS, node
 from topics import codec
 from topics.stream import Chunk, Done, FinishReason, StreamEvent, Usage
@@ -37,8 +37,7 @@ def done(chunks: int, rid: str = RID) -> Done:
 
 
 def record(message: Any, offset: int, value: bytes | None = None) -> ConsumerRecord[bytes, bytes]:
-    value = codec.encode(message) if value is None else value
-    return ConsumerRecord("llm.checked", 0, offset, 0, 0, message.id.encode(), value, None, 0, len(value), [])
+    return record_of(message, "llm.checked", offset=offset, key=message.id.encode(), value=value)
 
 
 def replies(producer: HeldAcks) -> list[tuple[str, list[str]]]:
