@@ -48,6 +48,11 @@ from topics.usage import UsageRecord
 # requests in flight whose progress this worker keeps in memory (the store has all of them); a request
 # leaves as soon as its terminal event and every chunk before it are recorded (`_retire`)
 _CACHED = 50_000
+# A worker that confirmed its ownership of a request this recently (its `take`, or a fenced write that
+# went through) sends the terminal event without asking again. Another worker can only take the request
+# after this one's partition was reassigned, which needs seconds of silence from it (a pause, a stall):
+# any such stall shows in the elapsed time, and then the check is made.
+OWNERSHIP_FRESH_S = 0.005
 ACK_ORDER_WAIT_S = 40.0  # how long a chunk's record waits for the one before it: longer than the producer's
 # request timeout (30 s), by which the earlier chunk's produce has gone through or failed (and been reset)
 
@@ -63,7 +68,8 @@ class Meter(Protocol):
 class _Sent:
     """What the client has of one request: in-order position, digest chain, whether it has ended."""
 
-    __slots__ = ("order", "digest", "finished", "ended", "fenced", "stored", "writing", "advanced", "dropped", "texts", "size")
+    __slots__ = ("order", "digest", "finished", "ended", "fenced", "stored", "writing", "advanced", "dropped", "texts", "size",
+                 "confirmed")
 
     def __init__(self, next_seq: int, digest: str, finished: bool) -> None:
         self.order = Sequencer(next_seq)
@@ -77,6 +83,11 @@ class _Sent:
         self.writing = asyncio.Lock()  # acknowledgements of successive messages arrive together
         self.advanced = asyncio.Event()  # set (and replaced) each time `stored` moves, or when dropped
         self.dropped = False  # forgotten by a reset: the store is the truth again, waiters give up
+        self.confirmed = float("-inf")  # when the last call that proved this worker the owner began (monotonic)
+
+    def owned_since(self, started: float) -> None:
+        """A call begun at `started` found this worker the owner."""
+        self.confirmed = max(self.confirmed, started)
 
     def advance(self, position: int) -> None:
         self.stored = max(self.stored, position)
@@ -97,7 +108,7 @@ class EmitStage:
 
     def __init__(
         self, settings: Settings, topics: Topics, store: StateStore | None = None, meter: Meter | None = None,
-        name: str = "emit", answers: ExactTier | None = None,
+        name: str = "emit", answers: ExactTier | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name, self.topics = name, topics
         self._replies = settings.reply_topics
@@ -118,6 +129,7 @@ class EmitStage:
         # Bounded like `_sent`: a retry that reaches its deadline never clears its entry.
         self._unsure: OrderedDict[str, int] = OrderedDict()
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
+        self._clock = clock  # monotonic: how long ago ownership was confirmed
 
     async def aclose(self) -> None:
         if self._meter is not None:
@@ -168,9 +180,7 @@ class EmitStage:
             yield Out(message.reply_to, rid, chunk, acked=self._write(rid, sent, record, chunk.seq + 1))
         if isinstance(message, Chunk):
             return
-        if not await self._store.write(_key(rid), {}, owner=self._owner):  # still ours? (a paused worker's is not)
-            sent.fenced = True
-            raise InfraUnavailable("taken over by another emit worker")
+        await self._still_ours(rid, sent)
         self._wait_for_retries(rid, message, sent)
         # The terminal event does not wait for the records of the chunks before it: that wait held the
         # partition's next messages behind every request's last acknowledgement (+8 ms p50 end to end at
@@ -194,6 +204,20 @@ class EmitStage:
             if self._answers is not None:
                 await self._answers.put(entry)
             yield Out(self.topics.table, entry.key, entry)
+
+    async def _still_ours(self, rid: str, sent: _Sent) -> None:
+        """Raises InfraUnavailable when another worker took the request over (a paused worker's was taken).
+        Asks the store unless this worker's ownership was confirmed within OWNERSHIP_FRESH_S: a request
+        whose last chunk and ending come in one group was just taken, and asking again would add a Redis
+        round trip to every answer without narrowing the window that the check leaves anyway (between
+        its reply and the send)."""
+        started = self._clock()
+        if started - sent.confirmed < OWNERSHIP_FRESH_S:
+            return
+        if not await self._store.write(_key(rid), {}, owner=self._owner):
+            sent.fenced = True
+            raise InfraUnavailable("taken over by another emit worker")
+        sent.owned_since(started)
 
     def _keep(self, sent: _Sent, text: str) -> None:
         """Collects the answer as the client gets it, while it fits in a cache entry."""
@@ -223,9 +247,11 @@ class EmitStage:
     async def _progress(self, rid: str) -> _Sent:
         sent = self._sent.get(rid)
         if sent is None:
+            started = self._clock()
             fields = await self._store.take(_key(rid), self._owner)
             digest = fields.get("digest", EMPTY_DIGEST.encode()).decode()
             sent = self._sent[rid] = _Sent(int(fields.get("emitted", b"0")), digest, "terminal" in fields)
+            sent.owned_since(started)
             stored = [codec.decode(raw, Chunk) for name, raw in fields.items() if name.startswith(_HELD)]
             if stored:  # what a predecessor held behind a gap: accepted before the message at hand
                 self._carried[rid] = sorted(stored + self._carried.get(rid, []), key=lambda c: c.seq)
@@ -275,9 +301,11 @@ class EmitStage:
 
     async def _hold(self, rid: str, sent: _Sent, chunk: Chunk) -> None:
         """Stores a chunk held behind a gap before its message is finished (and its offset committed)."""
+        started = self._clock()
         if not await self._store.write(_key(rid), {f"{_HELD}{chunk.seq}": codec.encode(chunk)}, owner=self._owner):
             sent.fenced = True
             raise InfraUnavailable("taken over by another emit worker")
+        sent.owned_since(started)
 
     async def _recorded(self, sent: _Sent, position: int) -> None:
         """Waits until the store holds `position`, that is until every chunk before it was acknowledged and
@@ -306,6 +334,7 @@ class EmitStage:
             async with sent.writing:
                 if position and position <= sent.stored:
                     return
+                started = self._clock()
                 try:
                     written = await self._store.write(_key(rid), fields, owner=self._owner)
                 except BaseException:
@@ -314,6 +343,7 @@ class EmitStage:
                 if not written:
                     sent.fenced = True  # the runner tries the message again, after `reset`: re-read the store
                     raise InfraUnavailable("taken over by another emit worker")
+                sent.owned_since(started)
                 sent.advance(position)
                 if position and position >= self._unsure.get(rid, position + 1):
                     del self._unsure[rid]  # every chunk forwarded before the failure is recorded now

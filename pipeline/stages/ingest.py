@@ -10,6 +10,7 @@ per id (a finished request is not generated again).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -75,10 +76,20 @@ class IngestStage:
             raise Undeliverable("reply_to is not a configured reply topic")
         principal = await self._gateway.authenticate(message) if self._auth_first else None
         self.check(message, now)
-        request, principal = await self._gateway.admit(message, principal)
+        if principal is None:
+            principal = await self._gateway.authenticate(message)
         rid = request_key(principal.tenant, message.id)
         fingerprint = hashlib.sha256(codec.encode(message)).hexdigest()[:32].encode()
-        if not await self._store.claim(rid, "fingerprint", fingerprint):
+        # The id's claim and the rate limits are independent round trips: made at once, one waits for the
+        # other instead of after it. A refused request may leave its id claimed, which only refuses that id
+        # sent again with other content (ids are single-use; the same bytes again pass as a redelivery).
+        claim = asyncio.ensure_future(self._store.claim(rid, "fingerprint", fingerprint))
+        try:
+            request, principal = await self._gateway.admit(message, principal)
+        except BaseException:
+            await asyncio.gather(claim, return_exceptions=True)  # the refusal is what the client hears
+            raise
+        if not await claim:
             if (await self._store.read(rid)).get("fingerprint") != fingerprint:
                 raise StageError(ErrorCode.invalid_request, "this request id is already in use; send a new id")
         admitted = Admitted(

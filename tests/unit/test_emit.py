@@ -113,6 +113,49 @@ async def test_a_replaced_worker_learns_it_and_leaves_the_message_to_be_retried(
     assert [getattr(m, "seq", "end") for m in await replies(successor, chunk(2), done(3))] == [2, "end"]
 
 
+class CountingStore(MemoryStateStore):
+    """Counts the ownership checks: fenced writes of no fields."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    async def write(self, key: str, fields, *, owner: str | None = None) -> bool:  # type: ignore[no-untyped-def]
+        self.checks += owner is not None and not fields
+        return await super().write(key, fields, owner=owner)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.asyncio
+async def test_a_request_taken_just_now_ends_without_asking_the_store_again() -> None:
+    store, clock = CountingStore(), Clock()
+    stage = EmitStage(SETTINGS, EMIT.topics, store, clock=clock)
+    clock.now += 0.001  # the last chunk and the ending came in one group: the take was a moment ago
+    sent = await replies(stage, chunk(0), done(1))
+    assert isinstance(sent[-1], Done) and store.checks == 0
+
+
+@pytest.mark.asyncio
+async def test_ownership_confirmed_a_while_ago_is_checked_before_the_terminal_event() -> None:
+    store, clock = CountingStore(), Clock()
+    paused = EmitStage(SETTINGS, EMIT.topics, store, clock=clock)
+    await replies(paused, chunk(0))  # taken, and its position recorded: ownership confirmed at 100.0
+    clock.now += 1.0  # paused past its session; the partition went to another worker
+    successor = emit(store)
+    assert [c.seq for c in await replies(successor, chunk(0), chunk(1))] == [1]
+    with pytest.raises(InfraUnavailable):  # the check runs, finds the request taken: no second terminal
+        await replies(paused, done(2))
+    assert store.checks == 1
+    assert [getattr(m, "seq", "end") for m in await replies(successor, done(2))] == ["end"]
+
+
 @pytest.mark.asyncio
 async def test_chunks_held_behind_a_gap_survive_a_reset_of_their_request() -> None:
     stage = emit()

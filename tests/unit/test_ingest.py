@@ -1,16 +1,20 @@
+import asyncio
 from dataclasses import replace
 
 import msgspec
 import pytest
 
 from pipeline.errors import StageError, Undeliverable
+from pipeline.gateway.build import memory_gateway
+from pipeline.gateway.gateway import Principal
 from pipeline.stages.ingest import IngestStage
+from pipeline.state import MemoryStateStore
 from tests.unit.fakes import run_handler
 from tests.unit.helpers import SETTINGS, node, request
 from topics import registry
 from topics.errors import ErrorCode
 from topics.hops import Admitted
-from topics.requests import ChatMessage, Sampling
+from topics.requests import ChatMessage, Request, Sampling
 
 INGEST = node("ingest")
 STAGE = IngestStage(SETTINGS, INGEST.topics)
@@ -41,6 +45,63 @@ async def test_a_reused_id_with_other_content_is_refused_and_a_redelivery_is_not
     with pytest.raises(StageError) as refused:
         await run_handler(stage, request("same", messages=(ChatMessage(role="user", content="other"),)))
     assert refused.value.code is ErrorCode.invalid_request
+
+
+class Claims(MemoryStateStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.claiming = asyncio.Event()
+
+    async def claim(self, key: str, field: str, value: bytes) -> bool:
+        self.claiming.set()
+        return await super().claim(key, field, value)
+
+
+class AdmitsOnceClaimed:
+    """A gateway whose rate limits answer only once the id's claim has been sent, and refuse if told."""
+
+    def __init__(self, store: Claims, refuse: bool = False) -> None:
+        self._gateway, self._store, self._refuse = memory_gateway(SETTINGS), store, refuse
+
+    async def authenticate(self, message: Request) -> Principal:
+        return await self._gateway.authenticate(message)
+
+    async def admit(self, message: Request, principal: Principal | None) -> tuple[Request, Principal]:
+        await asyncio.wait_for(self._store.claiming.wait(), 2.0)
+        if self._refuse:
+            raise StageError(ErrorCode.rate_limited, "rate limit reached", retry_after_s=1.0)
+        return await self._gateway.admit(message, principal)
+
+    async def aclose(self) -> None:
+        await self._gateway.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_ids_claim_and_the_rate_limits_go_out_together() -> None:
+    store = Claims()
+    stage = IngestStage(SETTINGS, INGEST.topics, AdmitsOnceClaimed(store), store)  # type: ignore[arg-type]
+    [out] = await run_handler(stage, request("together"))
+    assert out.value.id == "default/together"
+    assert (await store.read("default/together")).get("fingerprint")
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_is_what_the_client_hears_even_for_an_id_in_use() -> None:
+    store = Claims()
+    await run_handler(IngestStage(SETTINGS, INGEST.topics, store=store), request("taken"))
+    stage = IngestStage(SETTINGS, INGEST.topics, AdmitsOnceClaimed(store, refuse=True), store)  # type: ignore[arg-type]
+    with pytest.raises(StageError) as refused:
+        await run_handler(stage, request("taken", messages=(ChatMessage(role="user", content="other"),)))
+    assert refused.value.code is ErrorCode.rate_limited
+
+
+@pytest.mark.asyncio
+async def test_a_refused_request_sent_again_byte_for_byte_is_admitted() -> None:
+    store, first = Claims(), request("retried")
+    with pytest.raises(StageError):
+        await run_handler(IngestStage(SETTINGS, INGEST.topics, AdmitsOnceClaimed(store, refuse=True), store), first)  # type: ignore[arg-type]
+    [out] = await run_handler(IngestStage(SETTINGS, INGEST.topics, store=store), first)  # its id stayed claimed
+    assert out.value.id == "default/retried"
 
 
 @pytest.mark.parametrize(
