@@ -121,8 +121,8 @@ class Handling:
             raise
         except Exception as exc:
             address = address_of(messages[0])
-            log.info("stage=%s request=%s handled again record by record (%s)", self.stage.name,
-                     address and address.request_id, type(exc).__name__)
+            log.info("stage=%s request=%s handled again record by record (%s: %s)", self.stage.name,
+                     address and address.request_id, type(exc).__name__, _reason(exc))
             if isinstance(self.stage, Resettable) and address is not None:
                 await self.stage.reset(address.request_id)
             if isinstance(exc, INFRA):  # as the one-by-one path waits before it tries a message again
@@ -185,8 +185,8 @@ class Handling:
                 if address is not None and time.time() > address.deadline:
                     await self.terminal(address, ErrorCode.deadline_exceeded, "the request's deadline passed while the pipeline waited for its broker or store")
                     return "expired"
-                log.warning("stage=%s request=%s waits for the infrastructure (%s); retrying in %.1f s",
-                            self.stage.name, address and address.request_id, type(exc).__name__, backoff)
+                log.warning("stage=%s request=%s waits for the infrastructure (%s: %s); retrying in %.1f s",
+                            self.stage.name, address and address.request_id, type(exc).__name__, _reason(exc), backoff)
                 if before is not None:  # the messages before this one are tried again first, in order
                     await asyncio.wait([before])
                 if isinstance(self.stage, Resettable) and address is not None:
@@ -409,3 +409,9 @@ async def _after(ack: asyncio.Future[Any], acked: Callable[[], Awaitable[None]],
 def _quiet(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _reason(exc: BaseException) -> str:
+    """What an infrastructure error says, for the log: the stage's own words or the client's (never a
+    payload), cut short."""
+    return str(exc)[:200] or "-"

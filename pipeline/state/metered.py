@@ -4,7 +4,7 @@ being stopped by its fence, without the stages saying anything themselves (obser
 
 A takeover is a `take` that found another worker's name in the key's owner field; a `take` of a key
 this worker already owned (a rebuild after its own reset) or of a new key is not one. A fenced write is
-a `write(..., owner=...)` the store refused.
+a `write(..., owner=...)` or `advance` the store refused.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ class MeteredStore:
 
     async def write(self, key: str, fields: Mapping[str, bytes], *, owner: str | None = None) -> bool:
         written = await self._inner.write(key, fields, owner=owner)
+        if not written:
+            self._fenced.inc()
+        return written
+
+    async def advance(self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str) -> bool:
+        written = await self._inner.advance(key, field, position, fields, owner=owner)
         if not written:
             self._fenced.inc()
         return written

@@ -1,6 +1,6 @@
 """The Redis StateStore: one hash per key, `prefix + "{key}"`, so each key has its own hash tag and one
-Redis Cluster slot. Every operation is one round trip: `lua/write_owned.lua`, `lua/claim.lua` and
-`lua/take.lua` for the ones that read before they write, HSET + PEXPIRE in one MULTI for a plain write.
+Redis Cluster slot. Every operation is one round trip: `lua/write_owned.lua`, `lua/advance.lua`, `lua/claim.lua`
+and `lua/take.lua` for the ones that read before they write, HSET + PEXPIRE in one MULTI for a plain write.
 Every write sets the TTL, so no key outlives it. Scripts are called by EVALSHA and loaded again when
 Redis lost them (a restart)."""
 
@@ -55,6 +55,7 @@ class RedisStateStore:
         self._ttl_ms = max(int(ttl_s * 1000), 1)
         self._prefix = prefix
         self._write_owned = _Script("write_owned.lua")
+        self._advance = _Script("advance.lua")
         self._claim = _Script("claim.lua")
         self._take = _Script("take.lua")
 
@@ -87,6 +88,10 @@ class RedisStateStore:
                 pipe.pexpire(self._key(key), self._ttl_ms)
                 await pipe.execute()
         return True
+
+    async def advance(self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str) -> bool:
+        pairs = [item for name, value in fields.items() for item in (name, value)]
+        return int(await self._eval(self._advance, key, owner, field, position, *pairs)) == 1
 
     async def claim(self, key: str, field: str, value: bytes) -> bool:
         return int(await self._eval(self._claim, key, field, value)) == 1

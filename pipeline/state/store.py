@@ -4,7 +4,9 @@ State is a small hash of byte fields per key (a request id, a stream id), and ev
 state a crashed worker left behind goes away by itself. The one field with a meaning of its own is
 `owner`: `take` makes a worker the owner whoever held the key before, and `write(..., owner=...)` is
 fenced on it, so a worker that lost a request to another (a rebalance, a redelivery) cannot overwrite
-the new owner's state. `claim` sets a field once (an event emitted once, a charge made once).
+the new owner's state. `claim` sets a field once (an event emitted once, a charge made once), and
+`advance` writes a position that never moves back (what a worker recorded is never undone by a late
+write of an earlier position, from the same worker or its predecessor).
 
 A key that has no fields does not exist (as in Redis): writing no fields to a missing key creates nothing.
 """
@@ -31,6 +33,11 @@ class StateStore(Protocol):
         """Sets `fields` and refreshes the key's TTL. With `owner`: only while the key's "owner" field equals
         `owner`; otherwise (another owner took it, or the key is gone) writes nothing and returns False (fenced).
         Without owner: always writes, returns True."""
+
+    async def advance(self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str) -> bool:
+        """A fenced write of a position: while the key's owner is `owner`, sets `field` to `position` (as
+        decimal bytes) together with `fields` if it holds less (absent: 0), else writes nothing; refreshes
+        the TTL either way. True when the key now holds `position` or a later one; False when fenced."""
 
     async def claim(self, key: str, field: str, value: bytes) -> bool:
         """Sets `field` only if it is absent (and refreshes the TTL); True when this call set it. A claim
@@ -97,6 +104,16 @@ class MemoryStateStore:
         if owner is not None and (current is None or current.get(OWNER) != owner.encode()):
             return False
         self._put(key, {**(current or {}), **fields})
+        return True
+
+    async def advance(self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str) -> bool:
+        current = self._live(key)
+        if current is None or current.get(OWNER) != owner.encode():
+            return False
+        if int(current.get(field, b"0")) < position:
+            self._put(key, {**current, **fields, field: b"%d" % position})
+        else:
+            self._put(key, current)  # the TTL only
         return True
 
     async def claim(self, key: str, field: str, value: bytes) -> bool:

@@ -2,7 +2,7 @@
 
     Services     Kafka and Redis on their own ports (SLUICE_CHAOS_PORTS=K,R), state in .state/chaos-<K>;
                  either one restarts alone (TERM by pid, start again: the data dir survives)
-    write_config the repository's sluice.toml with the instant backend and the profile without guards
+    write_config the repository's sluice.toml with the instant backend and the chaos profile's stages
     (the worker processes and their supervisor are in supervisor.py)
 
 Everything talks to 127.0.0.1 only; every wait has a timeout; every process is stopped by pid.
@@ -24,7 +24,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = ROOT / ".venv" / "bin" / "python"
-BARE = ("ingest", "route", "prefill", "decode", "emit")  # the profile without guards
 # A tree without `[profiles]` wires guard and postguard between the stages: they must run for anything to flow.
 LEGACY = ("ingest", "guard", "route", "prefill", "decode", "postguard", "emit")
 
@@ -147,12 +146,12 @@ async def _script(service: str, state: Path, port: int, timeout_s: float) -> Non
 # --- the config file ------------------------------------------------------------------------------
 
 
-def write_config(path: Path, services: Services, token_delay_ms: float) -> Path:
-    """The repository's sluice.toml with the instant backend, 4 partitions and the guard-less profile."""
+def write_config(path: Path, services: Services, token_delay_ms: float, stages: tuple[str, ...]) -> Path:
+    """The repository's sluice.toml with the instant backend, 4 partitions and `stages` as its profile."""
     with (ROOT / "sluice.toml").open("rb") as f:
         raw: dict[str, Any] = tomllib.load(f)
     raw["profile"] = "chaos"
-    raw["profiles"] = {**raw.get("profiles", {}), "chaos": list(BARE)}
+    raw["profiles"] = {**raw.get("profiles", {}), "chaos": list(stages)}
     raw["kafka"] = {**raw.get("kafka", {}), "bootstrap": services.bootstrap, "partitions": 4}
     raw["redis"] = {**raw.get("redis", {}), "url": services.redis_url}
     raw["backends"] = [{"name": "instant", "kind": "instant", "model": "instant", "pool": "instant", "token_delay_ms": token_delay_ms}]

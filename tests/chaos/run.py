@@ -39,7 +39,7 @@ from tests.chaos.harness import Services
 from tests.chaos.scenarios import PROFILES, Fault, Profile, Scenario
 from tests.chaos.supervisor import Supervisor
 
-HEAVY = {"guard": 1, "postguard": 1}  # legacy chain only: pass-through stages that load models, never faulted
+HEAVY = {"guard": 1, "postguard": 1}  # stages that load models: one worker each unless the profile faults them
 FIRST_PROBE_S = 180.0
 PROBE_S = 120.0
 
@@ -120,12 +120,13 @@ async def _run_profile(profile: Profile, seed: int, ports: harness.Ports, state:
         with tempfile.TemporaryDirectory(prefix="sluice-chaos-") as tmp:
             say(f"profile {profile.name}: starting Kafka and Redis on {ports.kafka}, {ports.redis} (state in {state})")
             await services.start()
-            config = harness.write_config(Path(tmp) / "sluice.toml", services, profile.token_delay_ms)
+            config = harness.write_config(Path(tmp) / "sluice.toml", services, profile.token_delay_ms, profile.stages)
             env = harness.worker_env(config, services)
             settings = settings_module.load(config, env)
             stages = harness.profile_stages(settings)
             await harness.create_topics(env)
-            wanted = {s: HEAVY.get(s, profile.workers_per_stage) for s in stages}
+            faulted = {fault.stage for scenario in profile.scenarios for fault in scenario.faults}
+            wanted = {s: profile.workers_per_stage if s in faulted else HEAVY.get(s, profile.workers_per_stage) for s in stages}
             supervisor = Supervisor(env, state / "logs", wanted, random.Random(seed))
             supervisor.start()
             say(f"started {sum(wanted.values())} workers: {wanted}; waiting for a first answer")

@@ -7,6 +7,9 @@ from a `RequestSpec` (its length and deadline); request j of a scenario uses spe
 
     short   ~60 requests per scenario, 40 ms per token; SIGKILL of every stage once (decode twice),
             SIGSTOP of a decode worker past the session timeout, a Redis restart (<= ~3 minutes)
+    output-guard  the short profile's shape with postguard between decode and emit (the default profile's
+            output guard, with its held-back window in Redis): SIGKILL of postguard twice and of every
+            other stage once, SIGSTOP of postguard past the session timeout, a Redis restart
     full    >= 50 SIGKILLs over every stage (one every 4 s), SIGSTOP of decode and of emit, a broker restart, a 60 s
             broker outage under long streams, a Redis restart, a decode worker added then removed
 """
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 FaultKind = Literal["kill", "pause", "broker_restart", "broker_outage", "redis_restart", "add", "remove"]
+BARE = ("ingest", "route", "prefill", "decode", "emit")  # the profile without guards
+OUTPUT_GUARDED = ("ingest", "route", "prefill", "decode", "postguard", "emit")
 PAUSE_S = 8.0  # SIGSTOP this long: past the consumer session timeout (3 s)
 OUTAGE_S = 60.0
 
@@ -53,6 +58,7 @@ class Profile:
     long: tuple[RequestSpec, ...]
     scenarios: tuple[Scenario, ...]  # the first is the fault-free reference
     workers_per_stage: int = 2
+    stages: tuple[str, ...] = BARE  # the profile row the workers run
 
     def family(self, name: str) -> tuple[RequestSpec, ...]:
         return {"normal": self.normal, "long": self.long, "all": self.normal + self.long}[name]
@@ -82,6 +88,22 @@ def _short() -> Profile:
     )
 
 
+def _output_guard() -> Profile:
+    kills = ("postguard", "decode", "ingest", "postguard", "emit", "route")
+    return Profile(
+        name="output-guard",
+        token_delay_ms=40,
+        normal=_normal(60, 30, 45, deadline_s=60),
+        long=(),
+        scenarios=(
+            Scenario("reference", 60),
+            Scenario("kill-postguard-and-each-stage", 60, tuple(Fault(1.5 + 2.2 * i, "kill", stage) for i, stage in enumerate(kills))),
+            Scenario("pause-postguard+redis", 60, (Fault(2.0, "pause", "postguard", PAUSE_S), Fault(7.0, "redis_restart"))),
+        ),
+        stages=OUTPUT_GUARDED,
+    )
+
+
 def _full() -> Profile:
     # 56 kills, one every 4 s (past the 3 s session timeout and the rebalance after it, so each stall is
     # one takeover's, not several faults' stacked), decode twice as often as the others.
@@ -105,4 +127,4 @@ def _full() -> Profile:
     )
 
 
-PROFILES: dict[str, Profile] = {"short": _short(), "full": _full()}
+PROFILES: dict[str, Profile] = {"short": _short(), "output-guard": _output_guard(), "full": _full()}

@@ -36,6 +36,7 @@ from pipeline.batch.service import file_store, job_store
 from pipeline.settings import Settings
 from tests.chaos.harness import PYTHON, ROOT, Ports, Services, worker_env, write_config
 from tests.chaos.harness import _toml as toml_lines
+from tests.chaos.scenarios import BARE
 from topics import codec
 from topics.requests import Request
 
@@ -212,7 +213,7 @@ async def run(lines: int = LINES) -> Report:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             await services.start()
-            config = write_config(Path(tmp) / "sluice.toml", services, token_delay_ms=0.0)
+            config = write_config(Path(tmp) / "sluice.toml", services, token_delay_ms=0.0, stages=BARE)
             raw = tomllib.loads(config.read_text())
             raw["batch"] = {**raw.get("batch", {}), "dir": str(state / "files"), "lease_s": 3.0, "max_in_flight": 32,
                             "admission_rps": 0.0}

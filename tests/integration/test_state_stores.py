@@ -101,6 +101,20 @@ async def test_writes_are_fenced_by_owner(store: StateStore) -> None:
     assert await store.read(missing) == {}
 
 
+async def test_a_position_only_moves_forward_and_is_fenced_by_owner(store: StateStore) -> None:
+    k = key()
+    await store.take(k, "w1")
+    assert await store.advance(k, "emitted", 3, {"digest": b"c"}, owner="w1") is True
+    assert await store.advance(k, "emitted", 2, {"digest": b"b"}, owner="w1") is True  # late: nothing written
+    assert await store.read(k) == {"owner": b"w1", "emitted": b"3", "digest": b"c"}
+    assert await store.advance(k, "emitted", 10, {}, owner="w1") is True  # compared as numbers, not bytes
+    assert (await store.read(k))["emitted"] == b"10"
+    await store.take(k, "w2")
+    assert await store.advance(k, "emitted", 11, {"digest": b"x"}, owner="w1") is False
+    assert await store.read(k) == {"owner": b"w2", "emitted": b"10", "digest": b"c"}
+    assert await store.advance(key(), "emitted", 1, {}, owner="w1") is False  # a missing key has no owner
+
+
 async def test_forget_deletes_the_key(store: StateStore) -> None:
     k = key()
     await store.take(k, "w1")

@@ -190,6 +190,26 @@ async def test_the_stored_position_never_moves_back_when_acknowledgements_land_o
 
 
 @pytest.mark.asyncio
+async def test_a_late_acknowledgement_from_before_a_reset_never_takes_the_position_back() -> None:
+    """Chaos found it (a Redis restart): the acknowledgements of a request's earlier try still arrive
+    after a reset, each recorded through the progress it was made with. One wrote position 37 over 39
+    while chunk 38's message was already finished, and the terminal event waited for 38 for good."""
+    store = MemoryStateStore()
+    stage = emit(store)
+    first = [o for m in (chunk(0), chunk(1)) async for o in stage.handle(m)]
+    await first[0].acked()  # position 1 recorded; chunk 1's acknowledgement is late
+    await stage.reset(RID)  # a message of the request is tried again: progress rebuilt from the store
+    again = [o for m in (chunk(1), chunk(2)) async for o in stage.handle(m)]
+    for out in again:
+        await out.acked()
+    assert (await store.read(RID + "#emit"))["emitted"] == b"3"
+    await first[1].acked()  # the earlier try's chunk 1 (position 2) arrives now
+    assert (await store.read(RID + "#emit"))["emitted"] == b"3"
+    sent = await replies(emit(store), done(3))  # a successor ends the request with nothing missing
+    assert isinstance(sent[0], Done) and sent[0].chunks == 3
+
+
+@pytest.mark.asyncio
 async def test_a_chunk_is_not_recorded_past_an_earlier_one_whose_produce_failed() -> None:
     """Chaos found it (broker outage): chunk 1's produce fails on the old producer while chunk 2's, sent
     later on a renewed one, goes through. Recording position 3 would make chunk 1's retry look like a
@@ -221,11 +241,18 @@ class FlakyStore(MemoryStateStore):
         super().__init__()
         self.fail = 0
 
-    async def write(self, key: str, fields, *, owner: str | None = None) -> bool:  # type: ignore[no-untyped-def]
+    def _failing(self) -> None:
         if self.fail:
             self.fail -= 1
             raise InfraUnavailable("redis state store: ConnectionError")
+
+    async def write(self, key: str, fields, *, owner: str | None = None) -> bool:  # type: ignore[no-untyped-def]
+        self._failing()
         return await super().write(key, fields, owner=owner)
+
+    async def advance(self, key: str, field: str, position: int, fields, *, owner: str) -> bool:  # type: ignore[no-untyped-def]
+        self._failing()
+        return await super().advance(key, field, position, fields, owner=owner)
 
 
 async def chunk_2_waits_for_the_retry_of_chunk_1(stage: EmitStage) -> None:
