@@ -1,4 +1,5 @@
-"""The chaos profiles as tests: `short` runs in `make test` (about 3 minutes), `full` under `make chaos`."""
+"""The chaos profiles as tests: `short` and `output-guard` run in `make test` (about 2-3 minutes each),
+`full` under `make chaos`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def _run(name: str) -> None:
 
 def test_short_profile() -> None:
     _run("short")
+
+
+def test_output_guard_profile() -> None:
+    _run("output-guard")
 
 
 @pytest.mark.chaos
