@@ -10,19 +10,25 @@ Chunks are renumbered (redaction and cuts change them), and the terminal event c
 digest of what was released. The per-request window survives the worker: it is written to the state
 store before each chunk's outputs are produced, with the released chunks not yet acknowledged
 (postguard_state.py), so a successor restores it, sends those again (emit drops what the client has)
-and goes on. Only when the store has no window for a stream met midway (expired) does the request end
+and goes on. The window has an owner, as decode's and emit's records do: the first time a worker meets
+a stream it takes the window over, and it writes only while it still owns it. A worker paused past its
+session and replaced finds its write refused when it resumes; the message is tried again from the
+store's window, so a stale window never overwrites its successor's (one that did could leave a third
+worker waiting for input chunks whose messages were already finished). Only when the store has no window for a stream met midway (expired) does the request end
 with a retriable `internal` error rather than a stream with a hole.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
 
+from pipeline.errors import InfraUnavailable
 from pipeline.guard.config import GuardSettings
 from pipeline.guard.entities import Action
 from pipeline.guard.errors import Reason
@@ -80,6 +86,7 @@ class PostguardStage:
         self._store = store if store is not None else MemoryStateStore()
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
         self._finished: OrderedDict[str, None] = OrderedDict()
+        self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
 
     async def aclose(self) -> None:
         await self._store.aclose()
@@ -89,8 +96,9 @@ class PostguardStage:
         if request_id is None:
             self._streams.clear()
             self._finished.clear()
-        else:
+        else:  # a message of it is tried again: from the store's window (and its ending, if it has one)
             self._streams.pop(request_id, None)
+            self._finished.pop(request_id, None)
 
     async def handle(self, message: StreamEvent) -> AsyncIterator[Out]:
         started = time.perf_counter()
@@ -112,8 +120,8 @@ class PostguardStage:
             record[postguard_state.FIELD] = stream.window()
         if (terminal := next((o.value for o in outs if isinstance(o.value, Done | Failed)), None)) is not None:
             record[postguard_state.ENDED] = codec.encode(terminal)
-        if record:
-            await self._store.write(rid, record)
+        if record and not await self._store.write(_key(rid), record, owner=self._owner):
+            raise InfraUnavailable("taken over by another postguard worker")  # tried again after a reset
         for out in resend + outs:
             yield out
 
@@ -121,7 +129,7 @@ class PostguardStage:
         """A predecessor's window for this stream, if the store has one: what it must send again (released
         chunks not acknowledged, the kill switch, the ending) and whether the stream had already ended."""
         rid = message.id
-        stored = await self._store.read(rid)
+        stored = await self._store.take(_key(rid), self._owner)
         resend: list[Out] = []
         if (raw := stored.get(postguard_state.FIELD)) is not None:
             stream = self._streams[rid] = _Stream.restored(raw, self._settings.policy(message.tenant or "default"), message)
@@ -207,3 +215,8 @@ class PostguardStage:
         self._finished[rid] = None
         if len(self._finished) > _REMEMBER:
             self._finished.popitem(last=False)
+
+
+def _key(rid: str) -> str:
+    """postguard's record of a stream: its own key, so its ownership is independent of decode's."""
+    return rid + "#postguard"

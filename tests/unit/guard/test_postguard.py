@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.errors import InfraUnavailable
 from pipeline.guard.config import GuardSettings
 from pipeline.stages.postguard import PostguardStage
 from pipeline.state import MemoryStateStore
@@ -160,6 +161,38 @@ async def test_a_successor_continues_the_window_its_predecessor_held(make_output
     assert isinstance(outs[-1].value, Done) and outs[-1].value.chunks == len(by_seq)
 
 
+async def test_a_replaced_worker_cannot_write_its_stale_window_over_its_successors(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    """A worker paused past its session resumes and handles a record it had fetched: its write is refused
+    (it is tried again from the store's window), so a third worker still finds the successor's window,
+    not one that waits for input chunks whose messages were already finished."""
+    store = MemoryStateStore()
+    words = ["a ", "b ", "c ", "d ", "e ", "f "]
+    paused = stage(make_output_guard, store, holdback_tokens=1)
+    outs = await feed(paused, words[:3])  # then paused past its session
+    successor = stage(make_output_guard, store, holdback_tokens=1)
+    outs += [o for i in (3, 4) for o in await run_handler(successor, chunk(i, words[i]))]  # took the window over
+    with pytest.raises(InfraUnavailable):  # resumed: chunk 3 was in its fetch
+        await run_handler(paused, chunk(3, words[3]))
+    third = stage(make_output_guard, store, holdback_tokens=1)  # the successor dies; its messages up to 4 are done
+    outs += await run_handler(third, chunk(5, words[5]))
+    outs += await run_handler(third, done(6))
+    by_seq = {o.value.seq: o.value.text for o in outs if isinstance(o.value, Chunk)}
+    assert "".join(by_seq[i] for i in sorted(by_seq)) == "".join(words) and isinstance(outs[-1].value, Done)
+
+
+async def test_a_refused_write_is_tried_again_from_the_stores_window(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    store = MemoryStateStore()
+    paused = stage(make_output_guard, store, holdback_tokens=1)
+    await feed(paused, ["a ", "b "])
+    successor = stage(make_output_guard, store, holdback_tokens=1)
+    await run_handler(successor, chunk(2, "c "))
+    with pytest.raises(InfraUnavailable):
+        await run_handler(paused, done(3))
+    await paused.reset("r1")  # what the runner does before it tries the message again
+    outs = await run_handler(paused, done(3))  # it takes the window back, with "c " in it
+    assert isinstance(outs[-1].value, Done) and outs[-1].value.chunks == 3
+
+
 async def test_chunks_released_but_not_acknowledged_are_sent_again_by_a_successor(make_output_guard) -> None:  # type: ignore[no-untyped-def]
     store = MemoryStateStore()
     first = stage(make_output_guard, store, holdback_tokens=1)
@@ -177,7 +210,7 @@ async def test_the_stored_window_keeps_no_released_pii_value(make_output_guard) 
     guard = stage(make_output_guard, store, holdback_tokens=1)
     outs = await feed(guard, ["Write ", "to ", "jane.doe@example.org ", "today ", "please "])
     assert "<EMAIL_1>" in texts(outs)
-    stored = (await store.read("r1"))["postguard"]
+    stored = (await store.read("r1#postguard"))["postguard"]
     assert b"jane.doe" not in stored and b"<EMAIL_1>" in stored  # the placeholder table, by digest
 
 
