@@ -86,8 +86,10 @@ class IngestStage:
         claim = asyncio.ensure_future(self._store.claim(rid, "fingerprint", fingerprint))
         try:
             request, principal = await self._gateway.admit(message, principal)
-        except BaseException:
-            await asyncio.gather(claim, return_exceptions=True)  # the refusal is what the client hears
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):  # revoked work stops now, not after Redis answers
+                claim.cancel()
+            await asyncio.gather(claim, return_exceptions=True)  # a refusal is what the client hears
             raise
         if not await claim:
             if (await self._store.read(rid)).get("fingerprint") != fingerprint:

@@ -104,6 +104,27 @@ async def test_a_refused_request_sent_again_byte_for_byte_is_admitted() -> None:
     assert out.value.id == "default/retried"
 
 
+@pytest.mark.asyncio
+async def test_work_cancelled_while_the_limits_are_asked_leaves_no_claim_running() -> None:
+    class SlowClaims(Claims):
+        async def claim(self, key: str, field: str, value: bytes) -> bool:
+            self.claiming.set()
+            await asyncio.sleep(3600)  # Redis away
+            return True
+
+    class Stuck(AdmitsOnceClaimed):
+        async def admit(self, message: Request, principal: Principal | None) -> tuple[Request, Principal]:
+            await asyncio.sleep(3600)
+            raise AssertionError
+
+    store = SlowClaims()
+    task = asyncio.create_task(run_handler(IngestStage(SETTINGS, INGEST.topics, Stuck(store), store), request("revoked")))  # type: ignore[arg-type]
+    await asyncio.wait_for(store.claiming.wait(), 2.0)
+    task.cancel()  # the partition was revoked
+    done, _ = await asyncio.wait([task], timeout=2.0)
+    assert done and task.cancelled()
+
+
 @pytest.mark.parametrize(
     ("overrides", "code"),
     [
