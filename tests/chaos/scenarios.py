@@ -73,35 +73,30 @@ def _long(count: int, tokens: int, deadline_s: float) -> tuple[RequestSpec, ...]
     return tuple(RequestSpec(f"L{i}", tokens + i, deadline_s) for i in range(count))
 
 
-def _short() -> Profile:
-    kills = ("ingest", "decode", "route", "prefill", "emit", "decode")
+def _short_shaped(name: str, kills: tuple[str, ...], kill_name: str, paused: str, stages: tuple[str, ...]) -> Profile:
+    """60 requests per scenario at 40 ms a token: a kill of each of `kills`, 2.2 s apart; then `paused`
+    stopped past its session, with a Redis restart."""
     return Profile(
-        name="short",
+        name=name,
         token_delay_ms=40,
         normal=_normal(60, 30, 45, deadline_s=60),
         long=(),
         scenarios=(
             Scenario("reference", 60),
-            Scenario("kill-each-stage", 60, tuple(Fault(1.5 + 2.2 * i, "kill", stage) for i, stage in enumerate(kills))),
-            Scenario("pause-decode+redis", 60, (Fault(2.0, "pause", "decode", PAUSE_S), Fault(7.0, "redis_restart"))),
+            Scenario(kill_name, 60, tuple(Fault(1.5 + 2.2 * i, "kill", stage) for i, stage in enumerate(kills))),
+            Scenario(f"pause-{paused}+redis", 60, (Fault(2.0, "pause", paused, PAUSE_S), Fault(7.0, "redis_restart"))),
         ),
+        stages=stages,
     )
+
+
+def _short() -> Profile:
+    return _short_shaped("short", ("ingest", "decode", "route", "prefill", "emit", "decode"), "kill-each-stage", "decode", BARE)
 
 
 def _output_guard() -> Profile:
     kills = ("postguard", "decode", "ingest", "postguard", "emit", "route")
-    return Profile(
-        name="output-guard",
-        token_delay_ms=40,
-        normal=_normal(60, 30, 45, deadline_s=60),
-        long=(),
-        scenarios=(
-            Scenario("reference", 60),
-            Scenario("kill-postguard-and-each-stage", 60, tuple(Fault(1.5 + 2.2 * i, "kill", stage) for i, stage in enumerate(kills))),
-            Scenario("pause-postguard+redis", 60, (Fault(2.0, "pause", "postguard", PAUSE_S), Fault(7.0, "redis_restart"))),
-        ),
-        stages=OUTPUT_GUARDED,
-    )
+    return _short_shaped("output-guard", kills, "kill-postguard-and-each-stage", "postguard", OUTPUT_GUARDED)
 
 
 def _full() -> Profile:

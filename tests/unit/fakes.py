@@ -129,3 +129,13 @@ def record_of(
     """`message` as the consumer hands it over (`value`: other bytes in its place, an unreadable payload)."""
     value = codec.encode(message) if value is None else value
     return ConsumerRecord(topic, 0, offset, 0, 0, key, value, None, 0, len(value), [])
+
+
+class Clock:
+    """A clock the test moves by hand (`clock.now += 1.0`)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

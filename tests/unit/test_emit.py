@@ -9,7 +9,7 @@ import pytest
 from pipeline.errors import InfraUnavailable, Undeliverable
 from pipeline.stages.emit import EmitStage
 from pipeline.state import MemoryStateStore
-from tests.unit.fakes import run_handler
+from tests.unit.fakes import Clock, run_handler
 from tests.unit.helpers import SETTINGS, node
 from topics import registry
 from topics.errors import ErrorCode
@@ -123,14 +123,6 @@ class CountingStore(MemoryStateStore):
     async def write(self, key: str, fields, *, owner: str | None = None) -> bool:  # type: ignore[no-untyped-def]
         self.checks += owner is not None and not fields
         return await super().write(key, fields, owner=owner)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.mark.asyncio

@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.state import MemoryStateStore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.fakes import Clock
 
 
 @pytest.mark.asyncio
