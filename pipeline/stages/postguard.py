@@ -14,8 +14,9 @@ and goes on. The window has an owner, as decode's and emit's records do: the fir
 a stream it takes the window over, and it writes only while it still owns it. A worker paused past its
 session and replaced finds its write refused when it resumes; the message is tried again from the
 store's window, so a stale window never overwrites its successor's (one that did could leave a third
-worker waiting for input chunks whose messages were already finished). Only when the store has no window for a stream met midway (expired) does the request end
-with a retriable `internal` error rather than a stream with a hole.
+worker waiting for input chunks whose messages were already finished). Only when the store has no
+window for a stream met midway (expired) does the request end with a retriable `internal` error rather
+than a stream with a hole.
 """
 
 from __future__ import annotations
