@@ -5,7 +5,8 @@ environment) in front of the same fake OpenAI-compatible upstream, interleaved i
     .venv/bin/python -m bench.throughput                                 # the default table
     .venv/bin/python -m bench.throughput --rates 100,300,500 --repeats 3 --systems sluice-instant
     .venv/bin/python -m bench.throughput --guards --systems sluice-instant --rates 20,50,100
-        (the guard and postguard stages each in a process of its own: their CPU per request is reported apart)
+        (the guard and postguard stages each in a process of its own: their CPU per request is reported apart;
+        a before-* system laid out so too when its commit has `sluice bridge`, else in one `sluice run`)
 
 Systems:
     direct          the fake upstream itself (what every proxy adds its overhead to)
@@ -150,6 +151,11 @@ def before_tree(rev: str) -> Path:
 # in that commit's pipeline/settings.py says it does (an older instant backend always splits).
 _NEWER_KEYS = {"split = ": "split:", "linger_ms = ": "linger_ms:", "[run]": "class RunSettings",
                "processes = ": "class RunSettings", "max_in_flight = ": "bridge.max_in_flight"}
+
+
+def splits(tree: Path) -> bool:
+    """Whether the code in `tree` can run its bridge apart from its stages (`sluice bridge`)."""
+    return '"bridge"' in (tree / "pipeline" / "cli.py").read_text()
 
 
 def before_config(config: str, tree: Path) -> str:
@@ -309,7 +315,10 @@ async def run(args: argparse.Namespace) -> None:
                     if system.endswith(PY_REDIS):  # every process of it (the supervisor's too) finds no hiredis
                         env["PYTHONPATH"] = os.pathsep.join([str(no_hiredis()), str(ROOT)])
                     ports[system] = port
-                    if not args.guards or system.startswith("before-"):
+                    if not args.guards or not splits(cwd):
+                        if args.guards:
+                            print(f"note: {system} has no `sluice bridge`; its guards share the process of the other "
+                                  "stages, so it is not laid out like sluice-* and its CPU per guard is not its own")
                         servers[system] = Started(system, [sys.executable, "-m", "pipeline.cli", "run"], env, port, cwd)
                         continue
                     # With the guards, each guard in a process of its own, so its CPU per request is its own.
