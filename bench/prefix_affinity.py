@@ -1,21 +1,24 @@
 """Prefix affinity against random choice and plain power of two choices: a simulation that runs route's
 own choice function (`pipeline.routing.choose`) over a modelled cluster.
 
-    .venv/bin/python -m bench.prefix_affinity [--requests 2000] [--members 3] [--prefixes 12] [--split test]
+    .venv/bin/python -m bench.prefix_affinity [--requests 2000] [--members 3] [--prefixes 12] [--split test] [--sweep]
 
 The cluster: `--members` backends, each with a prefix cache of `--cache-blocks` blocks of 16 tokens
 (LRU, like the engine's hash-chained block cache: a block is reused only if every block before it is
-too). Requests arrive one per tick and each holds its backend for `--service` ticks (that is the load
-route sees). 80% of requests start with a shared 1,000-token prefix (a long system prompt; one of
-`--prefixes` of them), then 200 tokens of their own; 20% are 1,200 tokens of their own. Prefilled tokens are the prompt tokens not
-found in the chosen backend's cache. What is modelled, not measured: the engine's real cache and
-timings (docs/benchmarks.md says so); what is exercised is the routing code as it runs in route.
+too, and a prompt's blocks are released last first, so its tail is evicted before its prefix).
+Requests arrive one per tick and each holds its backend for `--service` ticks (that is the load route
+sees). 80% of requests start with a shared 1,000-token prefix (a long system prompt; one of `--prefixes`
+of them), then 200 tokens of their own; 20% are 1,200 tokens of their own. Prefilled tokens are the
+prompt tokens not found in the chosen backend's cache. What is modelled, not measured: the engine's real
+cache and timings (docs/benchmarks.md says so); what is exercised is the routing code as it runs in
+route.
 
 `--split validation` (seeds 0-2) is what the defaults were tuned on; `--split test` (seeds 100-104,
 other prompts) is what docs/benchmarks.md reports. Two references bound what any routing could do:
 `cache-aware oracle` knows every backend's cache exactly and picks the longest cached prefix under the
 same share bounds (route cannot know this: it would need every engine's block events), and `floor`
-is every shared prefix always cached (an unbounded cache).
+is every shared prefix always cached (an unbounded cache). `--sweep` runs random choice and route's
+table over a grid of shared-prefix counts and cache sizes, to show where affinity can pay at all.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class Backend:
     def prefill(self, tokens: list[int]) -> int:
         """Prompt tokens computed (not found in the cache); the prompt's blocks are cached after."""
         hit = self.cached(tokens)
-        for end in range(BLOCK, len(tokens) + 1, BLOCK):
+        for end in reversed(range(BLOCK, len(tokens) + 1, BLOCK)):  # the tail first: evicted before its prefix
             self.blocks[tuple(tokens[:end])] = None
             self.blocks.move_to_end(tuple(tokens[:end]))
         while len(self.blocks) > self.capacity:
@@ -118,6 +121,31 @@ def oracle(names: list[str], members: dict[str, Member], backends: dict[str, Bac
     return chosen
 
 
+SWEEP_PREFIXES = (1, 12, 24, 48)
+SWEEP_BLOCKS = (100, 200, 400, 800, 1600)
+
+
+def sweep(args: argparse.Namespace, seeds: range) -> None:
+    """Random choice against route's table, and the floor, over prefix counts and cache sizes."""
+    print(f"\n{args.requests} requests x {len(seeds)} seeds, {args.members} backends: prefilled tokens vs random, "
+          "mean (min to max over seeds); max/mean requests per backend (worst seed)\n")
+    print("| shared prefixes | cache blocks per backend | affinity (route's table) | max/mean | floor (unbounded cache) |\n"
+          "| ---: | ---: | ---: | ---: | ---: |")
+    for prefixes in SWEEP_PREFIXES:
+        for blocks in SWEEP_BLOCKS:
+            cell = argparse.Namespace(**{**vars(args), "prefixes": prefixes, "cache_blocks": blocks})
+            change, floors, worst = [], [], 0.0
+            for seed in seeds:
+                prompts = workload(args.requests, prefixes, random.Random(1000 + seed))
+                base, _ = run("random", prompts, cell, seed)
+                tokens, balance = run("affinity", prompts, cell, seed)
+                change.append(100 * (tokens / base - 1))
+                floors.append(100 * (floor(prompts) / base - 1))
+                worst = max(worst, balance)
+            print(f"| {prefixes} | {blocks} | {statistics.fmean(change):+.1f}% ({min(change):+.1f} to {max(change):+.1f}) "
+                  f"| {worst:.2f} | {statistics.fmean(floors):+.1f}% |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000)
@@ -126,8 +154,12 @@ def main() -> None:
     parser.add_argument("--service", type=int, default=6, help="ticks a request holds its backend")
     parser.add_argument("--split", choices=("validation", "test"), default="test")
     parser.add_argument("--prefixes", type=int, default=12, help="distinct 1,000-token prefixes the 80%% share")
+    parser.add_argument("--sweep", action="store_true", help="random and affinity over prefix counts and cache sizes")
     args = parser.parse_args()
     seeds = range(3) if args.split == "validation" else range(100, 105)
+    if args.sweep:
+        sweep(args, seeds)
+        return
     policies = ("random", "p2c", "affinity", "oracle")
     results: dict[str, list[tuple[int, float]]] = {p: [] for p in policies}
     floors = []
