@@ -18,6 +18,7 @@ import signal
 import socket
 import time
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,3 +241,27 @@ async def create_topics(env: dict[str, str], timeout_s: float = 120.0) -> None:
         raise RuntimeError(f"`sluice topics create` did not finish within {timeout_s} s") from None
     if process.returncode != 0:
         raise RuntimeError(f"`sluice topics create` failed: {out.decode(errors='replace')[-2000:]}")
+
+
+async def joined(bootstrap: str, stages: Iterable[str]) -> dict[str, set[int]]:
+    """The worker pids that are members of each stage's consumer group now, by stage kind ("decode" for
+    `decode.<pool>`): a worker's client id is `sluice-<stage>-<pid>` (`pipeline.process`). One group per
+    call: aiokafka failed to decode a reply describing all of them at once."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    kinds = set(stages)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="chaos-harness")
+    await admin.start()
+    try:
+        out: dict[str, set[int]] = {}
+        for group, _ in await admin.list_consumer_groups():
+            if group.split(".")[0] not in kinds:
+                continue
+            [description] = await admin.describe_consumer_groups([group])
+            for _, _, _, _, _, members in description.groups:  # (error, id, state, type, protocol, members)
+                for member in members:
+                    if m := re.fullmatch(r"sluice-([a-z]+)(?:\.[\w.-]+)?-(\d+)", member[1]):
+                        out.setdefault(m[1], set()).add(int(m[2]))
+        return out
+    finally:
+        await admin.close()

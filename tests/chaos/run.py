@@ -39,6 +39,7 @@ from tests.chaos.harness import Services
 from tests.chaos.scenarios import PROFILES, Fault, Profile, Scenario
 from tests.chaos.supervisor import Supervisor
 
+JOIN_S = 90.0  # for every worker to join its group before a scenario
 HEAVY = {"guard": 1, "postguard": 1}  # stages that load models: one worker each unless the profile faults them
 FIRST_PROBE_S = 180.0
 PROBE_S = 120.0
@@ -176,7 +177,8 @@ async def _run_scenario(
     since, wall_since = time.monotonic(), time.time()
     try:
         await supervisor.wait_all_up(60)
-    except TimeoutError as exc:  # workers crash as fast as they are restarted
+        await _wait_joined(supervisor, services.bootstrap, JOIN_S)
+    except TimeoutError as exc:  # workers crash as fast as they are restarted, or never join their group
         raise NoAnswer(str(exc)) from None
     async with _client(settings) as client:
         await probe(client, PROBE_S)
@@ -190,6 +192,21 @@ async def _run_scenario(
         finally:
             faults = list(await asyncio.gather(*injected))
     return _Run(scenario, results, faults, (since, time.monotonic(), wall_since, time.time()))
+
+
+async def _wait_joined(supervisor: Supervisor, bootstrap: str, timeout_s: float) -> None:
+    """Until every live worker is a member of its stage's consumer group: a restarted guard loads its
+    models for 10-15 s before it joins, and a fault aimed at it meanwhile would hit no partition."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        live = supervisor.live_pids()
+        members = await harness.joined(bootstrap, live)
+        waiting = {stage: pids - members.get(stage, set()) for stage, pids in live.items()}
+        if not any(waiting.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers not in their consumer groups after {timeout_s} s: {waiting}")
+        await asyncio.sleep(0.5)
 
 
 async def _inject(fault: Fault, t0: float, supervisor: Supervisor, services: Services) -> FaultEvent:

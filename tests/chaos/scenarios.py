@@ -10,6 +10,9 @@ from a `RequestSpec` (its length and deadline); request j of a scenario uses spe
     output-guard  the short profile's shape with postguard between decode and emit (the default profile's
             output guard, with its held-back window in Redis): SIGKILL of postguard twice and of every
             other stage once, SIGSTOP of postguard past the session timeout, a Redis restart
+    input-guard   the same shape with the input guard between ingest and route (PII and injection screening,
+            its verdict memo in Redis): SIGKILL of guard twice and of every other stage once, SIGSTOP of
+            guard past the session timeout, a Redis restart
     full    >= 50 SIGKILLs over every stage (one every 4 s), SIGSTOP of decode and of emit, a broker restart, a 60 s
             broker outage under long streams, a Redis restart, a decode worker added then removed
 """
@@ -22,6 +25,7 @@ from typing import Literal
 FaultKind = Literal["kill", "pause", "broker_restart", "broker_outage", "redis_restart", "add", "remove"]
 BARE = ("ingest", "route", "prefill", "decode", "emit")  # the profile without guards
 OUTPUT_GUARDED = ("ingest", "route", "prefill", "decode", "postguard", "emit")
+INPUT_GUARDED = ("ingest", "guard", "route", "prefill", "decode", "emit")
 PAUSE_S = 8.0  # SIGSTOP this long: past the consumer session timeout (3 s)
 OUTAGE_S = 60.0
 
@@ -99,6 +103,11 @@ def _output_guard() -> Profile:
     return _short_shaped("output-guard", kills, "kill-postguard-and-each-stage", "postguard", OUTPUT_GUARDED)
 
 
+def _input_guard() -> Profile:
+    kills = ("guard", "decode", "ingest", "guard", "emit", "route")
+    return _short_shaped("input-guard", kills, "kill-guard-and-each-stage", "guard", INPUT_GUARDED)
+
+
 def _full() -> Profile:
     # 56 kills, one every 4 s (past the 3 s session timeout and the rebalance after it, so each stall is
     # one takeover's, not several faults' stacked), decode twice as often as the others.
@@ -122,4 +131,6 @@ def _full() -> Profile:
     )
 
 
-PROFILES: dict[str, Profile] = {"short": _short(), "output-guard": _output_guard(), "full": _full()}
+PROFILES: dict[str, Profile] = {
+    "short": _short(), "output-guard": _output_guard(), "input-guard": _input_guard(), "full": _full()
+}

@@ -67,6 +67,10 @@ class Supervisor:
     def live(self, stage: str) -> list[_Slot]:
         return [s for s in self._slots if s.run.stage == stage and s.intent is None]
 
+    def live_pids(self) -> dict[str, set[int]]:
+        """The live workers' pids by stage."""
+        return {stage: {s.run.pid for s in self.live(stage)} for stage in self.wanted}
+
     def all_up(self) -> bool:
         return not self._restarts and all(len(self.live(stage)) >= n for stage, n in self.wanted.items())
 

@@ -1,5 +1,5 @@
-"""The chaos profiles as tests: `short` and `output-guard` run in `make test` (about 2-3 minutes each),
-`full` under `make chaos`."""
+"""The chaos profiles as tests: `short`, `output-guard` and `input-guard` run in `make test` (about 2-3
+minutes each), `full` under `make chaos`."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ def test_short_profile() -> None:
 
 def test_output_guard_profile() -> None:
     _run("output-guard")
+
+
+def test_input_guard_profile() -> None:
+    _run("input-guard")
 
 
 @pytest.mark.chaos
