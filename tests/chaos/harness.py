@@ -245,8 +245,9 @@ async def create_topics(env: dict[str, str], timeout_s: float = 120.0) -> None:
 
 async def joined(bootstrap: str, stages: Iterable[str]) -> dict[str, set[int]]:
     """The worker pids that are members of each stage's consumer group now, by stage kind ("decode" for
-    `decode.<pool>`): a worker's client id is `sluice-<stage>-<pid>` (`pipeline.process`). One group per
-    call: aiokafka failed to decode a reply describing all of them at once."""
+    `decode.<pool>`): a worker's client id is `sluice-<stage>-<pid>` (`pipeline.process`). Only the stages'
+    groups, one per call: one call describing every group (the SDK's too) failed in aiokafka's decoder
+    ("Buffer underrun decoding string"), and the cause was not looked into."""
     from aiokafka.admin import AIOKafkaAdminClient
 
     kinds = set(stages)
