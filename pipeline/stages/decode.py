@@ -256,12 +256,15 @@ class DecodeStage:
                         digest_step(progress.digest, delta.text))
 
     def _record(self, rid: str, progress: Progress):  # type: ignore[no-untyped-def]
-        """After the broker acknowledged a chunk: record how far the stream got, if this worker still owns it."""
+        """After the broker acknowledged a chunk: record how far the stream got, if this worker still owns it.
+        Never backwards (`StateStore.advance` on the chunk count): acknowledgements can be recorded out of
+        order (a later chunk's, or a try's from before a reset), and an earlier one written last made a
+        successor decode the chunks after it again."""
         encoded = msgspec.msgpack.encode(progress)
 
         async def acked() -> None:
             try:
-                recorded = await self._store.write(rid, {"progress": encoded}, owner=self._owner)
+                recorded = await self._store.advance(rid, "next_seq", progress.next_seq, {"progress": encoded}, owner=self._owner)
             except InfraUnavailable:
                 self._unrecorded.add(rid)
                 raise

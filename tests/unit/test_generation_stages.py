@@ -120,6 +120,23 @@ async def test_a_takeover_resumes_after_the_last_acknowledged_chunk() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_late_acknowledgement_never_takes_the_recorded_progress_back() -> None:
+    """Chunk 2's acknowledgement is recorded before chunk 1's; the successor still resumes after chunk 2."""
+    backend, store = ScriptedBackend(WORDS), MemoryStateStore()
+    handed = await prefilled(backend)
+    first = decode_stage(backend, store)
+    stream = first.handle(handed)
+    one, two = await anext(stream), await anext(stream)
+    assert one.acked is not None and two.acked is not None
+    await two.acked()
+    await one.acked()  # late: it must not record the stream as one chunk shorter
+    await stream.aclose()  # killed here
+    rest = [o.value for o in await run_handler(decode_stage(backend, store), handed)]
+    assert [c.seq for c in rest[:-1]] == [3, 4]  # type: ignore[attr-defined]
+    assert isinstance(rest[-1], Done) and rest[-1].chunks == 5 and rest[-1].digest == chain(WORDS)
+
+
+@pytest.mark.asyncio
 async def test_a_replaced_worker_stops_and_leaves_the_message_to_be_retried() -> None:
     backend, store = ScriptedBackend(WORDS * 4, step_s=0.001), MemoryStateStore()
     handed = await prefilled(backend, sampling=Sampling(max_tokens=20))
