@@ -9,7 +9,7 @@ from a `RequestSpec` (its length and deadline); request j of a scenario uses spe
             SIGSTOP of a decode worker past the session timeout, a Redis restart (<= ~3 minutes)
     output-guard  the short profile's shape with postguard between decode and emit (the default profile's
             output guard, with its held-back window in Redis): SIGKILL of postguard twice and of every
-            other stage once, SIGSTOP of postguard past the session timeout, a Redis restart
+            other stage once, SIGSTOP of postguard past the session timeout, a Redis restart, a broker restart
     input-guard   the same shape with the input guard between ingest and route (PII and injection screening,
             its verdict memo in Redis): SIGKILL of guard twice and of every other stage once, SIGSTOP of
             guard past the session timeout, a Redis restart
@@ -77,19 +77,20 @@ def _long(count: int, tokens: int, deadline_s: float) -> tuple[RequestSpec, ...]
     return tuple(RequestSpec(f"L{i}", tokens + i, deadline_s) for i in range(count))
 
 
-def _short_shaped(name: str, kills: tuple[str, ...], kill_name: str, paused: str, stages: tuple[str, ...]) -> Profile:
+def _short_shaped(
+    name: str, kills: tuple[str, ...], kill_name: str, paused: str, stages: tuple[str, ...], broker: bool = False
+) -> Profile:
     """60 requests per scenario at 40 ms a token: a kill of each of `kills`, 2.2 s apart; then `paused`
-    stopped past its session, with a Redis restart."""
+    stopped past its session, with a Redis restart; with `broker`, then a broker restart."""
+    scenarios = (
+        Scenario("reference", 60),
+        Scenario(kill_name, 60, tuple(Fault(1.5 + 2.2 * i, "kill", stage) for i, stage in enumerate(kills))),
+        Scenario(f"pause-{paused}+redis", 60, (Fault(2.0, "pause", paused, PAUSE_S), Fault(7.0, "redis_restart"))),
+    )
+    if broker:
+        scenarios += (Scenario("broker-restart", 60, (Fault(4.0, "broker_restart"),)),)
     return Profile(
-        name=name,
-        token_delay_ms=40,
-        normal=_normal(60, 30, 45, deadline_s=60),
-        long=(),
-        scenarios=(
-            Scenario("reference", 60),
-            Scenario(kill_name, 60, tuple(Fault(1.5 + 2.2 * i, "kill", stage) for i, stage in enumerate(kills))),
-            Scenario(f"pause-{paused}+redis", 60, (Fault(2.0, "pause", paused, PAUSE_S), Fault(7.0, "redis_restart"))),
-        ),
+        name=name, token_delay_ms=40, normal=_normal(60, 30, 45, deadline_s=60), long=(), scenarios=scenarios,
         stages=stages,
     )
 
@@ -100,7 +101,7 @@ def _short() -> Profile:
 
 def _output_guard() -> Profile:
     kills = ("postguard", "decode", "ingest", "postguard", "emit", "route")
-    return _short_shaped("output-guard", kills, "kill-postguard-and-each-stage", "postguard", OUTPUT_GUARDED)
+    return _short_shaped("output-guard", kills, "kill-postguard-and-each-stage", "postguard", OUTPUT_GUARDED, broker=True)
 
 
 def _input_guard() -> Profile:
