@@ -128,6 +128,10 @@ class EmitStage:
         # had forwarded when it failed (several messages may be in retry; the first one's record is not enough).
         # Bounded like `_sent`: a retry that reaches its deadline never clears its entry.
         self._unsure: OrderedDict[str, int] = OrderedDict()
+        # Requests whose terminal event the broker acknowledged and whose record of it failed (Redis was
+        # away): the retried message records it instead of sending it again. What the broker has is not
+        # undone by a reset, so this outlives them; bounded like `_sent`.
+        self._delivered: OrderedDict[str, None] = OrderedDict()
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
         self._clock = clock  # monotonic: how long ago ownership was confirmed
 
@@ -190,8 +194,11 @@ class EmitStage:
         self._unsure.pop(rid, None)
         terminal = self._terminal(message, sent, clock)
         terminal = costs.priced(terminal, self._prices, self._billed(terminal).usage)
-        costs.observe(terminal, self._tenant_label(terminal.tenant), self._models)
-        yield Out(message.reply_to, rid, terminal, acked=self._write(rid, sent, {"terminal": b"1"}))
+        if rid in self._delivered:  # an earlier try's terminal event is on the reply topic: only record it
+            await self._write(rid, sent, {"terminal": b"1"})()
+        else:
+            costs.observe(terminal, self._tenant_label(terminal.tenant), self._models)
+            yield Out(message.reply_to, rid, terminal, acked=self._write(rid, sent, {"terminal": b"1"}))
         if await self._store.claim(rid, "usage", b"1"):
             yield Out(self.topics.usage, terminal.tenant or "anonymous", self._usage(terminal))
         if self._meter is not None:
@@ -333,6 +340,11 @@ class EmitStage:
         terminal event then waited for chunk 38 for good, and the partition behind it (seen in the chaos
         suite's Redis restart)."""
         async def acked() -> None:
+            ending = "terminal" in fields
+            if ending:
+                self._delivered[rid] = None
+                if len(self._delivered) > _CACHED:
+                    self._delivered.popitem(last=False)
             if position:
                 await self._recorded(sent, position - 1)
             async with sent.writing:
@@ -354,7 +366,9 @@ class EmitStage:
                 sent.advance(position)
                 if position and position >= self._unsure.get(rid, position + 1):
                     del self._unsure[rid]  # every chunk forwarded before the failure is recorded now
-                sent.ended = sent.ended or "terminal" in fields
+                if ending:
+                    sent.ended = True
+                    self._delivered.pop(rid, None)
                 self._retire(rid, sent)
 
         return acked

@@ -247,6 +247,24 @@ class FlakyStore(MemoryStateStore):
         return await super().advance(key, field, position, fields, owner=owner)
 
 
+@pytest.mark.asyncio
+async def test_a_terminal_the_broker_acknowledged_is_recorded_not_sent_again_when_its_record_failed() -> None:
+    """Seen in the input-guard chaos profile: the terminal event reached the reply topic, its record
+    failed (Redis restarting), and the retried message sent it a second time (the SDK dropped it)."""
+    store = FlakyStore()
+    stage = emit(store)
+    for message in (chunk(0), chunk(1)):
+        for out in [o async for o in stage.handle(message)]:
+            await out.acked()
+    [terminal, usage] = [o async for o in stage.handle(done())]
+    store.fail = 1
+    with pytest.raises(InfraUnavailable):
+        await terminal.acked()
+    await stage.reset(RID)  # handling.py, before it retries the message
+    assert [o async for o in stage.handle(done())] == []  # no second terminal event, no second usage record
+    assert (await store.take(RID + "#emit", "a successor")).get("terminal") == b"1"
+
+
 async def chunk_2_waits_for_the_retry_of_chunk_1(stage: EmitStage) -> None:
     """After chunk 1's message failed and was reset: chunk 2 is held, the terminal event is retried
     (not ended as stream_incomplete), and once chunk 1's retry went out (1 again, which the client
