@@ -222,6 +222,7 @@ class Handling:
             if ack is not None:
                 acks.append(ack)
                 for out in outs:
+                    _on_delivery(ack, out)
                     if out.acked is not None:
                         last = asyncio.create_task(_after(ack, out.acked, last))
                 return
@@ -234,6 +235,7 @@ class Handling:
                     await asyncio.gather(*acks)
                 ack = await self._send(out)
                 acks.append(ack)
+                _on_delivery(ack, out)
                 if out.acked is not None:
                     last = asyncio.create_task(_after(ack, out.acked, last))
 
@@ -404,6 +406,12 @@ async def _after(ack: asyncio.Future[Any], acked: Callable[[], Awaitable[None]],
         await previous
     await ack
     await acked()
+
+
+def _on_delivery(ack: asyncio.Future[Any], out: Out) -> None:
+    """Calls `out.delivered` once the broker acknowledged `out`, whatever the `acked` before it did."""
+    if (delivered := out.delivered) is not None:
+        ack.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None else delivered())
 
 
 def _quiet(future: asyncio.Future[Any]) -> None:

@@ -34,13 +34,16 @@ class Out:
     `acked`, if set, is awaited once the broker has acknowledged this message (in yield order): a stage
     records progress there, so what it records was really sent. `with_next`: the stage yields the next
     output at once (the last chunk of an answer, then its terminal event) and the two may travel as one
-    record batch, which the broker appends whole or not at all: the runner holds this one until then."""
+    record batch, which the broker appends whole or not at all: the runner holds this one until then.
+    `delivered`, if set, is called as soon as the broker acknowledged this message, even when an `acked`
+    before it failed (which skips the ones after it): what reached the topic, whatever was recorded."""
 
     topic: str
     key: str
     value: msgspec.Struct
     acked: Callable[[], Awaitable[None]] | None = None
     with_next: bool = False
+    delivered: Callable[[], None] | None = None
 
 
 class Stage(Protocol):

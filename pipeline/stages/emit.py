@@ -128,9 +128,10 @@ class EmitStage:
         # had forwarded when it failed (several messages may be in retry; the first one's record is not enough).
         # Bounded like `_sent`: a retry that reaches its deadline never clears its entry.
         self._unsure: OrderedDict[str, int] = OrderedDict()
-        # Requests whose terminal event the broker acknowledged and whose record of it failed (Redis was
-        # away): the retried message records it instead of sending it again. What the broker has is not
-        # undone by a reset, so this outlives them; bounded like `_sent`.
+        # Requests whose terminal event the broker acknowledged (`Out.delivered`) and whose record of it was
+        # not written (Redis was away; it or a record before it failed): the retried message records it
+        # instead of sending it again. What the broker has is not undone by a reset, so this outlives
+        # resets; bounded like `_sent`.
         self._delivered: OrderedDict[str, None] = OrderedDict()
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
         self._clock = clock  # monotonic: how long ago ownership was confirmed
@@ -198,7 +199,8 @@ class EmitStage:
             await self._write(rid, sent, {"terminal": b"1"})()
         else:
             costs.observe(terminal, self._tenant_label(terminal.tenant), self._models)
-            yield Out(message.reply_to, rid, terminal, acked=self._write(rid, sent, {"terminal": b"1"}))
+            yield Out(message.reply_to, rid, terminal, acked=self._write(rid, sent, {"terminal": b"1"}),
+                      delivered=lambda: self._note_delivered(rid))
         if await self._store.claim(rid, "usage", b"1"):
             yield Out(self.topics.usage, terminal.tenant or "anonymous", self._usage(terminal))
         if self._meter is not None:
@@ -340,11 +342,6 @@ class EmitStage:
         terminal event then waited for chunk 38 for good, and the partition behind it (seen in the chaos
         suite's Redis restart)."""
         async def acked() -> None:
-            ending = "terminal" in fields
-            if ending:
-                self._delivered[rid] = None
-                if len(self._delivered) > _CACHED:
-                    self._delivered.popitem(last=False)
             if position:
                 await self._recorded(sent, position - 1)
             async with sent.writing:
@@ -366,12 +363,18 @@ class EmitStage:
                 sent.advance(position)
                 if position and position >= self._unsure.get(rid, position + 1):
                     del self._unsure[rid]  # every chunk forwarded before the failure is recorded now
-                if ending:
+                if "terminal" in fields:
                     sent.ended = True
                     self._delivered.pop(rid, None)
                 self._retire(rid, sent)
 
         return acked
+
+    def _note_delivered(self, rid: str) -> None:
+        """The broker acknowledged this request's terminal event (forgotten once it is recorded)."""
+        self._delivered[rid] = None
+        if len(self._delivered) > _CACHED:
+            self._delivered.popitem(last=False)
 
     def _retire(self, rid: str, sent: _Sent) -> None:
         """Forgets a request whose terminal event and every chunk before it are recorded: the store answers

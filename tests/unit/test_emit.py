@@ -249,20 +249,43 @@ class FlakyStore(MemoryStateStore):
 
 @pytest.mark.asyncio
 async def test_a_terminal_the_broker_acknowledged_is_recorded_not_sent_again_when_its_record_failed() -> None:
-    """Seen in the input-guard chaos profile: the terminal event reached the reply topic, its record
-    failed (Redis restarting), and the retried message sent it a second time (the SDK dropped it)."""
+    """The terminal event reached the reply topic and its record failed (Redis restarting): the retried
+    message records it and sends it no second time (nor a second usage record)."""
     store = FlakyStore()
     stage = emit(store)
     for message in (chunk(0), chunk(1)):
         for out in [o async for o in stage.handle(message)]:
             await out.acked()
-    [terminal, usage] = [o async for o in stage.handle(done())]
+    [terminal, _usage] = [o async for o in stage.handle(done())]
+    terminal.delivered()  # handling.py: the broker acknowledged it
     store.fail = 1
     with pytest.raises(InfraUnavailable):
         await terminal.acked()
     await stage.reset(RID)  # handling.py, before it retries the message
-    assert [o async for o in stage.handle(done())] == []  # no second terminal event, no second usage record
+    assert [o async for o in stage.handle(done())] == []
     assert (await store.take(RID + "#emit", "a successor")).get("terminal") == b"1"
+
+
+@pytest.mark.asyncio
+async def test_a_terminal_whose_record_never_ran_is_not_sent_again_either() -> None:
+    """Seen in the input-guard chaos profile (Redis restart): the last chunk's record failed, so
+    handling.py never ran the terminal's `acked` (it runs them in order), although the broker had both;
+    the retry sent the terminal event a second time. The client drops repeats; the topic should not
+    carry them."""
+    store = FlakyStore()
+    stage = emit(store)
+    [c0] = [o async for o in stage.handle(chunk(0))]
+    await c0.acked()
+    [c1] = [o async for o in stage.handle(chunk(1))]
+    [terminal, _usage] = [o async for o in stage.handle(done())]
+    terminal.delivered()
+    store.fail = 1
+    with pytest.raises(InfraUnavailable):
+        await c1.acked()  # its record failed: the terminal's `acked` is never called
+    await stage.reset(RID)
+    [again] = [o async for o in stage.handle(chunk(1))]  # the retried group: chunk 1 again (the client drops it)
+    await again.acked()
+    assert [o async for o in stage.handle(done())] == []
 
 
 async def chunk_2_waits_for_the_retry_of_chunk_1(stage: EmitStage) -> None:

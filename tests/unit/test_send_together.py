@@ -6,9 +6,11 @@ terminal event waits for the chunks' acknowledgements, as before."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
+from pipeline.errors import InfraUnavailable
 from pipeline.handling import Handling
 from pipeline.settings import Settings
 from pipeline.stage import Out, address_of
@@ -94,3 +96,25 @@ async def test_an_output_marked_with_next_at_the_end_is_still_sent() -> None:
     producer.release()
     assert await task == "ok" and recorded == ["chunk 0", "chunk 1"]
 
+
+
+@pytest.mark.asyncio
+async def test_delivered_is_called_once_acknowledged_even_when_an_acked_before_it_failed() -> None:
+    """`acked` callbacks run in order and a failed one skips the rest, but what reached the topic is a
+    fact a stage may need (emit: a terminal event already there is not sent again on the retry)."""
+    producer, recorded, delivered = HeldAcks(), [], []
+    outs = answer("r1", recorded)
+
+    async def fails() -> None:
+        raise InfraUnavailable("redis state store: ConnectionError")
+
+    outs[0] = dataclasses.replace(outs[0], acked=fails)
+    outs[-1] = dataclasses.replace(outs[-1], delivered=lambda: delivered.append("done"))
+    task = await run(producer, outs)
+    assert delivered == []  # not before the acknowledgement
+    producer.release()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert delivered == ["done"] and "done" not in recorded
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
