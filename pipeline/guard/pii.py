@@ -136,8 +136,8 @@ class PiiAnalyzer:
         self._nlp = NlpEngineProvider(nlp_configuration=config).create_engine()
         spacy_pipeline = self._nlp.nlp["en"]  # type: ignore[attr-defined]
         if "ner" in spacy_pipeline.pipe_names:
-            # spaCy's labels that Presidio does not map (CARDINAL, MONEY...) are dropped: kept, each one logged
-            # a warning per call, and no recogniser here reads them (only PERSON is)
+            # spaCy's labels that Presidio does not map (CARDINAL, MONEY...) are ignored: Presidio kept them and
+            # logged a warning for each one on every call, and no recogniser here reads them (only PERSON)
             ner_config = self._nlp.ner_model_configuration  # type: ignore[attr-defined]
             mapped = ner_config.model_to_presidio_entity_mapping
             ner_config.labels_to_ignore = [label for label in spacy_pipeline.get_pipe("ner").labels if label not in mapped]
