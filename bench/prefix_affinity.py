@@ -129,8 +129,8 @@ def sweep(args: argparse.Namespace, seeds: range) -> None:
     """Random choice against route's table, and the floor, over prefix counts and cache sizes."""
     print(f"\n{args.requests} requests x {len(seeds)} seeds, {args.members} backends: prefilled tokens vs random, "
           "mean (min to max over seeds); max/mean requests per backend (worst seed)\n")
-    print("| shared prefixes | cache blocks per backend | affinity (route's table) | max/mean | floor (unbounded cache) |\n"
-          "| ---: | ---: | ---: | ---: | ---: |")
+    print("| shared prefixes | cache blocks per backend | affinity (route's table) | max/mean "
+          "| floor (unbounded cache) |\n| ---: | ---: | ---: | ---: | ---: |")
     for prefixes in SWEEP_PREFIXES:
         for blocks in SWEEP_BLOCKS:
             cell = argparse.Namespace(**{**vars(args), "prefixes": prefixes, "cache_blocks": blocks})
@@ -142,8 +142,9 @@ def sweep(args: argparse.Namespace, seeds: range) -> None:
                 change.append(100 * (tokens / base - 1))
                 floors.append(100 * (floor(prompts) / base - 1))
                 worst = max(worst, balance)
-            print(f"| {prefixes} | {blocks} | {statistics.fmean(change):+.1f}% ({min(change):+.1f} to {max(change):+.1f}) "
-                  f"| {worst:.2f} | {statistics.fmean(floors):+.1f}% |", flush=True)
+            spread = f"({min(change):+.1f} to {max(change):+.1f})"
+            print(f"| {prefixes} | {blocks} | {statistics.fmean(change):+.1f}% {spread} | {worst:.2f} "
+                  f"| {statistics.fmean(floors):+.1f}% |", flush=True)
 
 
 def main() -> None:

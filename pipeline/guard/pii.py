@@ -140,7 +140,8 @@ class PiiAnalyzer:
             # logged a warning for each one on every call, and no recogniser here reads them (only PERSON)
             ner_config = self._nlp.ner_model_configuration  # type: ignore[attr-defined]
             mapped = ner_config.model_to_presidio_entity_mapping
-            ner_config.labels_to_ignore = [label for label in spacy_pipeline.get_pipe("ner").labels if label not in mapped]
+            labels = spacy_pipeline.get_pipe("ner").labels
+            ner_config.labels_to_ignore = [label for label in labels if label not in mapped]
         for pipe in (*_UNUSED_PIPES, *_TAGGING):
             if pipe in spacy_pipeline.pipe_names:
                 spacy_pipeline.disable_pipe(pipe)

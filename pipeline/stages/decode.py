@@ -264,7 +264,9 @@ class DecodeStage:
 
         async def acked() -> None:
             try:
-                recorded = await self._store.advance(rid, "next_seq", progress.next_seq, {"progress": encoded}, owner=self._owner)
+                recorded = await self._store.advance(
+                    rid, "next_seq", progress.next_seq, {"progress": encoded}, owner=self._owner
+                )
             except InfraUnavailable:
                 self._unrecorded.add(rid)
                 raise

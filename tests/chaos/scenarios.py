@@ -101,7 +101,9 @@ def _short() -> Profile:
 
 def _output_guard() -> Profile:
     kills = ("postguard", "decode", "ingest", "postguard", "emit", "route")
-    return _short_shaped("output-guard", kills, "kill-postguard-and-each-stage", "postguard", OUTPUT_GUARDED, broker=True)
+    return _short_shaped(
+        "output-guard", kills, "kill-postguard-and-each-stage", "postguard", OUTPUT_GUARDED, broker=True
+    )
 
 
 def _input_guard() -> Profile:

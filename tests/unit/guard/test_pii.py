@@ -42,7 +42,9 @@ def test_ordinary_text_has_no_findings(input_guard: InputGuard) -> None:
     assert findings(input_guard, "How do I make a good risotto with mushrooms and parmesan?") == []
 
 
-def test_amounts_and_counts_are_screened_without_a_warning_each(input_guard: InputGuard, caplog: pytest.LogCaptureFixture) -> None:
+def test_amounts_and_counts_are_screened_without_a_warning_each(
+    input_guard: InputGuard, caplog: pytest.LogCaptureFixture
+) -> None:
     """spaCy tags "300 dollars" MONEY and "two" CARDINAL; Presidio maps neither and used to log a warning
     for each, on every call, while keeping them for recognisers that never read them."""
     with caplog.at_level(logging.WARNING, logger="presidio-analyzer"):
