@@ -1,7 +1,7 @@
 """Guardrail latency: the input guard (PII and injection together) per 300-character prompt, and what
 postguard adds per streamed chunk.
 
-    .venv/bin/python -m bench.guard_latency [--requests 300] [--chunks 3000] [--toxicity-backend minilm]
+    .venv/bin/python -m bench.guard_latency [--requests 300] [--chunks 3000] [--toxicity-backend minilm] [--answer code]
 
 Input guard: one request at a time (batch 1, the latency case) through `GuardStage.handle`, which
 runs Presidio (spaCy NER + the recognisers) and the MiniLM int8 classifier in a worker thread; also
@@ -9,7 +9,10 @@ each part alone. Prompts are 300 characters built from ordinary sentences, a thi
 Postguard: `PostguardStage.handle` per chunk of answers streamed word by word (holdback 16, default
 [guard] settings: pattern PII, blocklist, toxicity by `--toxicity-backend`, the [guard] default unless
 named), the time from the chunk's arrival to the handler's last output. `--requests 0` measures
-postguard alone. No broker: these are the stages' own costs, the figures the targets name.
+postguard alone. `--answer code` streams a code block instead of prose (no sentence ends, but line
+breaks), `--answer run-on` one line with no punctuation at all (what the chaos suite's instant backend
+writes), so the sentence that postguard must check before it releases text never ends. No broker: these are the
+stages' own costs, the figures the targets name.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import time
 
 from bench.stats import row
@@ -53,6 +57,15 @@ ANSWER = (
     "on the loop. This is why one Node.js process can serve many clients at once, as long as no single "
     "callback blocks the loop for long. Heavy computation belongs in a worker thread. "
 )
+
+CODE_ANSWER = (
+    "def retry(call, attempts=3, delay_s=0.5):\n    for attempt in range(attempts):\n        try:\n"
+    "            return call()\n        except ConnectionError:\n            if attempt == attempts - 1:\n"
+    "                raise\n            time.sleep(delay_s * 2 ** attempt)\n\n\nresult = retry(lambda: "
+    "client.get(url, timeout=5))\nprint(result.status_code, len(result.content))\n"
+)
+RUN_ON = " ".join(f"t{i}" for i in range(120))  # the chaos suite's instant backend: one line, no punctuation
+ANSWERS = {"prose": ANSWER, "code": CODE_ANSWER, "run-on": RUN_ON}
 
 
 def prompts(n: int, rng: random.Random) -> list[str]:
@@ -108,10 +121,10 @@ async def run(stage: GuardStage, message: Admitted) -> bool:
     return True
 
 
-async def postguard(chunks: int, toxicity_backend: str) -> list[str]:
+async def postguard(chunks: int, toxicity_backend: str, answer: str = "prose") -> list[str]:
     settings = GuardSettings(toxicity_backend=toxicity_backend)  # type: ignore[arg-type]
     stage = PostguardStage(settings, output_guard(settings, Settings().model_cache), topics_of(Settings(), "postguard"))
-    words = [w + " " for w in ANSWER.split()]
+    words = re.findall(r"\S+\s*", ANSWERS[answer])  # each word with the spaces or line breaks after it
     per_chunk, rid, sent = [], 0, 0
     while sent < chunks:
         rid += 1
@@ -123,7 +136,8 @@ async def postguard(chunks: int, toxicity_backend: str) -> list[str]:
                     usage=Usage(), tenant="default", model="m", created_at=time.time())
         [out async for out in stage.handle(done)]
         sent += len(words)
-    return [row(f"postguard per chunk (holdback {settings.holdback_tokens}, toxicity {toxicity_backend})", per_chunk[len(words):])]
+    what = f"postguard per chunk ({answer}, holdback {settings.holdback_tokens}, toxicity {toxicity_backend})"
+    return [row(what, per_chunk[len(words):])]
 
 
 async def main() -> None:
@@ -131,9 +145,10 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--chunks", type=int, default=3000)
     parser.add_argument("--toxicity-backend", default=GuardSettings().toxicity_backend, choices=("profanity_check", "minilm"))
+    parser.add_argument("--answer", default="prose", choices=sorted(ANSWERS), help="what postguard streams")
     args = parser.parse_args()
     rows = await input_guard(args.requests, random.Random(7)) if args.requests else []
-    rows += await postguard(args.chunks, args.toxicity_backend)
+    rows += await postguard(args.chunks, args.toxicity_backend, args.answer)
     print("| what | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")
     print("\n".join(rows))
 
