@@ -268,10 +268,10 @@ async def test_a_terminal_the_broker_acknowledged_is_recorded_not_sent_again_whe
 
 @pytest.mark.asyncio
 async def test_a_terminal_whose_record_never_ran_is_not_sent_again_either() -> None:
-    """Seen in the input-guard chaos profile (Redis restart): the last chunk's record failed, so
-    handling.py never ran the terminal's `acked` (it runs them in order), although the broker had both;
-    the retry sent the terminal event a second time. The client drops repeats; the topic should not
-    carry them."""
+    """The likely path of a repeat the input-guard chaos profile showed (Redis restart): the last
+    chunk's record failed, so handling.py never ran the terminal's `acked` (it runs them in order),
+    although the broker had both; the retry sent the terminal event a second time. The client drops
+    repeats; the topic should not carry them."""
     store = FlakyStore()
     stage = emit(store)
     [c0] = [o async for o in stage.handle(chunk(0))]
