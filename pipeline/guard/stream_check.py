@@ -35,6 +35,7 @@ class StreamState:
     context: str = ""  # released text of the sentence still open
     placeholders: Placeholders = field(default_factory=Placeholders)
     toxicity: dict[str, float] = field(default_factory=dict)  # scores of the window's sentences, by text
+    scored_to: int = 0  # `pending` up to here was scored as part of the sentence still open
     topics: TopicWatch | None = None  # the answer against its route's topics, if the route names any
 
 
@@ -97,10 +98,15 @@ class OutputGuard:
             if match := pattern.search(window):
                 cuts.append(_Cut(max(match.start() - offset, 0), Reason.blocklist))
         starts, sentences = self._sentences(window)
-        if sentences and not _SENTENCE_END.search(window[starts[-1]:]) and starts[-1] - offset >= release:
-            # The sentence still being written is scored once it ends, or once its text is about to be
-            # released: until then it is held back anyway, and scoring every chunk of it costs ~2 ms each.
-            starts, sentences = starts[:-1], sentences[:-1]
+        if sentences and not _SENTENCE_END.search(window[starts[-1]:]):
+            if starts[-1] - offset >= release or release <= state.scored_to:
+                # The sentence still being written is scored once it ends, or once text of it that no
+                # score has read is about to be released: until then it is held back anyway. A sentence
+                # longer than the window (a line with no punctuation) is so scored once per `holdback`
+                # chunks, not on every chunk (a score costs 2-10 ms).
+                starts, sentences = starts[:-1], sentences[:-1]
+            else:
+                state.scored_to = len(state.pending)
         for start, score in zip(starts, self._toxicity_scores(state, sentences)):
             if score >= self._threshold:
                 cuts.append(_Cut(max(start - offset, 0), Reason.toxicity))
@@ -138,6 +144,7 @@ class OutputGuard:
         raw = state.pending[:upto]
         text = apply_policy(raw, findings, state.policy, state.placeholders).text
         state.pending = state.pending[upto:]
+        state.scored_to = max(state.scored_to - upto, 0)
         left = upto
         while state.lengths and left >= state.lengths[0]:
             left -= state.lengths.popleft()

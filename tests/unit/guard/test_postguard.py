@@ -6,6 +6,9 @@ import pytest
 
 from pipeline.errors import InfraUnavailable
 from pipeline.guard.config import GuardSettings
+from pipeline.guard.errors import Reason
+from pipeline.guard.stream_check import OutputGuard, StreamState
+from pipeline.guard.toxicity import ToxicityScorer
 from pipeline.stages.postguard import PostguardStage
 from pipeline.state import MemoryStateStore
 from tests.unit.fakes import run_handler
@@ -241,3 +244,47 @@ async def test_a_terminal_with_chunks_missing_is_stream_incomplete(make_output_g
     outs += await run_handler(guard, done(3))
     assert texts(outs) == "a "  # never text after a hole
     assert isinstance(outs[-1].value, Failed) and outs[-1].value.code is ErrorCode.stream_incomplete
+
+
+class CountingScorer:
+    """The real toxicity scorer, counting what it is asked to read."""
+
+    def __init__(self, real: ToxicityScorer) -> None:
+        self.name, self._real, self.calls = real.name, real, 0
+
+    def scores(self, texts: list[str]) -> list[float]:
+        self.calls += len(texts)
+        return self._real.scores(texts)
+
+
+def counted(make_output_guard, holdback: int) -> tuple[OutputGuard, CountingScorer]:  # type: ignore[no-untyped-def]
+    real = make_output_guard(holdback_tokens=holdback)
+    scorer = CountingScorer(real._toxicity)
+    return OutputGuard(real._scanner, scorer, holdback=holdback, blocklist=(), toxicity_threshold=real._threshold), scorer
+
+
+async def test_a_sentence_that_never_ends_is_scored_once_per_window_not_per_chunk(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard, scorer = counted(make_output_guard, holdback=8)
+    state = StreamState({})
+    released = "".join(guard.push(state, f"t{i} ").release for i in range(200))
+    released += guard.finish(state).release
+    assert released == "".join(f"t{i} " for i in range(200))
+    # scored when its start is first due for release, then each time released text would pass what was
+    # scored (every holdback + 1 chunks), and at the end: not on each of the 192 chunks released early
+    assert scorer.calls <= 200 // 9 + 2
+
+
+async def test_a_toxic_word_late_in_a_sentence_that_never_ends_is_never_released(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard, scorer = counted(make_output_guard, holdback=8)
+    words = [f"t{i} " for i in range(60)] + ["you ", "fucking ", "idiot "] + [f"u{i} " for i in range(40)]
+    state = StreamState({})
+    released, violation = "", None
+    for word in words:
+        step = guard.push(state, word)
+        released += step.release
+        if step.violation is not None:
+            violation = step.violation
+            break
+    assert violation is Reason.toxicity
+    assert "fucking" not in released and "idiot" not in released
+    assert scorer.calls < len(words) // 4
