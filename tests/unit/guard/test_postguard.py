@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pipeline.errors import InfraUnavailable
@@ -288,3 +290,38 @@ async def test_a_toxic_word_late_in_a_sentence_that_never_ends_is_never_released
     assert violation is Reason.toxicity
     assert "fucking" not in released and "idiot" not in released
     assert scorer.calls < len(words) // 4
+
+
+class SlowFirstWrite(MemoryStateStore):
+    """A store whose next write lands only after the given delay (a Redis reply that comes late)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delays: list[float] = []
+
+    async def write(self, key: str, fields, *, owner: str | None = None) -> bool:  # type: ignore[no-untyped-def]
+        if self.delays:
+            await asyncio.sleep(self.delays.pop(0))
+        return await super().write(key, fields, owner=owner)
+
+
+async def test_a_retried_chunk_and_the_next_one_never_leave_an_older_window_stored(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    """Found by the guarded full chaos profile's broker outage (session 28): chunk 85's message was tried
+    again (after a reset) while chunk 86's was handled; both read the store's window, 86's write landed
+    first and 85's older window (next 86) over it, so chunk 87 waited for 86 for good and the answer
+    ended `stream_incomplete`. A request's messages now read and write its window one at a time."""
+    store = SlowFirstWrite()
+    guard = stage(make_output_guard, store, holdback_tokens=1)
+    words = [f"w{i} " for i in range(8)]
+    outs = await feed(guard, words[:4])
+    await guard.reset("r1")  # chunk 3's produce failed: the runner forgets the stream and tries 3 again
+    store.delays = [0.05]  # the retry's write is answered late; chunk 4's, meanwhile, at once
+    retried, nxt = await asyncio.gather(run_handler(guard, chunk(3, words[3])), run_handler(guard, chunk(4, words[4])))
+    outs += retried + nxt
+    await guard.reset("r1")  # the outage goes on: the next message too is tried again from the store
+    for i in range(5, 8):
+        outs += await run_handler(guard, chunk(i, words[i]))
+    outs += await run_handler(guard, done(8))
+    assert isinstance(outs[-1].value, Done), outs[-1].value
+    released = {o.value.seq: o.value.text for o in outs if isinstance(o.value, Chunk)}  # repeats: emit drops them
+    assert "".join(released[seq] for seq in sorted(released)) == "".join(words)
