@@ -257,6 +257,9 @@ class EmitStage:
         if sent is None:
             started = self._clock()
             fields = await self._store.take(_key(rid), self._owner)
+            if (sent := self._sent.get(rid)) is not None:  # another message of the request restored it meanwhile
+                self._sent.move_to_end(rid)  # and may have gone on from it: what it restored is the progress
+                return sent
             digest = fields.get("digest", EMPTY_DIGEST.encode()).decode()
             sent = self._sent[rid] = _Sent(int(fields.get("emitted", b"0")), digest, "terminal" in fields)
             sent.owned_since(started)

@@ -422,3 +422,33 @@ async def test_a_finished_request_with_a_chunk_not_yet_recorded_stays_in_memory(
     [_pending] = [o async for o in stage.handle(chunk(1))]  # acknowledged later, if ever
     await run_handler(stage, done(2))
     assert RID in stage._sent
+
+
+class SlowFirstTake(MemoryStateStore):
+    """A store whose next take is answered only after the given delay (a Redis reply that comes late)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delays: list[float] = []
+
+    async def take(self, key: str, owner: str) -> dict[str, bytes]:
+        fields = await super().take(key, owner)
+        if self.delays:
+            await asyncio.sleep(self.delays.pop(0))
+        return fields
+
+
+@pytest.mark.asyncio
+async def test_two_messages_of_a_request_that_restore_its_progress_at_once_share_it() -> None:
+    """After a reset, a retried chunk and the next chunk of the same request each take the request's
+    record; the later take must not replace what the earlier one restored and went on with (the chunk
+    it forwarded would be forgotten, and the next one held behind it for good)."""
+    store = SlowFirstTake()
+    stage = emit(store)
+    await run_handler(stage, chunk(0))
+    await stage.reset(RID)
+    store.delays = [0.0, 0.05]  # chunk 1's take answers at once, the retried chunk 0's late
+    first, second = await asyncio.gather(run_handler(stage, chunk(1)), run_handler(stage, chunk(0)))
+    outs = first + second + await run_handler(stage, chunk(2)) + await run_handler(stage, done(3))
+    terminal = [o.value for o in outs if isinstance(o.value, Done | Failed)]
+    assert len(terminal) == 1 and isinstance(terminal[0], Done), terminal
