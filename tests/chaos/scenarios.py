@@ -15,17 +15,20 @@ from a `RequestSpec` (its length and deadline); request j of a scenario uses spe
             guard past the session timeout, a Redis restart
     full    >= 50 SIGKILLs over every stage (one every 4 s), SIGSTOP of decode and of emit, a broker restart, a 60 s
             broker outage under long streams, a Redis restart, a decode worker added then removed
+    full-guarded  the full profile's plan with both guards in the path (the default `make run` profile's
+            stages, one worker per guard), in `make chaos`
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 FaultKind = Literal["kill", "pause", "broker_restart", "broker_outage", "redis_restart", "add", "remove"]
 BARE = ("ingest", "route", "prefill", "decode", "emit")  # the profile without guards
 OUTPUT_GUARDED = ("ingest", "route", "prefill", "decode", "postguard", "emit")
 INPUT_GUARDED = ("ingest", "guard", "route", "prefill", "decode", "emit")
+GUARDED = ("ingest", "guard", "route", "prefill", "decode", "postguard", "emit")  # both guards, as `make run` has
 PAUSE_S = 8.0  # SIGSTOP this long: past the consumer session timeout (3 s)
 OUTAGE_S = 60.0
 
@@ -135,5 +138,6 @@ def _full() -> Profile:
 
 
 PROFILES: dict[str, Profile] = {
-    "short": _short(), "output-guard": _output_guard(), "input-guard": _input_guard(), "full": _full()
+    "short": _short(), "output-guard": _output_guard(), "input-guard": _input_guard(), "full": _full(),
+    "full-guarded": replace(_full(), name="full-guarded", stages=GUARDED),
 }

@@ -1,5 +1,5 @@
 """The chaos profiles as tests: `short`, `output-guard` and `input-guard` run in `make test` (about 2-3
-minutes each), `full` under `make chaos`."""
+minutes each), `full` and `full-guarded` under `make chaos`."""
 
 from __future__ import annotations
 
@@ -33,3 +33,8 @@ def test_input_guard_profile() -> None:
 @pytest.mark.chaos
 def test_full_profile() -> None:
     _run("full")
+
+
+@pytest.mark.chaos
+def test_full_guarded_profile() -> None:
+    _run("full-guarded")
