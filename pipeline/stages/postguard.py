@@ -138,7 +138,7 @@ class PostguardStage:
 
     @contextlib.asynccontextmanager
     async def _one_at_a_time(self, rid: str) -> AsyncIterator[None]:
-        lock, users = self._locks.get(rid, (asyncio.Lock(), 0))
+        lock, users = self._locks.get(rid) or (asyncio.Lock(), 0)  # a lock made only when none is held
         self._locks[rid] = (lock, users + 1)
         try:
             async with lock:
