@@ -3,10 +3,12 @@ that survives its decode worker (resume from the state store, fencing of a repla
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
 from pipeline.errors import InfraUnavailable
+from pipeline.stage import Out
 from pipeline.stages.decode import DecodeStage
 from pipeline.stages.generation import generation_request
 from pipeline.stages.prefill import PrefillStage
@@ -100,19 +102,30 @@ async def test_a_first_token_that_ends_the_request_skips_decode() -> None:
     assert [type(o.value) for o in outs] == [Chunk, Done]
 
 
+async def decoding() -> tuple[ScriptedBackend, MemoryStateStore, Prefilled, AsyncIterator[Out]]:
+    """A first decode worker's stream of WORDS, not yet read, with the store it records progress in."""
+    backend, store = ScriptedBackend(WORDS), MemoryStateStore()
+    handed = await prefilled(backend)
+    return backend, store, handed, decode_stage(backend, store).handle(handed)
+
+
+async def killed_then_resumed(
+    backend: ScriptedBackend, store: MemoryStateStore, handed: Prefilled, stream: AsyncIterator[Out]
+) -> list[object]:
+    """The first worker is killed here; what a successor with the same store sends."""
+    await stream.aclose()
+    return [o.value for o in await run_handler(decode_stage(backend, store), handed)]
+
+
 @pytest.mark.asyncio
 async def test_a_takeover_resumes_after_the_last_acknowledged_chunk() -> None:
     """Worker A dies after three chunks were acknowledged; B continues from there: no chunk twice."""
-    backend, store = ScriptedBackend(WORDS), MemoryStateStore()
-    handed = await prefilled(backend)
-    first = decode_stage(backend, store)
-    stream = first.handle(handed)
+    backend, store, handed, stream = await decoding()
     for _ in range(2):  # chunks 1 and 2, acknowledged
         out = await anext(stream)
         assert out.acked is not None
         await out.acked()
-    await stream.aclose()  # killed here
-    rest = [o.value for o in await run_handler(decode_stage(backend, store), handed)]
+    rest = await killed_then_resumed(backend, store, handed, stream)
     assert [c.seq for c in rest[:-1]] == [3, 4]  # type: ignore[attr-defined]
     assert "".join(c.text for c in rest[:-1]) == " friend."  # type: ignore[attr-defined]
     assert isinstance(rest[-1], Done) and rest[-1].chunks == 5 and rest[-1].digest == chain(WORDS)
@@ -122,16 +135,12 @@ async def test_a_takeover_resumes_after_the_last_acknowledged_chunk() -> None:
 @pytest.mark.asyncio
 async def test_a_late_acknowledgement_never_takes_the_recorded_progress_back() -> None:
     """Chunk 2's acknowledgement is recorded before chunk 1's; the successor still resumes after chunk 2."""
-    backend, store = ScriptedBackend(WORDS), MemoryStateStore()
-    handed = await prefilled(backend)
-    first = decode_stage(backend, store)
-    stream = first.handle(handed)
+    backend, store, handed, stream = await decoding()
     one, two = await anext(stream), await anext(stream)
     assert one.acked is not None and two.acked is not None
     await two.acked()
     await one.acked()  # late: it must not record the stream as one chunk shorter
-    await stream.aclose()  # killed here
-    rest = [o.value for o in await run_handler(decode_stage(backend, store), handed)]
+    rest = await killed_then_resumed(backend, store, handed, stream)
     assert [c.seq for c in rest[:-1]] == [3, 4]  # type: ignore[attr-defined]
     assert isinstance(rest[-1], Done) and rest[-1].chunks == 5 and rest[-1].digest == chain(WORDS)
 
