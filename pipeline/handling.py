@@ -17,17 +17,21 @@ is not produced; that stage's handling takes it in hand at once (`Handling.take`
 errors, retries, span and metrics. The topic stays the contract (anything produced to it is still
 consumed); only the broker round trip is saved. The sender's record is committed after the whole
 chain has sent its outputs, so a crash redoes the chain from the sender's record (every stage of the
-request part is idempotent under redelivery already, as at-least-once delivery requires).
+request part is idempotent under redelivery already, as at-least-once delivery requires). Emit takes a
+cache hit's replay from the cache of its process the same way, all of it at once (`take_group`), so
+the replay reaches the reply topic as one record batch without crossing `llm.checked` first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,27 +112,38 @@ class Handling:
             messages = [codec.decode(record.value or b"", self.stage.input_type) for record in records]
         except Exception:  # the record that cannot be read is dead-lettered by the one-by-one path
             return await self._one_by_one(records, handed_over, before)
+        spans = [functools.partial(tracing.consume_span, record, self.stage.name) for record in records]
+        if await self._together(messages, spans, handed_over):
+            return ["ok"] * len(records)
+        return await self._one_by_one(records, handed_over, before)
+
+    async def _together(
+        self, messages: list[Any], spans: list[Callable[[], AbstractContextManager[trace.Span]]],
+        handed_over: asyncio.Future[None] | None,
+    ) -> bool:
+        """`process_group`'s and `take_group`'s common part: False when the messages must be handled one by
+        one instead (the stage has forgotten what it cached of the request by then)."""
         earlier: list[Out] = []
         try:
-            for record, message in zip(records[:-1], messages[:-1], strict=True):
-                with tracing.consume_span(record, self.stage.name) as span:
+            for message, span_of in zip(messages[:-1], spans[:-1], strict=True):
+                with span_of() as span:
                     earlier += [out async for out in self.stage.handle(message)]
                     span.set_attribute("outcome", "ok")
-            with tracing.consume_span(records[-1], self.stage.name) as span:
+            with spans[-1]() as span:
                 await self._send_all(messages[-1], handed_over, earlier)
                 span.set_attribute("outcome", "ok")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             address = address_of(messages[0])
-            log.info("stage=%s request=%s handled again record by record (%s: %s)", self.stage.name,
+            log.info("stage=%s request=%s handled again message by message (%s: %s)", self.stage.name,
                      address and address.request_id, type(exc).__name__, _reason(exc))
             if isinstance(self.stage, Resettable) and address is not None:
                 await self.stage.reset(address.request_id)
             if isinstance(exc, INFRA):  # as the one-by-one path waits before it tries a message again
                 await asyncio.sleep(FIRST_BACKOFF_S)
-            return await self._one_by_one(records, handed_over, before)
-        return ["ok"] * len(records)
+            return False
+        return True
 
     async def _one_by_one(
         self, records: list[ConsumerRecord[bytes, bytes]], handed_over: asyncio.Future[None] | None,
@@ -147,15 +162,41 @@ class Handling:
                 outcome = await self._handle_message(out.value, Handed(out), span, None, None)
                 span.set_attribute("outcome", outcome)
         except asyncio.CancelledError:
+            await self._forget(out.value)
             raise
         except Exception:  # a bug in sluice itself, not in the message (as the runner says of a record)
             log.exception("stage=%s message handed over on %s could not be processed", self.stage.name, out.topic)
             outcome = "bug"
         metrics.MESSAGES.labels(self.stage.name, outcome).inc()
         metrics.HANDLE_SECONDS.labels(self.stage.name).observe(time.perf_counter() - started)
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        return done
+        return _acknowledged()
+
+    async def take_group(self, outs: list[Out]) -> asyncio.Future[Any]:
+        """Consecutive messages of one request handed over together (a cache hit's replay, to emit):
+        handled as `process_group` handles a group of records, so their outputs leave as one record
+        batch; if anything goes differently, one by one through `take`. Returns a done acknowledgement."""
+        started = time.perf_counter()
+        spans = [functools.partial(tracing.handover_span, out.topic, self.stage.name) for out in outs]
+        try:
+            together = await self._together([out.value for out in outs], spans, None)
+        except asyncio.CancelledError:
+            await self._forget(outs[0].value)
+            raise
+        if not together:
+            for out in outs:
+                await self.take(out)
+            return _acknowledged()
+        metrics.MESSAGES.labels(self.stage.name, "ok").inc(len(outs))
+        metrics.HANDLE_SECONDS.labels(self.stage.name).observe(time.perf_counter() - started)
+        return _acknowledged()
+
+    async def _forget(self, message: Any) -> None:
+        """A handover cancelled midway (the sender's partition was taken away) leaves no trace in what a
+        stage that keeps state (emit) cached of the request: its own partitions were not revoked, so the
+        runner would not reset it, and the sender's record is handled again, here or elsewhere."""
+        address = address_of(message)
+        if isinstance(self.stage, Resettable) and address is not None:
+            await self.stage.reset(address.request_id)
 
     async def _handle_message(
         self, message: Any, record: ConsumerRecord[bytes, bytes] | Handed, span: trace.Span,
@@ -259,11 +300,14 @@ class Handling:
                 last.add_done_callback(_quiet)
 
     async def _send_together(self, outs: list[Out]) -> asyncio.Future[Any] | None:
-        """One record batch for `outs` when they share a topic and key, the topic is produced (not handed
-        over) and they fit; None, with nothing sent, otherwise (they are sent one by one)."""
+        """One record batch for `outs` when they share a topic and key and fit, or one `take_group` when
+        the topic is handed over to a stage that takes groups (a cache hit's replay to emit); None, with
+        nothing sent, otherwise (they are sent one by one)."""
         first = outs[0]
-        if self.takers.get(first.topic) is not None or any(o.topic != first.topic or o.key != first.key for o in outs):
+        if any(o.topic != first.topic or o.key != first.key for o in outs):
             return None
+        if (taker := self.takers.get(first.topic)) is not None:
+            return await taker.take_group(outs) if takes_groups(taker.stage) else None
         items = [(codec.encode(o.value), tracing.publish(o.topic)) for o in outs]
         ack = await self._producer.send_together(first.topic, first.key.encode(), items)
         if ack is not None:
@@ -406,6 +450,19 @@ async def _after(ack: asyncio.Future[Any], acked: Callable[[], Awaitable[None]],
         await previous
     await ack
     await acked()
+
+
+def takes_groups(stage: Stage) -> bool:
+    """An ordered stage that says so (`groups`: emit) and can forget what it cached (`Resettable`) takes
+    consecutive messages of one request together (`Handling.process_group`, `Handling.take_group`)."""
+    return stage.ordered and getattr(stage, "groups", False) and isinstance(stage, Resettable)
+
+
+def _acknowledged() -> asyncio.Future[Any]:
+    """What a taker returns for a message it handled in memory: an acknowledgement that is already done."""
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done
 
 
 def _on_delivery(ack: asyncio.Future[Any], out: Out) -> None:

@@ -22,7 +22,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from pipeline import kafka, metrics
-from pipeline.handling import Handling
+from pipeline.handling import Handling, takes_groups
 from pipeline.observability.lag import LagWatch
 from pipeline.offsets import OffsetTracker
 from pipeline.producing import Producer
@@ -163,7 +163,7 @@ class Runner:
         consecutive records of one key together (`Handling.process_group`: a request's last chunk and
         its ending leave in one record batch). Not postguard: it writes the store before each record's
         outputs, and a long run of one stream's chunks would all wait for the last one's write."""
-        if not (self.stage.ordered and getattr(self.stage, "groups", False) and isinstance(self.stage, Resettable)):
+        if not takes_groups(self.stage):
             return [[record] for record in records]
         groups: list[list[ConsumerRecord[bytes, bytes]]] = []
         for record in records:

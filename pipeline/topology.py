@@ -29,6 +29,13 @@ STREAM_PART = ("postguard", "emit")  # the token stream on its way to the client
 # The stages a message may be handed to in memory by a stage of the same process (`runtime.handover`):
 # they keep no per-request state in memory and no order, so who calls them does not matter.
 HANDOVER = frozenset(REQUEST_PART[1:])
+# And emit, from the kinds that write a request's whole stream from one message: cache (a hit's replay)
+# and generate (a backend without the prefill/decode split). Nothing else of such a request reaches
+# llm.checked, so no order of emit's partition is at stake; a crash redoes the sender's record, as it
+# redoes any work handed over, and emit's stored progress keeps the client's copy whole. Not prefill and
+# decode: a split stream's first chunk comes from prefill and the rest from decode, often in two
+# processes, and one request's stream must reach one emit at a time.
+HANDOVER_FROM = {"emit": frozenset({"cache", GENERATE})}
 KINDS = REQUEST_PART + POOL_PART + (GENERATE,) + STREAM_PART
 REQUIRED = frozenset({"ingest", "route", "prefill", "decode", "emit"})
 

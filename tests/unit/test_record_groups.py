@@ -1,7 +1,8 @@
 """Consecutive records of one key, for an ordered stage that takes them together and can forget what it
 cached (emit), are handled together: a request's last chunk and its ending leave in one record batch
 instead of one produce request after the other (pipeline/runner.py `_groups`, pipeline/handling.py
-`process_group`). Anything unusual and the group is handled record by record, as without grouping."""
+`process_group`). Anything unusual and the group is handled record by record, as without grouping. A
+cache hit's replay handed to emit in the same process is taken the same way (`Handling.take_group`)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,17 @@ from pipeline.errors import InfraUnavailable
 from pipeline.handling import Handling
 from pipeline.runner import GROUP_MAX, Runner
 from pipeline.settings import Settings
+from pipeline.stage import Out
 from pipeline.stages.emit import EmitStage
+from pipeline.stages.generate import GenerateStage
 from pipeline.stages.postguard import PostguardStage
 from pipeline.state import MemoryStateStore
-from tests.unit.fakes import HeldAcks, Yields, record_of
+from pipeline.topology import Topics
+from tests.unit import helpers
+from tests.unit.fakes import HeldAcks, ScriptedBackend, Yields, record_of
 from tests.unit.helpers import SETTINGS, node
 from topics import codec
+from topics.hops import Admitted
 from topics.stream import Chunk, Done, FinishReason, StreamEvent, Usage
 
 REPLY = "llm.responses.sdk"
@@ -147,3 +153,88 @@ def test_only_consecutive_records_of_one_key_are_grouped_and_only_for_a_stage_th
 def test_a_group_has_at_most_group_max_records() -> None:
     records = [record(chunk(i), i) for i in range(GROUP_MAX + 3)]
     assert [len(g) for g in offsets(EmitStage(SETTINGS, node("emit").topics, MemoryStateStore()), records)] == [GROUP_MAX, 3]
+
+
+def hit_replay(chunks: int) -> list[Out]:
+    """A cache hit's replay as the cache yields it: its chunks, each held for the next, then its ending."""
+    outs = [Out("llm.checked", RID, chunk(seq), with_next=True) for seq in range(chunks)]
+    return [*outs, Out("llm.checked", RID, done(chunks))]
+
+
+def cache_handing_to(emit: EmitStage, producer: HeldAcks) -> Handling:
+    sender = Handling(Yields(hit_replay(2)), Settings(), producer)  # type: ignore[arg-type]
+    sender.takers = {"llm.checked": Handling(emit, Settings(), producer)}  # type: ignore[arg-type]
+    return sender
+
+
+@pytest.mark.asyncio
+async def test_a_hit_handed_to_emit_reaches_the_reply_topic_as_one_batch_and_never_llm_checked() -> None:
+    producer, store = HeldAcks(), MemoryStateStore()
+    sender = cache_handing_to(EmitStage(SETTINGS, node("emit").topics, store), producer)
+    task = asyncio.create_task(sender.process(record_of(helpers.admitted(helpers.request("r1")), "t.in"), None))
+    assert await acknowledged(task, producer) == "ok"
+    assert replies(producer) == [("batch", ["0", "1", "end"])]  # one produce request, to the reply topic only
+    assert len(producer.calls) == 2  # and the usage record: nothing went to llm.checked
+    stored = await store.read(RID + "#emit")
+    assert stored.get("terminal") == b"1" and stored.get("emitted") == b"2"
+
+
+@pytest.mark.asyncio
+async def test_a_failure_in_a_handed_over_hit_sends_it_message_by_message_with_one_ending() -> None:
+    producer, store = HeldAcks(), MemoryStateStore()
+    emit = Flaky(store)
+    sender = cache_handing_to(emit, producer)
+    task = asyncio.create_task(sender.process(record_of(helpers.admitted(helpers.request("r1")), "t.in"), None))
+    assert await acknowledged(task, producer) == "ok"
+    assert emit.resets == [RID]
+    assert replies(producer) == [("one", ["0"]), ("one", ["1"]), ("one", ["end"])]
+
+
+def test_emit_takes_from_the_cache_and_the_generate_stages_of_its_process_and_from_no_other() -> None:
+    from pipeline.serve import runners_for
+
+    class Named:
+        def __init__(self, name: str, inputs: str) -> None:
+            self.name, self.topics, self.ordered, self.input_type = name, Topics((inputs,), None, None), False, Admitted
+
+    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()] + [Named("generate.up", "llm.routed.up")]
+    handlings = {r.stage.name: r._handling for r in runners_for(stages, Settings(), HeldAcks(), "t")}  # type: ignore[arg-type]
+    for sender in ("cache", "generate.up"):  # a request's whole stream comes from their one message
+        assert handlings[sender].takers["llm.checked"].stage.name == "emit"  # type: ignore[union-attr]
+    others = [name for name in handlings if name not in ("cache", "generate.up")]
+    assert "postguard" in others and any(name.startswith("decode") for name in others)
+    for name in others:  # prefill's first chunk and decode's others may be in two processes: the broker orders them
+        assert "llm.checked" not in handlings[name].takers, name  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
+async def test_a_handed_over_hit_cancelled_midway_leaves_emit_nothing_cached_of_it() -> None:
+    producer, store = HeldAcks(), MemoryStateStore()
+    emit = Flaky(store)
+    emit.failed = True  # it does not fail: only its resets are counted
+    sender = cache_handing_to(emit, producer)
+    task = asyncio.create_task(sender.process(record_of(helpers.admitted(helpers.request("r1")), "t.in"), None))
+    await settle()
+    assert replies(producer) == [("batch", ["0", "1", "end"])] and not task.done()  # waiting for the broker
+    task.cancel()  # the sender's partition was taken away: its record is handled again, here or elsewhere
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert emit.resets == [RID]  # emit's own partitions were not revoked: the handover forgets for it
+
+
+@pytest.mark.asyncio
+async def test_a_generate_stage_hands_its_whole_stream_to_emit_which_answers_each_chunk_once() -> None:
+    producer, store = HeldAcks(), MemoryStateStore()
+    words = ["Hello", " there", ",", " friend", "."]
+    generate = GenerateStage(ScriptedBackend(words), Topics(("llm.routed.local",), None, "llm.checked"), store,
+                             name="generate.local", chunk_window_s=0.0)
+    sender = Handling(generate, Settings(), producer)  # type: ignore[arg-type]
+    sender.takers = {"llm.checked": Handling(EmitStage(SETTINGS, node("emit").topics, store), Settings(), producer)}  # type: ignore[arg-type]
+    message = helpers.routed(helpers.request("r1"))
+    assert await acknowledged(asyncio.create_task(sender.process(record_of(message, "llm.routed.local"), None)), producer) == "ok"
+    # Every chunk once and one ending, all on the reply topic: none was produced to llm.checked (no emit
+    # consumes it here), and the last chunk left with the ending.
+    assert [seq for _, seqs in replies(producer) for seq in seqs] == [str(i) for i in range(len(words))] + ["end"]
+    assert replies(producer)[-1] == ("batch", [str(len(words) - 1), "end"])
+    assert (await store.read(message.id)).get("finished") and (await store.read(message.id + "#emit")).get("terminal") == b"1"
+
