@@ -4,6 +4,8 @@
     .venv/bin/python -m bench.cache_latency --without-guards     # ingest, cache, route, prefill, decode, emit
     .venv/bin/python -m bench.cache_latency --no-handover        # every hop through the broker (runtime.handover off)
     .venv/bin/python -m bench.cache_latency --warmup-s 0         # no warm-up: measured just after the start
+    .venv/bin/python -m bench.cache_latency --client httpx       # the client the figures before session 29 used
+    .venv/bin/python -m bench.cache_latency --gaps-ms 0,10,50,200,0   # then exact hits with idle gaps between them
 
 Each round asks three questions one after another: a new one (a miss: the default model generates it),
 one asked before word for word (an exact hit) and a paraphrase of one asked before (a semantic hit).
@@ -12,12 +14,19 @@ under other contexts' keys: the search's cost depends on their number, not their
 semantic hit searches an index of that size. Then `--warmup-s` seconds of exact hits back to back (a
 broker just started is slower until its JIT has compiled its hot paths). Starts its own Kafka and Redis
 (ports 49292/46579).
+
+The client runs in the same process, one request at a time, so its own cost is in every figure. By
+default it is the lean keep-alive client of `bench/http_load.py`, which bench/throughput.py uses too;
+`--client httpx` (the figures up to session 28) spent about 1.4 ms more per exact hit on session 29's
+host, in httpx's request and response handling (0.9 ms from the client's send to the bridge's produce
+and 1.1 ms from the bridge's reader to the answer, against 1.7 and 1.7 ms with httpx).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import replace
@@ -25,6 +34,7 @@ from dataclasses import replace
 import httpx
 import numpy as np
 
+from bench.http_load import Pool
 from bench.services import own_services
 from bench.stats import row
 from pipeline import assemble, kafka
@@ -40,6 +50,7 @@ from pipeline.settings import Settings
 from topics import codec, registry
 from topics.cache import Entry
 
+PATH = "/v1/chat/completions"
 PAIRS = [  # (asked first, its paraphrase): a semantic hit at the default threshold
     ("How do I reset my password?", "How can I reset my password?"),
     ("What is the capital of France?", "What's the capital of France?"),
@@ -70,16 +81,33 @@ async def fill(settings: Settings, tenant: str, model: str, n: int) -> None:
         await producer.stop()
 
 
-async def ask(http: httpx.AsyncClient, model: str, text: str) -> tuple[float, str]:
+async def ask(http: httpx.AsyncClient | Pool, model: str, text: str) -> tuple[float, str]:
+    """One question through the bridge: (milliseconds to the whole answer, its x-sluice-cache header)."""
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 16}
+    if isinstance(http, Pool):
+        payload = json.dumps(body).encode()
+        t = time.perf_counter()
+        status, head, answer = await http.exchange(PATH, payload)
+        ms = (time.perf_counter() - t) * 1000
+        if status != 200:
+            raise RuntimeError(f"the bridge answered {status}: {answer[:200]!r}")
+        return ms, header(head, b"x-sluice-cache")
     t = time.perf_counter()
-    response = await http.post("/v1/chat/completions", json=body)
+    response = await http.post(PATH, json=body)
     ms = (time.perf_counter() - t) * 1000
     response.raise_for_status()
     return ms, response.headers["x-sluice-cache"]
 
 
-async def warm_up(http: httpx.AsyncClient, model: str, seconds: float) -> int:
+def header(head: bytes, name: bytes) -> str:
+    for line in head.split(b"\r\n")[1:]:
+        field, _, value = line.partition(b":")
+        if field.strip().lower() == name:
+            return value.strip().decode()
+    raise RuntimeError(f"the answer has no {name.decode()} header")
+
+
+async def warm_up(http: httpx.AsyncClient | Pool, model: str, seconds: float) -> int:
     """Exact hits back to back for `seconds`. Just after the start every hop is slower than it will be
     (probably mostly the broker: a JVM compiles its hot paths during its first minute of traffic, which
     session 9 measured for bench/throughput.py; not split here): an exact hit's p50 was 17 ms cold and
@@ -116,28 +144,54 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
                         break
                 except httpx.ConnectError:
                     await asyncio.sleep(0.1)
+            client = http if args.client == "httpx" else Pool("127.0.0.1", settings.bridge.port)
             for first, _ in PAIRS:  # stored once, before the rounds
-                await ask(http, model, first)
+                await ask(client, model, first)
             await asyncio.sleep(1.0)
-            warm = await warm_up(http, model, args.warmup_s)
+            warm = await warm_up(client, model, args.warmup_s)
             for i in range(args.rounds):
                 first, paraphrase = PAIRS[i % len(PAIRS)]
                 for text, expected in ((f"Write one word about the number {uuid.uuid4().int % 10**9}.", "miss"),
                                        (first, "hit-exact"), (paraphrase, "hit-semantic")):
-                    ms, tier = await ask(http, model, text)
+                    ms, tier = await ask(client, model, text)
                     (results[tier] if tier == expected else wrong).append(ms if tier == expected else f"{expected}->{tier}")  # type: ignore[arg-type]
+            spaced = await exact_hits_spaced(client, model, args.gaps_ms, args.gap_seconds) if args.gaps_ms else {}
+            if isinstance(client, Pool):
+                client.close()
         stop.set()
         await serving
     await asyncio.gather(*tasks)
     await producer.stop()
     print(f"\nprofile={settings.profile} entries in the tenant's index={len(cache.index)} rounds={args.rounds}"  # type: ignore[attr-defined]
-          f" warm-up={args.warmup_s:g} s ({warm} exact hits)\n")
+          f" warm-up={args.warmup_s:g} s ({warm} exact hits) client={args.client}\n")
     print("| request (through the bridge, non-streamed) | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")
     for name, values in results.items():
         if values:
             print(row(name, values))
     if wrong:
         print(f"\nnot served as expected: {len(wrong)} ({', '.join(sorted(set(map(str, wrong))))})")
+    if spaced:
+        print(f"\nexact hits only, {args.gap_seconds:g} s per gap, in the order given\n")
+        print("| idle gap before each hit | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")
+        for name, values in spaced.items():
+            print(row(name, values))
+
+
+async def exact_hits_spaced(client: httpx.AsyncClient | Pool, model: str, gaps_ms: list[float], seconds: float) -> dict[str, list[float]]:
+    """Exact hits one after another with `gap` ms of idle time before each, `seconds` per gap: how an
+    exact hit's latency depends on how busy the pipeline is (back to back, every process and the broker
+    stay awake; after an idle gap each hop starts from sleeping threads). Keyed "<gap> ms (#k)"."""
+    out: dict[str, list[float]] = {}
+    for k, gap in enumerate(gaps_ms):
+        latencies, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            await asyncio.sleep(gap / 1000)
+            ms, tier = await ask(client, model, PAIRS[0][0])
+            if tier != "hit-exact":
+                raise RuntimeError(f"an exact repeat was served as {tier}")
+            latencies.append(ms)
+        out[f"{gap:g} ms (#{k + 1})"] = latencies
+    return out
 
 
 def main() -> None:
@@ -147,6 +201,10 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=20.0, help="exact hits back to back before the rounds (0: a cold broker)")
     parser.add_argument("--without-guards", action="store_true")
     parser.add_argument("--no-handover", action="store_true", help="every hop through the broker (runtime.handover off)")
+    parser.add_argument("--client", choices=("lean", "httpx"), default="lean", help="the HTTP client that asks (see above)")
+    parser.add_argument("--gaps-ms", type=lambda v: [float(g) for g in v.split(",")], default=[],
+                        help="after the rounds, exact hits with this idle time before each, e.g. 0,10,50,200,0")
+    parser.add_argument("--gap-seconds", type=float, default=8.0, help="how long each gap of --gaps-ms runs")
     args = parser.parse_args()
     with own_services("bench-cache", 49292, 46579) as env:
         settings = settings_module.load(env={**env, "SLUICE_BRIDGE_PORT": "48480"})

@@ -32,6 +32,11 @@ class Pool:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        status, _, payload = await self.exchange(path, body)
+        return status, payload
+
+    async def exchange(self, path: str, body: bytes) -> tuple[int, bytes, bytes]:
+        """One POST: (status, the response's head as sent, its body)."""
         reused = False
         while self._idle and not reused:
             reader, writer = self._idle.pop()
@@ -50,7 +55,7 @@ class Pool:
                 # A kept-alive connection the server closed (idle past its timeout) as this request was
                 # written: it read nothing of it, so it is sent once more, on a new connection.
                 writer.close()
-                return await self.post(path, body)
+                return await self.exchange(path, body)
             status = int(head[9:12])
             lower = head.lower()
             if b"transfer-encoding: chunked" in lower:
@@ -66,7 +71,7 @@ class Pool:
             writer.close()
         else:
             self._idle.append((reader, writer))
-        return status, payload
+        return status, head, payload
 
     def close(self) -> None:
         for _, writer in self._idle:
