@@ -147,15 +147,17 @@ async def _script(service: str, state: Path, port: int, timeout_s: float) -> Non
 # --- the config file ------------------------------------------------------------------------------
 
 
-def write_config(path: Path, services: Services, token_delay_ms: float, stages: tuple[str, ...]) -> Path:
-    """The repository's sluice.toml with the instant backend, 4 partitions and `stages` as its profile."""
+def write_config(path: Path, services: Services, token_delay_ms: float, stages: tuple[str, ...], split: bool = True) -> Path:
+    """The repository's sluice.toml with the instant backend (with `split`, prefill and decode; else one
+    generate stage), 4 partitions and `stages` as its profile."""
     with (ROOT / "sluice.toml").open("rb") as f:
         raw: dict[str, Any] = tomllib.load(f)
     raw["profile"] = "chaos"
     raw["profiles"] = {**raw.get("profiles", {}), "chaos": list(stages)}
     raw["kafka"] = {**raw.get("kafka", {}), "bootstrap": services.bootstrap, "partitions": 4}
     raw["redis"] = {**raw.get("redis", {}), "url": services.redis_url}
-    raw["backends"] = [{"name": "instant", "kind": "instant", "model": "instant", "pool": "instant", "token_delay_ms": token_delay_ms}]
+    raw["backends"] = [{"name": "instant", "kind": "instant", "model": "instant", "pool": "instant", "token_delay_ms": token_delay_ms,
+                        "split": split}]
     raw["runtime"] = {**raw.get("runtime", {}), "torch_threads": 1}
     # Where guards must run (a tree without profiles), they pass everything: the prompts are not under test.
     raw["guard"] = {**raw.get("guard", {}), "injection_threshold": 1.0}

@@ -29,6 +29,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pipeline import assemble
 from pipeline import settings as settings_module
 from pipeline.sdk import Client
 from pipeline.settings import Settings
@@ -36,7 +37,7 @@ from tests.chaos import harness
 from tests.chaos.checker import FaultEvent, ScenarioReport, Topics, check, markdown, read_topics
 from tests.chaos.clients import ClientResult, NoAnswer, probe, run_load, stop_quietly
 from tests.chaos.harness import Services
-from tests.chaos.scenarios import PROFILES, Fault, Profile, Scenario
+from tests.chaos.scenarios import PROFILES, WHOLE, Fault, Profile, Scenario
 from tests.chaos.supervisor import Supervisor
 
 JOIN_S = 90.0  # for every worker to join its group before a scenario
@@ -121,13 +122,15 @@ async def _run_profile(profile: Profile, seed: int, ports: harness.Ports, state:
         with tempfile.TemporaryDirectory(prefix="sluice-chaos-") as tmp:
             say(f"profile {profile.name}: starting Kafka and Redis on {ports.kafka}, {ports.redis} (state in {state})")
             await services.start()
-            config = harness.write_config(Path(tmp) / "sluice.toml", services, profile.token_delay_ms, profile.stages)
+            config = harness.write_config(Path(tmp) / "sluice.toml", services, profile.token_delay_ms, profile.stages, profile.split)
             env = harness.worker_env(config, services)
             settings = settings_module.load(config, env)
             stages = harness.profile_stages(settings)
             await harness.create_topics(env)
             faulted = {fault.stage for scenario in profile.scenarios for fault in scenario.faults}
             wanted = {s: profile.workers_per_stage if s in faulted else HEAVY.get(s, profile.workers_per_stage) for s in stages}
+            if profile.whole:
+                wanted = {WHOLE: profile.workers_per_stage}
             supervisor = Supervisor(env, state / "logs", wanted, random.Random(seed))
             supervisor.start()
             say(f"started {sum(wanted.values())} workers: {wanted}; waiting for a first answer")
@@ -177,7 +180,7 @@ async def _run_scenario(
     since, wall_since = time.monotonic(), time.time()
     try:
         await supervisor.wait_all_up(60)
-        await _wait_joined(supervisor, services.bootstrap, JOIN_S)
+        await _wait_joined(supervisor, services.bootstrap, JOIN_S, _kinds(settings))
     except TimeoutError as exc:  # workers crash as fast as they are restarted, or never join their group
         raise NoAnswer(str(exc)) from None
     async with _client(settings) as client:
@@ -194,14 +197,23 @@ async def _run_scenario(
     return _Run(scenario, results, faults, (since, time.monotonic(), wall_since, time.time()))
 
 
-async def _wait_joined(supervisor: Supervisor, bootstrap: str, timeout_s: float) -> None:
-    """Until every live worker is a member of its stage's consumer group: a restarted guard loads its
-    models for 10-15 s before it joins, and a fault aimed at it meanwhile would hit no partition."""
+def _kinds(settings: Settings) -> tuple[str, ...]:
+    """The stage kinds the deployment runs (generate where the pool does not split)."""
+    return tuple(dict.fromkeys(node.kind for node in assemble.nodes_of(settings)))
+
+
+async def _wait_joined(supervisor: Supervisor, bootstrap: str, timeout_s: float, kinds: tuple[str, ...]) -> None:
+    """Until every live worker is a member of its stage's consumer group (a worker of every stage,
+    `WHOLE`: of every one of `kinds`): a restarted guard loads its models for 10-15 s before it joins,
+    and a fault aimed at it meanwhile would hit no partition."""
     deadline = time.monotonic() + timeout_s
     while True:
         live = supervisor.live_pids()
-        members = await harness.joined(bootstrap, live)
-        waiting = {stage: pids - members.get(stage, set()) for stage, pids in live.items()}
+        members = await harness.joined(bootstrap, {k for stage in live for k in (kinds if stage == WHOLE else (stage,))})
+        waiting = {
+            stage: {pid for pid in pids if any(pid not in members.get(k, set()) for k in (kinds if stage == WHOLE else (stage,)))}
+            for stage, pids in live.items()
+        }
         if not any(waiting.values()):
             return
         if time.monotonic() > deadline:

@@ -17,6 +17,10 @@ from a `RequestSpec` (its length and deadline); request j of a scenario uses spe
             broker outage under long streams, a Redis restart, a decode worker added then removed
     full-guarded  the full profile's plan with both guards in the path (the default `make run` profile's
             stages, one worker per guard), in `make chaos`
+    processes  two processes that each run every stage (`sluice worker`, as `sluice run` does), so the
+            stages of a process hand their messages over in memory (route from ingest, emit from a
+            generate stage: the instant backend without the prefill/decode split); whole processes
+            SIGKILLed, one SIGSTOPped past the session timeout with a Redis restart, a broker restart
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ BARE = ("ingest", "route", "prefill", "decode", "emit")  # the profile without g
 OUTPUT_GUARDED = ("ingest", "route", "prefill", "decode", "postguard", "emit")
 INPUT_GUARDED = ("ingest", "guard", "route", "prefill", "decode", "emit")
 GUARDED = ("ingest", "guard", "route", "prefill", "decode", "postguard", "emit")  # both guards, as `make run` has
+WHOLE = "all"  # the worker of a profile whose processes each run every stage (`Profile.whole`)
 PAUSE_S = 8.0  # SIGSTOP this long: past the consumer session timeout (3 s)
 OUTAGE_S = 60.0
 
@@ -66,6 +71,8 @@ class Profile:
     scenarios: tuple[Scenario, ...]  # the first is the fault-free reference
     workers_per_stage: int = 2
     stages: tuple[str, ...] = BARE  # the profile row the workers run
+    whole: bool = False  # each worker runs every stage in one process (faults name `WHOLE`), as `sluice run`
+    split: bool = True  # the instant backend splits prefill from decode; False: one generate stage per request
 
     def family(self, name: str) -> tuple[RequestSpec, ...]:
         return {"normal": self.normal, "long": self.long, "all": self.normal + self.long}[name]
@@ -137,7 +144,23 @@ def _full() -> Profile:
     )
 
 
+def _processes() -> Profile:
+    """Whole processes faulted: a kill takes every stage of one of the two down at once (and whatever
+    its stages had handed over in memory), 6 s apart so the survivor serves alone meanwhile."""
+    kills = tuple(Fault(2.0 + 6.0 * i, "kill", WHOLE) for i in range(5))
+    scenarios = (
+        Scenario("reference", 60),
+        Scenario("kill-processes", 120, kills),
+        Scenario("pause-process+redis", 60, (Fault(2.0, "pause", WHOLE, PAUSE_S), Fault(7.0, "redis_restart"))),
+        Scenario("broker-restart", 60, (Fault(4.0, "broker_restart"),)),
+    )
+    return Profile(
+        name="processes", token_delay_ms=40, normal=_normal(60, 30, 45, deadline_s=60), long=(), scenarios=scenarios,
+        whole=True, split=False,
+    )
+
+
 PROFILES: dict[str, Profile] = {
     "short": _short(), "output-guard": _output_guard(), "input-guard": _input_guard(), "full": _full(),
-    "full-guarded": replace(_full(), name="full-guarded", stages=GUARDED),
+    "full-guarded": replace(_full(), name="full-guarded", stages=GUARDED), "processes": _processes(),
 }

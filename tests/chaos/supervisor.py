@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from tests.chaos.harness import PYTHON, ROOT
+from tests.chaos.scenarios import WHOLE
 
 RESTART_DELAY_S = 1.0  # as `sluice run`'s supervisor will
 
@@ -146,8 +147,8 @@ class Supervisor:
         index = sum(1 for r in self.runs if r.stage == stage)
         log = self.logs / f"{stage}-{index}.log"
         log_file = log.open("ab")
-        process = subprocess.Popen(
-            [str(PYTHON), "-m", "pipeline.cli", "worker", stage],
+        process = subprocess.Popen(  # `worker` alone runs every stage of the profile (scenarios.WHOLE)
+            [str(PYTHON), "-m", "pipeline.cli", "worker", *([] if stage == WHOLE else [stage])],
             cwd=ROOT, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         slot = _Slot(WorkerRun(process.pid, stage, time.monotonic(), log), process, log_file)

@@ -1,5 +1,5 @@
-"""The chaos profiles as tests: `short`, `output-guard` and `input-guard` run in `make test` (about 2-3
-minutes each), `full` and `full-guarded` under `make chaos`."""
+"""The chaos profiles as tests: `short`, `output-guard`, `input-guard` and `processes` run in `make test`
+(about 2-3 minutes each), `full` and `full-guarded` under `make chaos`."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ def test_output_guard_profile() -> None:
 
 def test_input_guard_profile() -> None:
     _run("input-guard")
+
+
+def test_processes_profile() -> None:
+    _run("processes")
 
 
 @pytest.mark.chaos
