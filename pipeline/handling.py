@@ -17,9 +17,10 @@ is not produced; that stage's handling takes it in hand at once (`Handling.take`
 errors, retries, span and metrics. The topic stays the contract (anything produced to it is still
 consumed); only the broker round trip is saved. The sender's record is committed after the whole
 chain has sent its outputs, so a crash redoes the chain from the sender's record (every stage of the
-request part is idempotent under redelivery already, as at-least-once delivery requires). Emit takes a
-cache hit's replay from the cache of its process the same way, all of it at once (`take_group`), so
-the replay reaches the reply topic as one record batch without crossing `llm.checked` first.
+request part is idempotent under redelivery already, as at-least-once delivery requires). Emit takes
+what the cache and a generate stage of its process send it the same way (`topology.HANDOVER_FROM`: a
+hit's replay, the stream of a backend without the prefill/decode split), a run of messages held for one
+another at once (`take_group`), so they still reach the reply topic as one record batch.
 """
 
 from __future__ import annotations
@@ -172,9 +173,10 @@ class Handling:
         return _acknowledged()
 
     async def take_group(self, outs: list[Out]) -> asyncio.Future[Any]:
-        """Consecutive messages of one request handed over together (a cache hit's replay, to emit):
-        handled as `process_group` handles a group of records, so their outputs leave as one record
-        batch; if anything goes differently, one by one through `take`. Returns a done acknowledgement."""
+        """Consecutive messages of one request handed over together (to emit: a hit's replay, an
+        answer's last chunk and its ending): handled as `process_group` handles a group of records, so
+        their outputs leave as one record batch; if anything goes differently, one by one through
+        `take`. Returns an acknowledgement that is already done."""
         started = time.perf_counter()
         spans = [functools.partial(tracing.handover_span, out.topic, self.stage.name) for out in outs]
         try:
@@ -301,8 +303,8 @@ class Handling:
 
     async def _send_together(self, outs: list[Out]) -> asyncio.Future[Any] | None:
         """One record batch for `outs` when they share a topic and key and fit, or one `take_group` when
-        the topic is handed over to a stage that takes groups (a cache hit's replay to emit); None, with
-        nothing sent, otherwise (they are sent one by one)."""
+        the topic is handed over to a stage that takes groups (emit); None, with nothing sent, otherwise
+        (they are sent one by one)."""
         first = outs[0]
         if any(o.topic != first.topic or o.key != first.key for o in outs):
             return None

@@ -1,8 +1,9 @@
 """Consecutive records of one key, for an ordered stage that takes them together and can forget what it
 cached (emit), are handled together: a request's last chunk and its ending leave in one record batch
 instead of one produce request after the other (pipeline/runner.py `_groups`, pipeline/handling.py
-`process_group`). Anything unusual and the group is handled record by record, as without grouping. A
-cache hit's replay handed to emit in the same process is taken the same way (`Handling.take_group`)."""
+`process_group`). Anything unusual and the group is handled record by record, as without grouping. What
+the cache or a generate stage hands to emit in the same process (a hit's replay, an answer's last chunk
+and its ending) is taken the same way (`Handling.take_group`)."""
 
 from __future__ import annotations
 
