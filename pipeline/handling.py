@@ -139,8 +139,7 @@ class Handling:
             address = address_of(messages[0])
             log.info("stage=%s request=%s handled again message by message (%s: %s)", self.stage.name,
                      address and address.request_id, type(exc).__name__, _reason(exc))
-            if isinstance(self.stage, Resettable) and address is not None:
-                await self.stage.reset(address.request_id)
+            await self._forget(messages[0])
             if isinstance(exc, INFRA):  # as the one-by-one path waits before it tries a message again
                 await asyncio.sleep(FIRST_BACKOFF_S)
             return False
@@ -193,9 +192,10 @@ class Handling:
         return _acknowledged()
 
     async def _forget(self, message: Any) -> None:
-        """A handover cancelled midway (the sender's partition was taken away) leaves no trace in what a
-        stage that keeps state (emit) cached of the request: its own partitions were not revoked, so the
-        runner would not reset it, and the sender's record is handled again, here or elsewhere."""
+        """A stage that keeps state (emit) forgets what it cached of the message's request: before a group
+        is handled again message by message, and when a handover is cancelled midway (the sender's
+        partition was taken away: emit's own partitions were not revoked, so the runner would not reset
+        it, and the sender's record is handled again, here or elsewhere)."""
         address = address_of(message)
         if isinstance(self.stage, Resettable) and address is not None:
             await self.stage.reset(address.request_id)

@@ -206,14 +206,14 @@ async def _wait_joined(supervisor: Supervisor, bootstrap: str, timeout_s: float,
     """Until every live worker is a member of its stage's consumer group (a worker of every stage,
     `WHOLE`: of every one of `kinds`): a restarted guard loads its models for 10-15 s before it joins,
     and a fault aimed at it meanwhile would hit no partition."""
+    def groups(stage: str) -> tuple[str, ...]:
+        return kinds if stage == WHOLE else (stage,)
+
     deadline = time.monotonic() + timeout_s
     while True:
         live = supervisor.live_pids()
-        members = await harness.joined(bootstrap, {k for stage in live for k in (kinds if stage == WHOLE else (stage,))})
-        waiting = {
-            stage: {pid for pid in pids if any(pid not in members.get(k, set()) for k in (kinds if stage == WHOLE else (stage,)))}
-            for stage, pids in live.items()
-        }
+        members = await harness.joined(bootstrap, {k for stage in live for k in groups(stage)})
+        waiting = {stage: {p for p in pids if any(p not in members.get(k, set()) for k in groups(stage))} for stage, pids in live.items()}
         if not any(waiting.values()):
             return
         if time.monotonic() > deadline:

@@ -61,6 +61,13 @@ class Forward:
             admitted_at=message.admitted_at, timings={**message.timings, self.name: 1.0}))
 
 
+class Named:
+    """A stage that is only its name and input topic: enough for `runners_for` to wire handovers."""
+
+    def __init__(self, name: str, inputs: str) -> None:
+        self.name, self.topics, self.ordered, self.input_type = name, Topics((inputs,), None, None), False, Admitted
+
+
 def chain(fail: Exception | None = None) -> tuple[FakeProducer, Forward, Forward, Handling]:
     producer = FakeProducer()
     first = Forward("first", Topics(("t.a",), "t.b", STREAM))
@@ -118,10 +125,6 @@ async def test_a_bug_in_the_taker_is_dead_lettered_with_the_handed_over_payload(
 async def test_the_default_wiring_hands_over_to_guard_cache_and_route_only() -> None:
     from pipeline.serve import runners_for
 
-    class Named:
-        def __init__(self, name: str, inputs: str) -> None:
-            self.name, self.topics, self.ordered, self.input_type = name, Topics((inputs,), None, None), False, Admitted
-
     stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()]
     runners = runners_for(stages, Settings(), FakeProducer(), "t")  # type: ignore[arg-type]
     takers = runners[0]._handling.takers  # type: ignore[union-attr]
@@ -133,15 +136,15 @@ async def test_the_default_wiring_hands_over_to_guard_cache_and_route_only() -> 
 async def test_a_taker_closes_its_connections_only_after_the_runners_that_hand_it_work_drained() -> None:
     from pipeline.serve import runners_for
 
-    class Named:
+    class Closing(Named):
         def __init__(self, name: str, inputs: str) -> None:
-            self.name, self.topics, self.ordered, self.input_type = name, Topics((inputs,), None, None), False, Admitted
+            super().__init__(name, inputs)
             self.closed = False
 
         async def aclose(self) -> None:  # a Closable stage: its Redis clients
             self.closed = True
 
-    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()]
+    stages = [Closing(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()]
     runners = {r.stage.name: r for r in runners_for(stages, Settings(), FakeProducer(), "t")}  # type: ignore[arg-type]
     cache = runners["cache"]
     closing = asyncio.create_task(cache._close_stage())
@@ -154,3 +157,16 @@ async def test_a_taker_closes_its_connections_only_after_the_runners_that_hand_i
     await asyncio.wait_for(closing, 1.0)
     assert cache.stage.closed  # type: ignore[attr-defined]
     assert runners["ingest"].close_after == ()  # a sender only, never a taker: closes as soon as it drained
+
+
+def test_emit_takes_from_the_cache_and_the_generate_stages_of_its_process_and_from_no_other() -> None:
+    from pipeline.serve import runners_for
+
+    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()] + [Named("generate.up", "llm.routed.up")]
+    handlings = {r.stage.name: r._handling for r in runners_for(stages, Settings(), FakeProducer(), "t")}  # type: ignore[arg-type]
+    for sender in ("cache", "generate.up"):  # a request's whole stream comes from their one message
+        assert handlings[sender].takers["llm.checked"].stage.name == "emit"  # type: ignore[union-attr]
+    others = [name for name in handlings if name not in ("cache", "generate.up")]
+    assert "postguard" in others and any(name.startswith("decode") for name in others)
+    for name in others:  # prefill's first chunk and decode's others may be in two processes: the broker orders them
+        assert "llm.checked" not in handlings[name].takers, name  # type: ignore[union-attr]

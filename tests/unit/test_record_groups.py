@@ -27,7 +27,6 @@ from tests.unit import helpers
 from tests.unit.fakes import HeldAcks, ScriptedBackend, Yields, record_of
 from tests.unit.helpers import SETTINGS, node
 from topics import codec
-from topics.hops import Admitted
 from topics.stream import Chunk, Done, FinishReason, StreamEvent, Usage
 
 REPLY = "llm.responses.sdk"
@@ -189,23 +188,6 @@ async def test_a_failure_in_a_handed_over_hit_sends_it_message_by_message_with_o
     assert await acknowledged(task, producer) == "ok"
     assert emit.resets == [RID]
     assert replies(producer) == [("one", ["0"]), ("one", ["1"]), ("one", ["end"])]
-
-
-def test_emit_takes_from_the_cache_and_the_generate_stages_of_its_process_and_from_no_other() -> None:
-    from pipeline.serve import runners_for
-
-    class Named:
-        def __init__(self, name: str, inputs: str) -> None:
-            self.name, self.topics, self.ordered, self.input_type = name, Topics((inputs,), None, None), False, Admitted
-
-    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()] + [Named("generate.up", "llm.routed.up")]
-    handlings = {r.stage.name: r._handling for r in runners_for(stages, Settings(), HeldAcks(), "t")}  # type: ignore[arg-type]
-    for sender in ("cache", "generate.up"):  # a request's whole stream comes from their one message
-        assert handlings[sender].takers["llm.checked"].stage.name == "emit"  # type: ignore[union-attr]
-    others = [name for name in handlings if name not in ("cache", "generate.up")]
-    assert "postguard" in others and any(name.startswith("decode") for name in others)
-    for name in others:  # prefill's first chunk and decode's others may be in two processes: the broker orders them
-        assert "llm.checked" not in handlings[name].takers, name  # type: ignore[union-attr]
 
 
 @pytest.mark.asyncio
