@@ -76,23 +76,27 @@ def settle_gc(settings: Settings) -> None:
 
 def runners_for(stages: list[Stage], settings: Settings, producer: Producer, instance: str) -> list[Runner]:
     """A runner per stage, sharing `producer`; with `runtime.handover`, the request-part stages after
-    ingest (guard, cache, route) take their input from the stages of this process in memory, and emit
-    takes what the cache and the generate stages of this process send it (`topology.HANDOVER_FROM`)."""
+    ingest (guard, cache, route) take their input from the stages of this process in memory, and so do
+    emit from the cache and generate stages and generate from route (`topology.HANDOVER_FROM`)."""
     handlings = {stage.name: Handling(stage, settings, producer) for stage in stages}
     if settings.runtime.handover:
         takers = {stage.topics.inputs[0]: handlings[stage.name] for stage in stages if stage.name in HANDOVER}
         for name, handling in handlings.items():
-            kind = name.split(".")[0]  # generate.<pool>
             handling.takers = takers | {
-                handlings[taker].stage.topics.inputs[0]: handlings[taker]
-                for taker, senders in HANDOVER_FROM.items() if taker in handlings and kind in senders
+                taker.stage.topics.inputs[0]: taker for taker in handlings.values()
+                if _kind(name) in HANDOVER_FROM.get(_kind(taker.stage.name), ())
             }
     runners = [Runner(stage, settings, instance=instance, producer=producer, handling=handlings[stage.name]) for stage in stages]
     if settings.runtime.handover:  # a taker closes its connections after every runner that may hand it work
         for runner in runners:
-            if runner.stage.name in HANDOVER or runner.stage.name in HANDOVER_FROM:
+            if runner.stage.name in HANDOVER or _kind(runner.stage.name) in HANDOVER_FROM:
                 runner.close_after = tuple(other.drained for other in runners if other is not runner)
     return runners
+
+
+def _kind(name: str) -> str:
+    """A stage's kind: its name without the pool (`generate.<pool>`)."""
+    return name.split(".")[0]
 
 
 def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -29,13 +29,19 @@ STREAM_PART = ("postguard", "emit")  # the token stream on its way to the client
 # The stages a message may be handed to in memory by a stage of the same process (`runtime.handover`):
 # they keep no per-request state in memory and no order, so who calls them does not matter.
 HANDOVER = frozenset(REQUEST_PART[1:])
-# And emit, from the kinds that write a request's whole stream from one message: cache (a hit's replay)
-# and generate (a backend without the prefill/decode split). Nothing else of such a request reaches
-# llm.checked, so no order of emit's partition is at stake; a crash redoes the sender's record, as it
-# redoes any work handed over, and emit's stored progress keeps the client's copy whole. Not prefill and
-# decode: a split stream's first chunk comes from prefill and the rest from decode, often in two
-# processes, and one request's stream must reach one emit at a time.
-HANDOVER_FROM = {"emit": frozenset({"cache", GENERATE})}
+# And by kind of taker, from the kinds named only:
+# - emit, from the kinds that write a request's whole stream from one message: cache (a hit's replay)
+#   and generate (a backend without the prefill/decode split). Nothing else of such a request reaches
+#   llm.checked, so no order of emit's partition is at stake; a crash redoes the sender's record, as it
+#   redoes any work handed over, and emit's stored progress keeps the client's copy whole. Not prefill
+#   and decode: a split stream's first chunk comes from prefill and the rest from decode, often in two
+#   processes, and one request's stream must reach one emit at a time.
+# - generate, from route: it keeps no order, and what it keeps of a request is under the request's own
+#   id and its ownership in the store, as when its topic delivers the message. A crash or a revocation
+#   redoes the chain from ingest's record, and the generate stage that meets the request then takes it
+#   over as it takes over any redelivered message (resume, or its recorded ending sent again).
+#   Not prefill: the split pools' prefill hands its work to decode through the broker anyway.
+HANDOVER_FROM = {"emit": frozenset({"cache", GENERATE}), GENERATE: frozenset({"route"})}
 KINDS = REQUEST_PART + POOL_PART + (GENERATE,) + STREAM_PART
 REQUIRED = frozenset({"ingest", "route", "prefill", "decode", "emit"})
 

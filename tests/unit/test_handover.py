@@ -170,3 +170,18 @@ def test_emit_takes_from_the_cache_and_the_generate_stages_of_its_process_and_fr
     assert "postguard" in others and any(name.startswith("decode") for name in others)
     for name in others:  # prefill's first chunk and decode's others may be in two processes: the broker orders them
         assert "llm.checked" not in handlings[name].takers, name  # type: ignore[union-attr]
+
+
+def test_generate_takes_from_route_of_its_process_and_prefill_from_nobody() -> None:
+    from pipeline.serve import runners_for
+
+    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()] + [Named("generate.up", "llm.routed.up")]
+    handlings = {r.stage.name: r._handling for r in runners_for(stages, Settings(), FakeProducer(), "t")}  # type: ignore[arg-type]
+    assert handlings["route"].takers["llm.routed.up"].stage.name == "generate.up"  # type: ignore[union-attr]
+    split = [name for name in handlings if name.startswith("prefill")]
+    assert split, "the default nodes have a split pool"
+    for name in split:  # prefill's work goes on to decode through the broker: no gain in taking it in memory
+        assert handlings["route"].takers.get(handlings[name].stage.topics.inputs[0]) is None  # type: ignore[union-attr]
+    for name in handlings:  # from route only
+        if name != "route":
+            assert "llm.routed.up" not in handlings[name].takers, name  # type: ignore[union-attr]

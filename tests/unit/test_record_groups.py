@@ -21,6 +21,7 @@ from pipeline.stage import Out
 from pipeline.stages.emit import EmitStage
 from pipeline.stages.generate import GenerateStage
 from pipeline.stages.postguard import PostguardStage
+from pipeline.stages.route import RouteStage
 from pipeline.state import MemoryStateStore
 from pipeline.topology import Topics
 from tests.unit import helpers
@@ -221,3 +222,47 @@ async def test_a_generate_stage_hands_its_whole_stream_to_emit_which_answers_eac
     assert replies(producer)[-1] == ("batch", [str(len(words) - 1), "end"])
     assert (await store.read(message.id)).get("finished") and (await store.read(message.id + "#emit")).get("terminal") == b"1"
 
+
+
+def route_generate_emit(producer: HeldAcks, store: MemoryStateStore, backend: ScriptedBackend) -> Handling:
+    """route, generate and emit of one process, wired as `pipeline.serve` wires them: route's handling."""
+    generate = GenerateStage(backend, Topics(("llm.routed.local",), None, "llm.checked"), store,
+                             name="generate.local", chunk_window_s=0.0)
+    to_generate = Handling(generate, Settings(), producer)  # type: ignore[arg-type]
+    to_generate.takers = {"llm.checked": Handling(EmitStage(SETTINGS, node("emit").topics, store), Settings(), producer)}  # type: ignore[arg-type]
+    route = Handling(RouteStage(SETTINGS, node("route").topics), Settings(), producer)  # type: ignore[arg-type]
+    route.takers = {"llm.routed.local": to_generate}
+    return route
+
+
+@pytest.mark.asyncio
+async def test_route_hands_a_request_to_generate_whose_stream_reaches_only_the_reply_topic() -> None:
+    producer, store = HeldAcks(), MemoryStateStore()
+    words = ["Hello", " there", "."]
+    route = route_generate_emit(producer, store, ScriptedBackend(words))
+    message = helpers.admitted(helpers.request("r1"))
+    assert await acknowledged(asyncio.create_task(route.process(record_of(message, "llm.guarded"), None)), producer) == "ok"
+    assert [seq for _, seqs in replies(producer) for seq in seqs] == ["0", "1", "2", "end"]
+    assert len(producer.calls) == len(replies(producer)) + 1  # and the usage record: no llm.routed, no llm.checked
+    assert (await store.read(message.id + "#emit")).get("terminal") == b"1"
+
+
+@pytest.mark.asyncio
+async def test_a_route_handover_cancelled_midway_is_finished_once_by_the_redelivered_record() -> None:
+    producer, store = HeldAcks(), MemoryStateStore()
+    words = [f" w{i}" for i in range(8)]  # the request's max_tokens
+    message = helpers.admitted(helpers.request("r1"))
+    first = asyncio.create_task(route_generate_emit(producer, store, ScriptedBackend(words, step_s=0.01))
+                                .process(record_of(message, "llm.guarded"), None))
+    while len(replies(producer)) < 4:  # the stream is under way, its chunks acknowledged as they come
+        producer.release()
+        await asyncio.sleep(0.005)
+    first.cancel()  # ingest's partition was taken away: the chain is redone from its record
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    # Redelivered, here a new process's chain (its own generate worker), over the same store.
+    again = asyncio.create_task(route_generate_emit(producer, store, ScriptedBackend(words)).process(record_of(message, "llm.guarded"), None))
+    assert await acknowledged(again, producer) == "ok"
+    sent = [seq for _, seqs in replies(producer) for seq in seqs]
+    assert list(dict.fromkeys(sent)) == [str(i) for i in range(len(words))] + ["end"]  # each chunk, in order
+    assert sent.count("end") == 1, sent  # a chunk in flight at the cancel may come twice: clients keep the first
