@@ -17,10 +17,10 @@ is not produced; that stage's handling takes it in hand at once (`Handling.take`
 errors, retries, span and metrics. The topic stays the contract (anything produced to it is still
 consumed); only the broker round trip is saved. The sender's record is committed after the whole
 chain has sent its outputs, so a crash redoes the chain from the sender's record (every stage of the
-request part is idempotent under redelivery already, as at-least-once delivery requires). Emit takes
-what the cache and a generate stage of its process send it the same way (`topology.HANDOVER_FROM`: a
-hit's replay, the stream of a backend without the prefill/decode split), a run of messages held for one
-another at once (`take_group`), so they still reach the reply topic as one record batch.
+request part is idempotent under redelivery already, as at-least-once delivery requires). A generate
+stage takes what route sends it, and emit what the cache and a generate stage send it, the same way
+(`topology.HANDOVER_FROM`); emit takes a run of messages held for one another at once (`take_group`),
+so they still reach the reply topic as one record batch.
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ class Handling:
         # topic -> the handling of a stage in this process that takes its messages in hand instead of
         # the broker carrying them (`runtime.handover`; set by pipeline.serve): no produce, no consume
         self.takers: Mapping[str, Handling] = {}
+        # How many messages handed over one by one (`take`) this stage works on at once (None: no bound; set
+        # by pipeline.serve for generate, whose work lasts a whole stream); past it they go to the topic.
+        self.take_limit: int | None = None
+        self._taking = 0
 
     async def process(
         self, record: ConsumerRecord[bytes, bytes], handed_over: asyncio.Future[None] | None,
@@ -157,6 +161,7 @@ class Handling:
         errors, retries and terminal events. Returns an acknowledgement that is already done: the sender
         commits its own record only after this returns, so a crash meanwhile redoes both stages."""
         started = time.perf_counter()
+        self._taking += 1
         try:
             with tracing.handover_span(out.topic, self.stage.name) as span:
                 outcome = await self._handle_message(out.value, Handed(out), span, None, None)
@@ -167,6 +172,8 @@ class Handling:
         except Exception:  # a bug in sluice itself, not in the message (as the runner says of a record)
             log.exception("stage=%s message handed over on %s could not be processed", self.stage.name, out.topic)
             outcome = "bug"
+        finally:
+            self._taking -= 1
         metrics.MESSAGES.labels(self.stage.name, outcome).inc()
         metrics.HANDLE_SECONDS.labels(self.stage.name).observe(time.perf_counter() - started)
         return _acknowledged()
@@ -190,6 +197,13 @@ class Handling:
         metrics.MESSAGES.labels(self.stage.name, "ok").inc(len(outs))
         metrics.HANDLE_SECONDS.labels(self.stage.name).observe(time.perf_counter() - started)
         return _acknowledged()
+
+    def _taker(self, topic: str) -> Handling | None:
+        """The stage of this process that takes `topic`'s messages in hand, unless it is at its bound."""
+        taker = self.takers.get(topic)
+        if taker is not None and taker.take_limit is not None and taker._taking >= taker.take_limit:
+            return None
+        return taker
 
     async def _forget(self, message: Any) -> None:
         """A stage that keeps state (emit) forgets what it cached of the message's request: before a group
@@ -308,7 +322,7 @@ class Handling:
         first = outs[0]
         if any(o.topic != first.topic or o.key != first.key for o in outs):
             return None
-        if (taker := self.takers.get(first.topic)) is not None:
+        if (taker := self._taker(first.topic)) is not None:
             return await taker.take_group(outs) if takes_groups(taker.stage) else None
         items = [(codec.encode(o.value), tracing.publish(o.topic)) for o in outs]
         ack = await self._producer.send_together(first.topic, first.key.encode(), items)
@@ -317,7 +331,7 @@ class Handling:
         return ack
 
     async def _send(self, out: Out) -> asyncio.Future[Any]:
-        taker = self.takers.get(out.topic)
+        taker = self._taker(out.topic)
         if taker is not None:
             return await taker.take(out)
         metrics.PRODUCED.labels(self.stage.name, out.topic).inc()

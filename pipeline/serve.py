@@ -17,7 +17,7 @@ from pipeline.producing import Producer
 from pipeline.runner import Runner
 from pipeline.settings import Settings
 from pipeline.stage import Stage
-from pipeline.topology import HANDOVER, HANDOVER_FROM
+from pipeline.topology import GENERATE, HANDOVER, HANDOVER_FROM
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,11 @@ def runners_for(stages: list[Stage], settings: Settings, producer: Producer, ins
                 taker.stage.topics.inputs[0]: taker for taker in handlings.values()
                 if _kind(name) in HANDOVER_FROM.get(_kind(taker.stage.name), ())
             }
+            if _kind(name) == GENERATE:
+                # Its work lasts a whole stream, all that time holding the in-flight slot of the message
+                # that started the chain (ingest's): half of them at most, the rest through its topic,
+                # so long streams never stop ingest admitting (cache hits, refusals).
+                handling.take_limit = max(1, settings.runtime.max_in_flight // 2)
     runners = [Runner(stage, settings, instance=instance, producer=producer, handling=handlings[stage.name]) for stage in stages]
     if settings.runtime.handover:  # a taker closes its connections after every runner that may hand it work
         for runner in runners:

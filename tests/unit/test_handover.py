@@ -99,6 +99,42 @@ async def test_without_a_taker_the_output_is_produced() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_taker_at_its_bound_leaves_the_next_message_to_the_broker() -> None:
+    producer, _, second, sender = chain()
+    taker = sender.takers["t.b"]
+    taker.take_limit = 1  # as pipeline.serve bounds generate: its work lasts a whole stream
+    release = asyncio.Event()
+    forward = second.handle
+
+    async def slow(message: Admitted) -> AsyncIterator[Out]:
+        await release.wait()
+        async for out in forward(message):
+            yield out
+
+    second.handle = slow  # type: ignore[method-assign]
+    busy = asyncio.create_task(sender.process(record_of(helpers.admitted(helpers.request("r1")), "t.a"), None))
+    while not taker._taking:
+        await asyncio.sleep(0)
+    second_one = sender.process(record_of(helpers.admitted(helpers.request("r2")), "t.a"), None)
+    assert await asyncio.wait_for(second_one, 5.0) == "ok"  # (taken in hand, it would wait for `release`)
+    assert producer.topics() == ["t.b"]  # the broker carried the second: the taker was at its bound
+    release.set()
+    assert await busy == "ok"
+    assert producer.topics() == ["t.b", "t.c"] and taker._taking == 0
+    assert await sender.process(record_of(helpers.admitted(helpers.request("r3")), "t.a"), None) == "ok"
+    assert producer.topics() == ["t.b", "t.c", "t.c"]  # room again: taken in hand
+
+
+def test_generate_takes_at_most_half_of_max_in_flight_in_hand_and_the_others_without_bound() -> None:
+    from pipeline.serve import runners_for
+
+    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()] + [Named("generate.up", "llm.routed.up")]
+    handlings = {r.stage.name: r._handling for r in runners_for(stages, Settings(), FakeProducer(), "t")}  # type: ignore[arg-type]
+    assert handlings["generate.up"].take_limit == Settings().runtime.max_in_flight // 2  # type: ignore[union-attr]
+    assert all(h.take_limit is None for name, h in handlings.items() if name != "generate.up")  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
 async def test_a_refusal_after_a_handover_ends_the_request_with_the_takers_address() -> None:
     producer, _, _, sender = chain(fail=StageError(ErrorCode.rate_limited, "slow down"))
     message = helpers.admitted(helpers.request("r1"), tenant="acme")
