@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from pipeline.bridge.app import MAX_HEADER_BYTES, create_app
-from pipeline.bridge.edges import head_timeout_protocol
+from pipeline.bridge.edges import head_limited_protocol
 from pipeline.errors import SluiceError
 from pipeline.sdk import Client
 from pipeline.settings import Settings
@@ -62,8 +62,8 @@ async def serve(settings: Settings, client: Client, stop: asyncio.Event, *, owns
         lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         proxy_headers=False,  # the client address is the TCP peer's; X-Forwarded-For is never trusted
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        http=head_timeout_protocol(settings.bridge.header_timeout_s),  # a request head slower than this is cut off
+        # a request head slower than header_timeout_s is cut off, one over MAX_HEADER_BYTES refused
+        http=head_limited_protocol(settings.bridge.header_timeout_s, MAX_HEADER_BYTES),
         timeout_keep_alive=settings.bridge.keep_alive_s,
         # TLS, and with a client CA mutual TLS: a client without a certificate the CA signed cannot connect.
         ssl_certfile=tls.certfile or None,

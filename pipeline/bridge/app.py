@@ -158,7 +158,8 @@ def _completions(
 
 class HeaderLimit:
     """Refuses a request whose headers total more than `limit` bytes: 431 over HTTP, a refused handshake
-    over WebSocket. (uvicorn's h11 limit bounds only a head that arrives in pieces.)"""
+    over WebSocket. (The protocol's bound, `edges.head_limited_protocol`, covers only a head that arrives
+    in pieces.)"""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app

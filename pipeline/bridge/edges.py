@@ -1,7 +1,7 @@
 """What the bridge checks before any route runs.
 
     AllowedHosts             the Host header (`gateway.allowed_hosts`)
-    head_timeout_protocol    uvicorn's h11 protocol with a deadline on each request head
+    head_limited_protocol    uvicorn's httptools protocol with a deadline and a size bound on each request head
     metrics_allowed          who may read /metrics on the API port
 
 Starlette's TrustedHostMiddleware compares only the host part of the header, so an entry with a port
@@ -14,12 +14,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 
-import h11
 from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pipeline.bridge.openai_format import error_body
 from pipeline.gateway.hosts import allowed, parse_entry
@@ -43,44 +42,60 @@ class AllowedHosts:
         await self.app(scope, receive, send)
 
 
-def head_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection whose request head is not complete `timeout_s` after
-    the connection opened or the previous response ended. uvicorn's own `timeout_keep_alive` stops at
-    the first byte, so a client sending its headers a byte a second held a connection forever."""
+def head_limited_protocol(timeout_s: float, max_head_bytes: int) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol (llhttp, in C: about half the CPU per request of its h11 protocol,
+    bench/http_protocol.py), with two limits on each request head. A connection whose next head is not
+    complete `timeout_s` after the connection opened or the previous response ended is closed: uvicorn's
+    own `timeout_keep_alive` stops at the first byte, so a client sending its headers a byte a second held
+    a connection forever. A head still incomplete past `max_head_bytes` gets a 400 and the connection is
+    closed: llhttp itself bounds neither, and a head that arrives whole is refused with 431 by the app
+    (`HeaderLimit`)."""
 
-    class HeadTimeoutProtocol(H11Protocol):
+    class HeadLimitedProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _head_bytes: int | None = 0  # bytes read of the head under way; None between a head's end and the next
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._arm_head_timer()
+            self._expect_head()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._arm_head_timer()
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._expect_head()  # (else a pipelined request, its head read already, has just started)
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE and self._head_timer is not None:  # the head is complete
+            if self._head_bytes is None or self.transport.is_closing():
+                return
+            self._head_bytes += len(data)  # all of it was head: the head is still not complete
+            if self._head_bytes > max_head_bytes:
+                self.send_400_response("Request head too large.")
+
+        def on_headers_complete(self) -> None:
+            self._head_bytes = None
+            if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
+            super().on_headers_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
             super().connection_lost(exc)
 
-        def _arm_head_timer(self) -> None:
+        def _expect_head(self) -> None:
+            self._head_bytes = 0
             if self._head_timer is not None:
                 self._head_timer.cancel()
             self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
 
         def _head_timed_out(self) -> None:
             self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._head_bytes is not None and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeadTimeoutProtocol
+    return HeadLimitedProtocol
 
 
 def metrics_allowed(connection: HTTPConnection, token: str, auth_required: bool) -> bool:
@@ -91,4 +106,4 @@ def metrics_allowed(connection: HTTPConnection, token: str, auth_required: bool)
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
-__all__ = ["AllowedHosts", "head_timeout_protocol", "metrics_allowed"]
+__all__ = ["AllowedHosts", "head_limited_protocol", "metrics_allowed"]

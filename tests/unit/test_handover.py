@@ -79,6 +79,15 @@ def chain(fail: Exception | None = None) -> tuple[FakeProducer, Forward, Forward
     return producer, first, second, sender
 
 
+def wired_with_generate() -> dict[str, Handling]:
+    """Each stage's handling as `runners_for` wires them: the default nodes and a `generate.up` pool."""
+    from pipeline.serve import runners_for
+
+    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()] + [Named("generate.up", "llm.routed.up")]
+    runners = runners_for(stages, Settings(), FakeProducer(), "t")  # type: ignore[arg-type]
+    return {r.stage.name: r._handling for r in runners}  # type: ignore[misc]
+
+
 @pytest.mark.asyncio
 async def test_a_handed_over_message_never_reaches_the_broker() -> None:
     producer, first, second, sender = chain()
@@ -126,12 +135,9 @@ async def test_a_taker_at_its_bound_leaves_the_next_message_to_the_broker() -> N
 
 
 def test_generate_takes_at_most_half_of_max_in_flight_in_hand_and_the_others_without_bound() -> None:
-    from pipeline.serve import runners_for
-
-    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()] + [Named("generate.up", "llm.routed.up")]
-    handlings = {r.stage.name: r._handling for r in runners_for(stages, Settings(), FakeProducer(), "t")}  # type: ignore[arg-type]
+    handlings = wired_with_generate()
     assert handlings["generate.up"].take_limit == Settings().runtime.max_in_flight // 2  # type: ignore[union-attr]
-    assert all(h.take_limit is None for name, h in handlings.items() if name != "generate.up")  # type: ignore[union-attr]
+    assert all(h.take_limit is None for name, h in handlings.items() if name != "generate.up")
 
 
 @pytest.mark.asyncio
@@ -196,10 +202,7 @@ async def test_a_taker_closes_its_connections_only_after_the_runners_that_hand_i
 
 
 def test_emit_takes_from_the_cache_and_the_generate_stages_of_its_process_and_from_no_other() -> None:
-    from pipeline.serve import runners_for
-
-    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()] + [Named("generate.up", "llm.routed.up")]
-    handlings = {r.stage.name: r._handling for r in runners_for(stages, Settings(), FakeProducer(), "t")}  # type: ignore[arg-type]
+    handlings = wired_with_generate()
     for sender in ("cache", "generate.up"):  # a request's whole stream comes from their one message
         assert handlings[sender].takers["llm.checked"].stage.name == "emit"  # type: ignore[union-attr]
     others = [name for name in handlings if name not in ("cache", "generate.up")]
@@ -209,10 +212,7 @@ def test_emit_takes_from_the_cache_and_the_generate_stages_of_its_process_and_fr
 
 
 def test_generate_takes_from_route_of_its_process_and_prefill_from_nobody() -> None:
-    from pipeline.serve import runners_for
-
-    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()] + [Named("generate.up", "llm.routed.up")]
-    handlings = {r.stage.name: r._handling for r in runners_for(stages, Settings(), FakeProducer(), "t")}  # type: ignore[arg-type]
+    handlings = wired_with_generate()
     assert handlings["route"].takers["llm.routed.up"].stage.name == "generate.up"  # type: ignore[union-attr]
     split = [name for name in handlings if name.startswith("prefill")]
     assert split, "the default nodes have a split pool"

@@ -210,10 +210,7 @@ async def test_a_handed_over_hit_cancelled_midway_leaves_emit_nothing_cached_of_
 async def test_a_generate_stage_hands_its_whole_stream_to_emit_which_answers_each_chunk_once() -> None:
     producer, store = HeldAcks(), MemoryStateStore()
     words = ["Hello", " there", ",", " friend", "."]
-    generate = GenerateStage(ScriptedBackend(words), Topics(("llm.routed.local",), None, "llm.checked"), store,
-                             name="generate.local", chunk_window_s=0.0)
-    sender = Handling(generate, Settings(), producer)  # type: ignore[arg-type]
-    sender.takers = {"llm.checked": Handling(EmitStage(SETTINGS, node("emit").topics, store), Settings(), producer)}  # type: ignore[arg-type]
+    sender = generate_emit(producer, store, ScriptedBackend(words))
     message = helpers.routed(helpers.request("r1"))
     assert await acknowledged(asyncio.create_task(sender.process(record_of(message, "llm.routed.local"), None)), producer) == "ok"
     # Every chunk once and one ending, all on the reply topic: none was produced to llm.checked (no emit
@@ -223,15 +220,20 @@ async def test_a_generate_stage_hands_its_whole_stream_to_emit_which_answers_eac
     assert (await store.read(message.id)).get("finished") and (await store.read(message.id + "#emit")).get("terminal") == b"1"
 
 
+def generate_emit(producer: HeldAcks, store: MemoryStateStore, backend: ScriptedBackend) -> Handling:
+    """A generate stage whose stream emit of the same process takes in memory: generate's handling."""
+    generate = GenerateStage(backend, Topics(("llm.routed.local",), None, "llm.checked"), store,
+                             name="generate.local", chunk_window_s=0.0)
+    sender = Handling(generate, Settings(), producer)  # type: ignore[arg-type]
+    emit = EmitStage(SETTINGS, node("emit").topics, store)
+    sender.takers = {"llm.checked": Handling(emit, Settings(), producer)}  # type: ignore[arg-type]
+    return sender
+
 
 def route_generate_emit(producer: HeldAcks, store: MemoryStateStore, backend: ScriptedBackend) -> Handling:
     """route, generate and emit of one process, wired as `pipeline.serve` wires them: route's handling."""
-    generate = GenerateStage(backend, Topics(("llm.routed.local",), None, "llm.checked"), store,
-                             name="generate.local", chunk_window_s=0.0)
-    to_generate = Handling(generate, Settings(), producer)  # type: ignore[arg-type]
-    to_generate.takers = {"llm.checked": Handling(EmitStage(SETTINGS, node("emit").topics, store), Settings(), producer)}  # type: ignore[arg-type]
     route = Handling(RouteStage(SETTINGS, node("route").topics), Settings(), producer)  # type: ignore[arg-type]
-    route.takers = {"llm.routed.local": to_generate}
+    route.takers = {"llm.routed.local": generate_emit(producer, store, backend)}
     return route
 
 
@@ -261,7 +263,8 @@ async def test_a_route_handover_cancelled_midway_is_finished_once_by_the_redeliv
     with pytest.raises(asyncio.CancelledError):
         await first
     # Redelivered, here a new process's chain (its own generate worker), over the same store.
-    again = asyncio.create_task(route_generate_emit(producer, store, ScriptedBackend(words)).process(record_of(message, "llm.guarded"), None))
+    again_route = route_generate_emit(producer, store, ScriptedBackend(words))
+    again = asyncio.create_task(again_route.process(record_of(message, "llm.guarded"), None))
     assert await acknowledged(again, producer) == "ok"
     sent = [seq for _, seqs in replies(producer) for seq in seqs]
     assert list(dict.fromkeys(sent)) == [str(i) for i in range(len(words))] + ["end"]  # each chunk, in order
