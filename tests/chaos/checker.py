@@ -142,6 +142,7 @@ class ScenarioReport:
     reply_duplicate_chunks: int
     usage_duplicates: int
     usage_missing: int
+    cache_hits: int  # requests the cache answered (a profile with the cache stage and repeated requests)
     dead_letters: int
     worker_exits: list[dict[str, object]]
     fault_log: list[dict[str, object]]
@@ -228,6 +229,7 @@ def check(
         reply_duplicate_chunks=sum(n - 1 for n in reply_chunks.values() if n > 1),
         usage_duplicates=sum(n - 1 for n in usage.values() if n > 1),
         usage_missing=sum(1 for r in results if r.outcome == "done" and usage[client_key(r.request_id)] == 0),
+        cache_hits=sum(1 for r in results if r.cache is not None),
         dead_letters=sum(1 for d in topics.dlq if client_key(d.get("request_id")) in by_key or window[2] <= float(d.get("at") or 0) <= window[3]),
         worker_exits=[w.as_dict() for w in exits],
         fault_log=[f.as_dict() for f in faults],
@@ -308,8 +310,8 @@ def markdown(
         f"stages {' '.join(stages) or '-'}; seed {seed}; {wall_s:.0f} s in all",
         "",
         "| scenario | requests | done | faults | violations | stall p50 / p99 / max (s) | re-decoded (per kill) "
-        "| dup terminals on reply | dup chunks on reply | dup usage | dead letters | worker exits | s |",
-        "| --- | ---: | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| dup terminals on reply | dup chunks on reply | dup usage | dead letters | worker exits | cache hits | s |",
+        "| --- | ---: | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in reports:
         faults = ", ".join(f"{n} {kind}" for kind, n in r.faults.items()) or "none"
@@ -318,7 +320,7 @@ def markdown(
         lines.append(
             f"| {r.name} | {r.requests} | {r.done} | {faults} | {sum(r.violations.values())} | {stall} "
             f"| {r.redecoded_chunks}{per_kill} | {r.reply_duplicate_terminals} | {r.reply_duplicate_chunks} "
-            f"| {r.usage_duplicates} | {r.dead_letters} | {len(r.worker_exits)} | {r.wall_s:.0f} |"
+            f"| {r.usage_duplicates} | {r.dead_letters} | {len(r.worker_exits)} | {r.cache_hits} | {r.wall_s:.0f} |"
         )
     for r in reports:
         if r.violations or r.failed or r.worker_exits:

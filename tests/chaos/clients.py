@@ -37,6 +37,7 @@ class ClientResult:
     code: str | None = None  # failed: the error code; client_error: the exception type
     ended_at: float | None = None
     done_chunks: int | None = None
+    cache: str | None = None  # done: the cache tier that answered (None: generated)
     done_digest: str | None = None
     finish_reason: str | None = None
     cleanup_error: str | None = None  # closing the stream failed (its cancel could not be produced)
@@ -66,6 +67,8 @@ async def stream_one(
         result.outcome = "done"
         result.done_chunks = getattr(done, "chunks", None)
         result.done_digest = getattr(done, "digest", None)
+        tier = getattr(done, "cache", None)
+        result.cache = None if tier is None else str(getattr(tier, "value", tier))
         reason = getattr(done, "finish_reason", None)
         result.finish_reason = str(getattr(reason, "value", reason))
     except RequestFailed as exc:
@@ -84,14 +87,21 @@ async def stream_one(
 
 
 async def run_load(
-    client: Client, scenario: str, specs: list[RequestSpec], rate: float, nonce: str
+    client: Client, scenario: str, specs: list[RequestSpec], rate: float, nonce: str, repeat_after: int = 0
 ) -> list[ClientResult]:
-    """One request per spec, `rate` new ones per second, each with a prompt of its own; returns when
-    every request has ended (each is bounded by its deadline plus `GIVE_UP_AFTER_S`)."""
+    """One request per spec, `rate` new ones per second, each with a prompt of its own, except that with
+    `repeat_after` every fourth request from that one on asks what the request `repeat_after` before it
+    asked (`Profile.repeat_after`); returns when every request has ended (each is bounded by its deadline
+    plus `GIVE_UP_AFTER_S`)."""
     tasks: list[asyncio.Task[ClientResult]] = []
     tag = f"{nonce}-{zlib.crc32(scenario.encode()):08x}"  # plain words only: the input guard reads prompts
+    asked: list[tuple[RequestSpec, str]] = []
     for j, spec in enumerate(specs):
-        prompt = f"Please count to {spec.max_tokens}. (set {tag}, request {j})"
+        if repeat_after and j >= repeat_after and j % 4 == 3:
+            spec, prompt = asked[j - repeat_after]
+        else:
+            prompt = f"Please count to {spec.max_tokens}. (set {tag}, request {j})"
+        asked.append((spec, prompt))
         tasks.append(asyncio.create_task(stream_one(client, scenario, spec, prompt)))
         await asyncio.sleep(1.0 / rate)
     return list(await asyncio.gather(*tasks))

@@ -159,6 +159,9 @@ def write_config(path: Path, services: Services, token_delay_ms: float, stages: 
     raw["backends"] = [{"name": "instant", "kind": "instant", "model": "instant", "pool": "instant", "token_delay_ms": token_delay_ms,
                         "split": split}]
     raw["runtime"] = {**raw.get("runtime", {}), "torch_threads": 1}
+    # A profile with the cache runs its exact tier only: the semantic tier's embedder would add seconds of
+    # loading to every restart of a whole process, and the chaos prompts repeat exactly or not at all.
+    raw["cache"] = {**raw.get("cache", {}), "semantic": False}
     # Where guards must run (a tree without profiles), they pass everything: the prompts are not under test.
     raw["guard"] = {**raw.get("guard", {}), "injection_threshold": 1.0}
     text = "\n".join(_toml(raw)) + "\n"

@@ -191,7 +191,7 @@ async def _run_scenario(
         t0 = time.monotonic()
         injected = [asyncio.create_task(_inject(fault, t0, supervisor, services)) for fault in scenario.faults]
         try:
-            results = await run_load(client, scenario.name, specs, scenario.rate, nonce)
+            results = await run_load(client, scenario.name, specs, scenario.rate, nonce, profile.repeat_after)
         finally:
             faults = list(await asyncio.gather(*injected))
     return _Run(scenario, results, faults, (since, time.monotonic(), wall_since, time.time()))

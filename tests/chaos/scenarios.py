@@ -18,9 +18,10 @@ from a `RequestSpec` (its length and deadline); request j of a scenario uses spe
     full-guarded  the full profile's plan with both guards in the path (the default `make run` profile's
             stages, one worker per guard), in `make chaos`
     processes  two processes that each run every stage (`sluice worker`, as `sluice run` does), so the
-            stages of a process hand their messages over in memory (route from ingest, emit from a
-            generate stage: the instant backend without the prefill/decode split); whole processes
-            SIGKILLed, one SIGSTOPped past the session timeout with a Redis restart, a broker restart
+            stages of a process hand their messages over in memory (cache and route from ingest, generate
+            from route, emit from generate and from the cache: the instant backend without the
+            prefill/decode split; every fourth request repeats an earlier one, a cache hit); whole
+            processes SIGKILLed, one SIGSTOPped past the session timeout with a Redis restart, a broker restart
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Literal
 
 FaultKind = Literal["kill", "pause", "broker_restart", "broker_outage", "redis_restart", "add", "remove"]
 BARE = ("ingest", "route", "prefill", "decode", "emit")  # the profile without guards
+CACHED = ("ingest", "cache", "route", "prefill", "decode", "emit")  # the same with the cache (exact tier)
 OUTPUT_GUARDED = ("ingest", "route", "prefill", "decode", "postguard", "emit")
 INPUT_GUARDED = ("ingest", "guard", "route", "prefill", "decode", "emit")
 GUARDED = ("ingest", "guard", "route", "prefill", "decode", "postguard", "emit")  # both guards, as `make run` has
@@ -73,6 +75,9 @@ class Profile:
     stages: tuple[str, ...] = BARE  # the profile row the workers run
     whole: bool = False  # each worker runs every stage in one process (faults name `WHOLE`), as `sluice run`
     split: bool = True  # the instant backend splits prefill from decode; False: one generate stage per request
+    # From request `repeat_after` on, every fourth one asks what the request `repeat_after` before it asked
+    # (its prompt and spec): with the cache in the profile, answered from the cache once that one is stored.
+    repeat_after: int = 0
 
     def family(self, name: str) -> tuple[RequestSpec, ...]:
         return {"normal": self.normal, "long": self.long, "all": self.normal + self.long}[name]
@@ -156,7 +161,7 @@ def _processes() -> Profile:
     )
     return Profile(
         name="processes", token_delay_ms=40, normal=_normal(60, 30, 45, deadline_s=60), long=(), scenarios=scenarios,
-        whole=True, split=False,
+        stages=CACHED, whole=True, split=False, repeat_after=16,  # 4 s later: its stream (<= 1.8 s) has ended
     )
 
 

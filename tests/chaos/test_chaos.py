@@ -16,6 +16,8 @@ def _run(name: str) -> None:
     print(report.markdown())
     assert report.error is None, report.markdown()
     assert report.ok, report.markdown()
+    if PROFILES[name].repeat_after:  # its repeated requests exercised the cache's path (hits handed to emit)
+        assert all(s.cache_hits for s in report.scenarios), report.markdown()
 
 
 def test_short_profile() -> None:
