@@ -128,9 +128,8 @@ async def _run_profile(profile: Profile, seed: int, ports: harness.Ports, state:
             stages = harness.profile_stages(settings)
             await harness.create_topics(env)
             faulted = {fault.stage for scenario in profile.scenarios for fault in scenario.faults}
-            wanted = {s: profile.workers_per_stage if s in faulted else HEAVY.get(s, profile.workers_per_stage) for s in stages}
-            if profile.whole:
-                wanted = {WHOLE: profile.workers_per_stage}
+            wanted = {WHOLE: profile.workers_per_stage} if profile.whole else {
+                s: profile.workers_per_stage if s in faulted else HEAVY.get(s, profile.workers_per_stage) for s in stages}
             supervisor = Supervisor(env, state / "logs", wanted, random.Random(seed))
             supervisor.start()
             say(f"started {sum(wanted.values())} workers: {wanted}; waiting for a first answer")
