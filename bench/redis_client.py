@@ -1,8 +1,9 @@
 """CPU per Redis round trip through redis-py's asyncio client, with its pure-Python reply parser and with
-hiredis's C parser (what `make setup` installs), on the calls sluice's stores make: HGETALL of a request's
-record, GET, EVALSHA of a small script, a pipelined HSET + EXPIRE, and 16 HGETALLs in flight at once.
+hiredis's C parser (what `make setup` installs), and through `pipeline.redis_lean.LeanRedis` (one pipelined
+connection, hiredis; what the stages' stores use), on the calls sluice's stores make: HGETALL of a
+request's record, GET, EVALSHA of a small script, a pipelined HSET + EXPIRE, and 16 HGETALLs in flight.
 
-    .venv/bin/python -m bench.redis_client                # 3 repeats, the parsers interleaved
+    .venv/bin/python -m bench.redis_client                # 3 repeats, the clients interleaved
 
 Starts its own redis-server (Debian's, as infra/services.sh does) on --port, without persistence. Each
 measurement runs in a process of its own on uvloop; reported as µs of CPU per call, median (min..max).
@@ -20,21 +21,28 @@ import sys
 import time
 
 CALLS = ("hgetall", "get", "evalsha", "pipeline", "hgetall x16")
+CLIENTS = ("python", "hiredis", "lean")
+SCRIPT = "local v = redis.call('HGET', KEYS[1], 'owner') redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) return v"
 
 
-async def measure(port: int, parser: str, n: int) -> dict[str, float]:
+async def measure(port: int, client: str, n: int) -> dict[str, float]:
     from redis.asyncio import Redis
     from redis.asyncio.connection import _AsyncHiredisParser, _AsyncRESP2Parser
 
-    kind = _AsyncHiredisParser if parser == "hiredis" else _AsyncRESP2Parser
-    r = Redis.from_url(f"redis://127.0.0.1:{port}/0", parser_class=kind)
-    await r.hset("req#emit", mapping={"owner": b"emit-1-abc", "emitted": b"3", "digest": b"x" * 32, "terminal": b"1"})
-    script = r.register_script("local v = redis.call('HGET', KEYS[1], 'owner') redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) return v")
+    from pipeline.redis_lean import LeanRedis
+
+    if client == "lean":
+        r: Redis | LeanRedis = LeanRedis(port=port)
+    else:
+        r = Redis.from_url(f"redis://127.0.0.1:{port}/0", parser_class=_AsyncHiredisParser if client == "hiredis" else _AsyncRESP2Parser)
+    async with r.pipeline(transaction=False) as pipe:
+        await pipe.hset("req#emit", items=["owner", b"emit-1-abc", "emitted", b"3", "digest", b"x" * 32, "terminal", b"1"]).execute()
+    sha = await r.script_load(SCRIPT)
     calls = {
         "hgetall": lambda i: r.hgetall("req#emit"),
         "get": lambda i: r.get("cache:key"),
-        "evalsha": lambda i: script(keys=["req#emit"], args=["f", i]),
-        "pipeline": lambda i: r.pipeline(transaction=False).hset("req", "f", i).expire("req", 3600).execute(),
+        "evalsha": lambda i: r.evalsha(sha, 1, "req#emit", "f", i),
+        "pipeline": lambda i: r.pipeline(transaction=False).hset("req", items=["f", i]).pexpire("req", 3_600_000).execute(),
     }
     out = {}
     for name in CALLS:
@@ -56,7 +64,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=46999)
     parser.add_argument("--calls", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--child", choices=("python", "hiredis"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=CLIENTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         import uvloop
@@ -67,9 +75,9 @@ def main() -> None:
                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
     try:
         time.sleep(0.5)
-        results: dict[str, dict[str, list[float]]] = {"python": {}, "hiredis": {}}
+        results: dict[str, dict[str, list[float]]] = {client: {} for client in CLIENTS}
         for repeat in range(args.repeats):
-            for mode in (("python", "hiredis") if repeat % 2 == 0 else ("hiredis", "python")):
+            for mode in (CLIENTS if repeat % 2 == 0 else CLIENTS[::-1]):
                 child = subprocess.run([sys.executable, "-m", "bench.redis_client", "--child", mode, "--port", str(args.port),
                                         "--calls", str(args.calls)], check=True, capture_output=True, text=True)
                 for key, value in json.loads(child.stdout.strip().splitlines()[-1]).items():
@@ -81,11 +89,12 @@ def main() -> None:
     def cell(values: list[float]) -> str:
         return f"{statistics.median(values):.1f} ({min(values):.1f}..{max(values):.1f})"
 
-    print(f"\n{args.calls} calls per measurement, {args.repeats} runs per parser, µs of CPU per call: median (min..max)\n")
-    print("| call | pure-Python parser | hiredis | hiredis / Python |\n| --- | --- | --- | --- |")
+    print(f"\n{args.calls} calls per measurement, {args.repeats} runs per client, µs of CPU per call: median (min..max)\n")
+    print("| call | redis-py, pure-Python parser | redis-py, hiredis | LeanRedis | LeanRedis / redis-py hiredis |")
+    print("| --- | --- | --- | --- | --- |")
     for name in CALLS:
-        py, hi = results["python"][name], results["hiredis"][name]
-        print(f"| {name} | {cell(py)} | {cell(hi)} | {statistics.median(hi) / statistics.median(py):.2f} |")
+        py, hi, lean = (results[client][name] for client in CLIENTS)
+        print(f"| {name} | {cell(py)} | {cell(hi)} | {cell(lean)} | {statistics.median(lean) / statistics.median(hi):.2f} |")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from pipeline.backends.base import Backend
 from pipeline.cache.exact import ExactTier, MemoryExactTier, RedisExactTier
-from pipeline.gateway.build import redis_client, redis_gateway
+from pipeline.gateway.build import redis_gateway, stage_redis
 from pipeline.routing.stats import BackendStats
 from pipeline.settings import BackendSettings, Settings
 from pipeline.stage import Stage
@@ -30,14 +30,14 @@ def state_store(settings: Settings, stage: str) -> StateStore:
     """The per-request state store of `stage`, counting its takeovers and fenced writes."""
     if settings.state.store == "memory":
         return MeteredStore(MemoryStateStore(settings.state.ttl_s), stage)
-    return MeteredStore(RedisStateStore(redis_client(settings), ttl_s=settings.state.ttl_s), stage)
+    return MeteredStore(RedisStateStore(stage_redis(settings), ttl_s=settings.state.ttl_s), stage)
 
 
 def exact_tier(settings: Settings) -> ExactTier:
     """The cache's exact tier: Redis, or this process's memory when the state store is (a demo, tests)."""
     if settings.state.store == "memory":
         return _memory_exact()
-    return RedisExactTier(redis_client(settings))
+    return RedisExactTier(stage_redis(settings))
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from pipeline import metrics
+from pipeline.redis_lean import LeanRedis
 from pipeline.state.redis_store import DOWN
 from topics.cache import Entry
 
@@ -40,7 +41,7 @@ def _stored(entry: Entry) -> bytes:
 
 
 class RedisExactTier:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis | LeanRedis) -> None:
         self._redis = redis
 
     async def get(self, key: str) -> Entry | None:

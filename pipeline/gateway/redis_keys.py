@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.keys import KeyEntry, KeyRecord
 from pipeline.gateway.redis_limits import DOWN
+from pipeline.redis_lean import LeanRedis
 
 IDS = "sluice:keyids"
 
@@ -29,7 +30,7 @@ def _record_key(key_id: str) -> str:
 
 
 class RedisKeyStore:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis | LeanRedis) -> None:
         self._redis = redis
         self._entry = msgspec.json.Decoder(KeyEntry)
         self._record = msgspec.json.Decoder(KeyRecord)

@@ -17,6 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.limits import Refusal, Resource, Scope
+from pipeline.redis_lean import LeanPipeline, LeanRedis
 
 _LUA = Path(__file__).with_name("lua")
 DOWN = (RedisConnectionError, RedisTimeoutError, OSError)  # BusyLoadingError (a restart) is a ConnectionError
@@ -42,19 +43,19 @@ class _Script:
         self.text = (_LUA / name).read_text()
         self.sha = hashlib.sha1(self.text.encode()).hexdigest()
 
-    def __call__(self, pipe: Pipeline, keys: list[str], args: list[Any]) -> None:
+    def __call__(self, pipe: Pipeline | LeanPipeline, keys: list[str], args: list[Any]) -> None:
         pipe.evalsha(self.sha, len(keys), *keys, *args)
 
 
 class RedisLimiter:
-    def __init__(self, redis: Redis, window_s: float) -> None:
+    def __init__(self, redis: Redis | LeanRedis, window_s: float) -> None:
         self._redis = redis
         self._window_ms = int(window_s * 1000)
         self._admit = _Script("admit.lua")
         self._charge = _Script("charge.lua")
         self._release = _Script("release.lua")
 
-    async def _run(self, build: Callable[[Pipeline], None]) -> list[Any]:
+    async def _run(self, build: Callable[[Pipeline | LeanPipeline], None]) -> list[Any]:
         """One round trip of the commands `build` queues; StoreUnavailable if Redis is away."""
         try:
             for attempt in (1, 2):
@@ -72,7 +73,7 @@ class RedisLimiter:
         raise AssertionError("unreachable")
 
     async def admit(self, scopes: Sequence[Scope], member: str, tokens: int, ticket: bytes, ticket_ttl_s: float) -> Refusal | None:
-        def admit_all(pipe: Pipeline) -> None:
+        def admit_all(pipe: Pipeline | LeanPipeline) -> None:
             for s in scopes:
                 args = [self._window_ms, s.rpm, s.tpm, repr(float(s.budget)), member, tokens]
                 self._admit(pipe, [*rate_keys(s), spend_key(s)], args)
@@ -83,7 +84,7 @@ class RedisLimiter:
         if not refused:
             return None
 
-        def release(pipe: Pipeline) -> None:
+        def release(pipe: Pipeline | LeanPipeline) -> None:
             for s, r in zip(scopes, results, strict=False):
                 if int(r[0]) == 1:
                     self._release(pipe, rate_keys(s), [self._window_ms, member, tokens])
@@ -99,7 +100,7 @@ class RedisLimiter:
     async def charge(self, scopes: Sequence[Scope], member: str, tokens: int, spend: float) -> None:
         if tokens <= 0 and spend <= 0:
             return
-        def charge_all(pipe: Pipeline) -> None:
+        def charge_all(pipe: Pipeline | LeanPipeline) -> None:
             for s in scopes:
                 keys = [rate_keys(s)[1], rate_keys(s)[2], spend_key(s)]
                 self._charge(pipe, keys, [self._window_ms, member, tokens, repr(float(spend if s.billed else 0.0))])

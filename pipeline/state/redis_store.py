@@ -18,6 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.errors import InfraUnavailable
+from pipeline.redis_lean import LeanRedis
 
 _LUA = Path(__file__).with_name("lua")
 # Redis is away. BusyLoadingError (a restart loading its data) is a ConnectionError; named for the reader.
@@ -42,14 +43,14 @@ class _Script:
 
 
 class RedisStateStore:
-    """StateStore on Redis. The client must return bytes (not `decode_responses=True`); the store owns it
-    and `aclose` closes it. Raises `InfraUnavailable` (naming only the error's class, never the URL) when
+    """StateStore on Redis, through `LeanRedis` (what the stages use) or redis-py's client, which must
+    return bytes (not `decode_responses=True`); the store owns it and `aclose` closes it. Raises `InfraUnavailable` (naming only the error's class, never the URL) when
     Redis cannot be reached or times out."""
 
-    def __init__(self, redis: Redis, *, ttl_s: float = 3600.0, prefix: str = "sluice:state:") -> None:
+    def __init__(self, redis: Redis | LeanRedis, *, ttl_s: float = 3600.0, prefix: str = "sluice:state:") -> None:
         if ttl_s <= 0:
             raise ValueError(f"RedisStateStore needs ttl_s > 0, got {ttl_s}")
-        if redis.connection_pool.connection_kwargs.get("decode_responses"):
+        if isinstance(redis, Redis) and redis.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("RedisStateStore needs a client that returns bytes (decode_responses=False)")
         self._redis = redis
         self._ttl_ms = max(int(ttl_s * 1000), 1)

@@ -19,7 +19,7 @@ import pytest
 from pipeline.cache import keys
 from pipeline.cache.exact import RedisExactTier
 from pipeline.cache.purge_cli import run as purge
-from pipeline.gateway.build import redis_client
+from pipeline.gateway.build import stage_redis
 from pipeline.settings import RedisSettings, Settings
 from tests.integration.conftest import Bridge, _free_port
 from topics.cache import Entry
@@ -105,7 +105,7 @@ async def test_the_exact_tier_loses_its_entries_with_redis_but_never_fails(stack
     entry = Entry(key=keys.scope("t") + "k", tenant="t", model="m", context="c", chunks=("a", "b"), finish_reason="stop",
                   prompt_tokens=3, completion_tokens=2, stored_at=time.time(), expires_at=time.time() + 60)
     server = _redis(port, tmp_path)
-    exact = RedisExactTier(redis_client(settings))
+    exact = RedisExactTier(stage_redis(settings))  # the client the cache stage runs on
     try:
         await exact.put(entry)
         assert await exact.get(entry.key) == entry

@@ -1,5 +1,6 @@
 """One suite for every implementation of the gateway's shared state: the in-memory limiter and key store
-(what unit tests use) and the Redis ones (what runs), so both keep the same semantics."""
+(what unit tests use) and the Redis ones on each client (LeanRedis, what the stages use; redis-py's), so
+all keep the same semantics."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from pipeline.gateway.build import redis_client
+from pipeline.gateway.build import redis_client, stage_redis
 from pipeline.gateway.keys import KeyEntry, KeyManager, KeyRecord, KeyStore, MemoryKeyStore, hash_key
 from pipeline.gateway.limits import Limiter, MemoryLimiter, Scope
 from pipeline.gateway.redis_keys import RedisKeyStore
@@ -23,22 +24,22 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 WINDOW_S = 1.0
 
 
-@pytest_asyncio.fixture(params=["memory", "redis"], loop_scope="session")
+@pytest_asyncio.fixture(params=["memory", "redis", "lean"], loop_scope="session")
 async def limiter(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[Limiter]:
     if request.param == "memory":
         yield MemoryLimiter(WINDOW_S)
         return
-    redis = redis_client(with_gateway(settings, redis_timeout_s=2.0))
+    redis = (redis_client if request.param == "redis" else stage_redis)(with_gateway(settings, redis_timeout_s=2.0))
     yield RedisLimiter(redis, WINDOW_S)
     await redis.aclose()
 
 
-@pytest_asyncio.fixture(params=["memory", "redis"], loop_scope="session")
+@pytest_asyncio.fixture(params=["memory", "redis", "lean"], loop_scope="session")
 async def key_store(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[KeyStore]:
     if request.param == "memory":
         yield MemoryKeyStore()
         return
-    redis = redis_client(with_gateway(settings, redis_timeout_s=2.0))
+    redis = (redis_client if request.param == "redis" else stage_redis)(with_gateway(settings, redis_timeout_s=2.0))
     yield RedisKeyStore(redis)
     await redis.aclose()
 

@@ -1,5 +1,5 @@
 """One suite for every implementation of per-request state: the in-memory store (what unit tests use) and
-the Redis one (what runs), so both keep the same semantics. Then what only Redis can show: a TTL on every
+the Redis one on each client (LeanRedis, what the stages use; redis-py's), so all keep the same semantics. Then what only Redis can show: a TTL on every
 key, scripts reloaded after Redis lost them, and InfraUnavailable when Redis is away."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest_asyncio
 from redis.asyncio import Redis
 
 from pipeline.errors import InfraUnavailable
+from pipeline.redis_lean import LeanRedis
 from pipeline.settings import Settings
 from pipeline.state import MemoryStateStore, RedisStateStore, StateStore
 
@@ -26,11 +27,18 @@ def client(url: str) -> Redis:
     return Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
 
 
-@pytest_asyncio.fixture(params=["memory", "redis"], loop_scope="session")
+def lean(url: str) -> LeanRedis:
+    return LeanRedis.from_url(url, timeout_s=2)
+
+
+CLIENTS = pytest.mark.parametrize("make", [lean, client], ids=["lean", "redis-py"])
+
+
+@pytest_asyncio.fixture(params=["memory", "redis", "lean"], loop_scope="session")
 async def store(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[StateStore]:
     backing: StateStore = (
         MemoryStateStore(TTL_S) if request.param == "memory"
-        else RedisStateStore(client(settings.redis.url), ttl_s=TTL_S, prefix=PREFIX)
+        else RedisStateStore((client if request.param == "redis" else lean)(settings.redis.url), ttl_s=TTL_S, prefix=PREFIX)
     )
     yield backing
     await backing.aclose()
@@ -134,8 +142,9 @@ async def test_concurrent_takes_see_each_other_exactly_once(store: StateStore) -
         assert (await store.read(k))["owner"] == winner
 
 
-async def test_every_key_the_redis_store_writes_has_a_ttl(settings: Settings, redis: Redis) -> None:
-    store = RedisStateStore(client(settings.redis.url), ttl_s=30.0, prefix=PREFIX)
+@CLIENTS
+async def test_every_key_the_redis_store_writes_has_a_ttl(settings: Settings, redis: Redis, make) -> None:
+    store = RedisStateStore(make(settings.redis.url), ttl_s=30.0, prefix=PREFIX)
     written, claimed, taken, fenced = key(), key(), key(), key()
     await store.write(written, {"a": b"1"})
     await store.claim(claimed, "emitted", b"1")
@@ -148,8 +157,9 @@ async def test_every_key_the_redis_store_writes_has_a_ttl(settings: Settings, re
     await store.aclose()
 
 
-async def test_scripts_are_loaded_again_after_redis_lost_them(settings: Settings, redis: Redis) -> None:
-    store = RedisStateStore(client(settings.redis.url), ttl_s=30.0, prefix=PREFIX)
+@CLIENTS
+async def test_scripts_are_loaded_again_after_redis_lost_them(settings: Settings, redis: Redis, make) -> None:
+    store = RedisStateStore(make(settings.redis.url), ttl_s=30.0, prefix=PREFIX)
     k = key()
     await redis.script_flush()
     assert await store.take(k, "w1") == {}
@@ -160,8 +170,9 @@ async def test_scripts_are_loaded_again_after_redis_lost_them(settings: Settings
     await store.aclose()
 
 
-async def test_unreachable_redis_raises_infra_unavailable_quickly() -> None:
-    store = RedisStateStore(client("redis://:hunter2@127.0.0.1:1/0"))
+@CLIENTS
+async def test_unreachable_redis_raises_infra_unavailable_quickly(make) -> None:
+    store = RedisStateStore(make("redis://:hunter2@127.0.0.1:1/0"))
     k = key()
     calls = [
         store.read(k), store.write(k, {"a": b"1"}), store.write(k, {"a": b"1"}, owner="w1"),

@@ -1,0 +1,311 @@
+"""The Redis client of the stages' stores: one pipelined connection per client, commands written as RESP
+by hand, replies parsed by hiredis. redis-py costs 95-130 µs of CPU per round trip here, most of it its
+connection pool, locks and stream reader, and a request makes about 14 (bench/redis_client.py); this one
+costs a third of that alone and a tenth with many calls in flight, because every caller shares one socket
+and Redis answers in order.
+
+It speaks the part of `redis.asyncio.Redis` that the state store, the limiter, the key store and the exact
+cache call, with the same replies and the same exceptions (`redis.exceptions`, mapped by redis-py's own
+table), so a store runs on either client. Like `pipeline.gateway.build.redis_client` it fails fast: each
+call waits `timeout_s` at most and is sent once more on a fresh connection when the connection broke or
+timed out (every script is idempotent per request id, so a retry never counts twice). A timeout drops the
+connection: with replies in order, nothing after a lost reply could be matched to its command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import hiredis
+from redis._parsers.base import BaseParser
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+Arg = str | bytes | int | float
+_RETRIED = (RedisConnectionError, RedisTimeoutError)  # BusyLoadingError (LOADING) is a ConnectionError too
+
+
+def pack(args: Sequence[Arg]) -> bytes:
+    """One command as a RESP array of bulk strings; a float as `repr`, as redis-py writes it."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, bytes):
+            data = arg
+        elif isinstance(arg, str):
+            data = arg.encode()
+        elif isinstance(arg, int) and not isinstance(arg, bool):
+            data = b"%d" % arg
+        elif isinstance(arg, float):
+            data = repr(arg).encode()
+        else:
+            raise TypeError(f"a Redis argument must be str, bytes, int or float, not {type(arg).__name__}")
+        parts.append(b"$%d\r\n" % len(data))
+        parts.append(data)
+        parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def _raise_errors(replies: list[Any]) -> None:
+    for reply in replies:
+        if isinstance(reply, hiredis.ReplyError):
+            raise BaseParser.parse_error(str(reply))
+
+
+@dataclass(slots=True)
+class _Waiting:
+    future: asyncio.Future[list[Any]]
+    expected: int
+    replies: list[Any] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+
+
+class _Connection(asyncio.Protocol):
+    """One socket; replies come back in the order the commands went out, so the oldest waiting call
+    owns the next reply."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._reader = hiredis.Reader()
+        self._waiting: deque[_Waiting] = deque()
+        self._transport: asyncio.Transport | None = None
+        self.open = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self.open = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(RedisConnectionError("Connection closed by server."))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._reader.feed(data)
+            while (reply := self._reader.gets()) is not False:
+                waiting = self._waiting[0]
+                waiting.replies.append(reply)
+                if len(waiting.replies) == waiting.expected:
+                    self._waiting.popleft()
+                    if waiting.timer is not None:
+                        waiting.timer.cancel()
+                    if not waiting.future.done():  # its caller may have been cancelled
+                        waiting.future.set_result(waiting.replies)
+        except (hiredis.ProtocolError, IndexError):  # garbage, or a reply nobody asked for
+            self._fail(RedisConnectionError("Protocol error, the connection was dropped."))
+
+    def send(self, data: bytes, expected: int) -> asyncio.Future[list[Any]]:
+        """Writes `data` (which must make Redis answer `expected` replies); the future gets the replies."""
+        if not self.open or self._transport is None:
+            raise RedisConnectionError("Connection closed.")
+        loop = asyncio.get_running_loop()
+        waiting = _Waiting(loop.create_future(), expected)
+        waiting.timer = loop.call_later(self._timeout_s, self._expire, waiting)
+        self._waiting.append(waiting)
+        self._transport.write(data)
+        return waiting.future
+
+    def _expire(self, waiting: _Waiting) -> None:
+        if not waiting.future.done():
+            self._fail(RedisTimeoutError("Timeout reading from Redis."))
+
+    def _fail(self, exc: Exception) -> None:
+        self.open = False
+        if self._transport is not None:
+            self._transport.abort()
+        while self._waiting:
+            waiting = self._waiting.popleft()
+            if waiting.timer is not None:
+                waiting.timer.cancel()
+            if not waiting.future.done():
+                waiting.future.set_exception(exc)
+
+
+class LeanRedis:
+    """An asyncio Redis client on one pipelined connection. Replies are bytes (never decoded)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 6379, *, db: int = 0, username: str | None = None,
+                 password: str | None = None, timeout_s: float = 1.0, unix_path: str | None = None) -> None:
+        self._address = (host, port)
+        self._unix_path = unix_path
+        self._db = db
+        self._auth = [username, password] if username and password else [password] if password else []
+        self._timeout_s = timeout_s
+        self._connection: _Connection | None = None
+        self._connecting = asyncio.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float = 1.0, username: str | None = None,
+                 password: str | None = None) -> LeanRedis:
+        """`redis://[user[:password]@]host[:port][/db]` or `unix:///path?db=N`; credentials in the URL win.
+        No TLS (`rediss://`): redis-py's client (`redis_client`) serves that."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "unix"):
+            raise ValueError(f"LeanRedis speaks redis:// and unix://, not {parts.scheme}://")
+        user = unquote(parts.username) if parts.username else username
+        secret = unquote(parts.password) if parts.password else password
+        query = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p)
+        if parts.scheme == "unix":
+            return cls(db=int(query.get("db", 0)), username=user, password=secret, timeout_s=timeout_s,
+                       unix_path=parts.path)
+        db = int(parts.path.lstrip("/") or query.get("db", 0))
+        return cls(parts.hostname or "127.0.0.1", parts.port or 6379, db=db, username=user, password=secret,
+                   timeout_s=timeout_s)
+
+    async def _connect(self) -> _Connection:
+        async with self._connecting:
+            if self._connection is not None and self._connection.open:
+                return self._connection
+            loop = asyncio.get_running_loop()
+            connection = _Connection(self._timeout_s)
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    if self._unix_path is not None:
+                        await loop.create_unix_connection(lambda: connection, self._unix_path)
+                    else:
+                        await loop.create_connection(lambda: connection, *self._address)
+            except TimeoutError:
+                raise RedisTimeoutError("Timeout connecting to Redis.") from None
+            except OSError as exc:
+                raise RedisConnectionError(f"Error connecting to Redis: {type(exc).__name__}.") from None
+            hello = [["AUTH", *self._auth]] if self._auth else []
+            hello += [["SELECT", self._db]] if self._db else []
+            if hello:
+                try:
+                    _raise_errors(await connection.send(b"".join(pack(c) for c in hello), len(hello)))
+                except Exception as exc:
+                    connection._fail(exc)
+                    raise
+            self._connection = connection
+            return connection
+
+    async def _round_trip(self, data: bytes, expected: int) -> list[Any]:
+        """Sends `data` once more on a fresh connection if the connection broke or timed out."""
+        for attempt in (1, 2):
+            connection = self._connection
+            try:
+                if connection is None or not connection.open:
+                    connection = await self._connect()
+                replies = await connection.send(data, expected)
+                if expected == 1:
+                    _raise_errors(replies)  # LOADING (a restart) is retried as redis-py does
+                return replies
+            except _RETRIED:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def execute(self, *args: Arg) -> Any:
+        """One command; its reply, or the exception redis-py would raise for it."""
+        return (await self._round_trip(pack(args), 1))[0]
+
+    # The commands the stores call, with redis-py's replies.
+    async def evalsha(self, sha: str, numkeys: int, *keys_and_args: Arg) -> Any:
+        return await self.execute("EVALSHA", sha, numkeys, *keys_and_args)
+
+    async def script_load(self, script: str) -> str:
+        return (await self.execute("SCRIPT", "LOAD", script)).decode()
+
+    async def hgetall(self, key: str) -> dict[bytes, bytes]:
+        flat = await self.execute("HGETALL", key)
+        return dict(zip(flat[::2], flat[1::2], strict=True))
+
+    async def get(self, key: str) -> bytes | None:
+        return await self.execute("GET", key)
+
+    async def getdel(self, key: str) -> bytes | None:
+        return await self.execute("GETDEL", key)
+
+    async def set(self, key: str, value: Arg, *, px: int | None = None, pxat: int | None = None) -> bool:
+        return await self.execute(*_set_args(key, value, px, pxat)) == b"OK"
+
+    async def delete(self, *keys: str | bytes) -> int:
+        return int(await self.execute("DEL", *keys))
+
+    async def smembers(self, key: str) -> set[bytes]:
+        return set(await self.execute("SMEMBERS", key))
+
+    async def scan_iter(self, match: str, count: int = 500) -> AsyncIterator[bytes]:
+        cursor = b"0"
+        while True:
+            cursor, keys = await self.execute("SCAN", cursor, "MATCH", match, "COUNT", count)
+            for key in keys:
+                yield key
+            if cursor == b"0":
+                return
+
+    def pipeline(self, transaction: bool = True) -> LeanPipeline:
+        return LeanPipeline(self, transaction)
+
+    async def aclose(self) -> None:
+        if self._connection is not None:
+            self._connection._fail(RedisConnectionError("Client closed."))
+            self._connection = None
+
+
+def _set_args(key: str, value: Arg, px: int | None, pxat: int | None) -> list[Arg]:
+    args: list[Arg] = ["SET", key, value]
+    if px is not None:
+        args += ["PX", px]
+    if pxat is not None:
+        args += ["PXAT", pxat]
+    return args
+
+
+class LeanPipeline:
+    """Commands queued, sent in one write, answered in one round trip; `execute` returns each reply
+    (converted as redis-py converts it) and raises the first error, as redis-py's pipeline does. With
+    `transaction`, the commands run in MULTI/EXEC: all or nothing."""
+
+    def __init__(self, redis: LeanRedis, transaction: bool) -> None:
+        self._redis = redis
+        self._transaction = transaction
+        self._commands: list[list[Arg]] = []
+        self._convert: list[Any] = []
+
+    async def __aenter__(self) -> LeanPipeline:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._commands.clear()
+        self._convert.clear()
+
+    def _queue(self, convert: Any, *args: Arg) -> LeanPipeline:
+        self._commands.append(list(args))
+        self._convert.append(convert)
+        return self
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Arg) -> LeanPipeline:
+        return self._queue(None, "EVALSHA", sha, numkeys, *keys_and_args)
+
+    def set(self, key: str, value: Arg, *, px: int | None = None, pxat: int | None = None) -> LeanPipeline:
+        return self._queue(lambda r: r == b"OK", *_set_args(key, value, px, pxat))
+
+    def hset(self, key: str, *, items: Sequence[Arg]) -> LeanPipeline:
+        return self._queue(int, "HSET", key, *items)
+
+    def pexpire(self, key: str, ms: int) -> LeanPipeline:
+        return self._queue(bool, "PEXPIRE", key, ms)
+
+    def delete(self, *keys: str | bytes) -> LeanPipeline:
+        return self._queue(int, "DEL", *keys)
+
+    def sadd(self, key: str, *members: Arg) -> LeanPipeline:
+        return self._queue(int, "SADD", key, *members)
+
+    async def execute(self) -> list[Any]:
+        commands = [["MULTI"], *self._commands, ["EXEC"]] if self._transaction else self._commands
+        replies = await self._redis._round_trip(b"".join(pack(c) for c in commands), len(commands))
+        if self._transaction:
+            _raise_errors(replies[:-1])  # a command refused while queued (EXEC then answers EXECABORT)
+            replies = replies[-1]
+            if replies is None:
+                raise RedisConnectionError("The transaction was discarded.")  # only WATCH does that; none here
+        _raise_errors(replies)
+        converted = [r if convert is None else convert(r) for convert, r in zip(self._convert, replies, strict=True)]
+        self._commands.clear()
+        self._convert.clear()
+        return converted
