@@ -62,6 +62,8 @@ class _Waiting:
     expected: int
     replies: list[Any] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
+    deadline: float = 0.0
+    graced: bool = False
 
 
 class _Connection(asyncio.Protocol):
@@ -103,14 +105,24 @@ class _Connection(asyncio.Protocol):
             raise RedisConnectionError("Connection closed.")
         loop = asyncio.get_running_loop()
         waiting = _Waiting(loop.create_future(), expected)
-        waiting.timer = loop.call_later(self._timeout_s, self._expire, waiting)
+        waiting.deadline = loop.time() + self._timeout_s
+        waiting.timer = loop.call_at(waiting.deadline, self._expire, waiting)
         self._waiting.append(waiting)
         self._transport.write(data)
         return waiting.future
 
     def _expire(self, waiting: _Waiting) -> None:
-        if not waiting.future.done():
-            self._fail(RedisTimeoutError("Timeout reading from Redis."))
+        if waiting.future.done():
+            return
+        loop = asyncio.get_running_loop()
+        if not waiting.graced and loop.time() - waiting.deadline > self._timeout_s / 2:
+            # The timer ran late: the event loop was busy, not Redis, and the reply may be unread in the
+            # socket (uvloop runs due timers before it polls). Look again once the loop has read it.
+            waiting.graced = True
+            waiting.deadline = loop.time() + 0.001
+            waiting.timer = loop.call_at(waiting.deadline, self._expire, waiting)
+            return
+        self._fail(RedisTimeoutError("Timeout reading from Redis."))
 
     def _fail(self, exc: Exception) -> None:
         self.open = False

@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -21,7 +22,7 @@ from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pipeline.redis_lean import LeanRedis
+from pipeline.redis_lean import LeanRedis, pack
 from pipeline.settings import Settings
 from tests.integration.gateway_fixtures import free_port
 
@@ -192,3 +193,39 @@ async def test_nothing_listening_fails_fast_without_naming_the_secret() -> None:
         await lean.get("k")
     assert time.monotonic() - started < 2.5
     assert "hunter2" not in str(caught.value)
+
+
+async def test_a_busy_event_loop_is_not_taken_for_a_stalled_redis(settings: Settings) -> None:
+    """On uvloop (what sluice runs) a callback that holds the loop while it handles one socket's input
+    leaves a reply that arrived meanwhile unread until the next poll, and the next iteration runs due
+    timers first. The call's timer firing then must not drop the connection (every call waiting on it
+    would be sent again)."""
+    import uvloop
+
+    async def busy() -> None:
+        lean = LeanRedis.from_url(settings.redis.url, timeout_s=0.2)
+        key = name()
+        await lean.set(key, b"1", px=60_000)
+        connection = lean._connection
+        assert connection is not None
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        sent: list[asyncio.Future[list[object]]] = []
+
+        def stall() -> None:  # another socket's input, handled slowly
+            ours.recv(1)
+            loop.remove_reader(ours)
+            sent.append(connection.send(pack(["GET", key]), 1))
+            time.sleep(0.5)  # Redis answers meanwhile; this poll did not see its socket ready
+
+        loop.add_reader(ours, stall)
+        theirs.send(b"x")
+        while not sent:
+            await asyncio.sleep(0.01)
+        assert await sent[0] == [b"1"]
+        assert lean._connection is connection and connection.open
+        await lean.aclose()
+        ours.close()
+        theirs.close()
+
+    await asyncio.to_thread(uvloop.run, busy())
