@@ -22,6 +22,8 @@ from a `RequestSpec` (its length and deadline); request j of a scenario uses spe
             from route, emit from generate and from the cache: the instant backend without the
             prefill/decode split; every fourth request repeats an earlier one, a cache hit); whole
             processes SIGKILLed, one SIGSTOPped past the session timeout with a Redis restart, a broker restart
+    processes-guarded  the same with both guards in each process (the default `make run` graph: guard,
+            cache, postguard), in `make chaos`
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ CACHED = ("ingest", "cache", "route", "prefill", "decode", "emit")  # the same w
 OUTPUT_GUARDED = ("ingest", "route", "prefill", "decode", "postguard", "emit")
 INPUT_GUARDED = ("ingest", "guard", "route", "prefill", "decode", "emit")
 GUARDED = ("ingest", "guard", "route", "prefill", "decode", "postguard", "emit")  # both guards, as `make run` has
+GUARDED_CACHED = ("ingest", "guard", "cache", "route", "prefill", "decode", "postguard", "emit")  # `make run`'s graph
 WHOLE = "all"  # the worker of a profile whose processes each run every stage (`Profile.whole`)
 PAUSE_S = 8.0  # SIGSTOP this long: past the consumer session timeout (3 s)
 OUTAGE_S = 60.0
@@ -168,4 +171,5 @@ def _processes() -> Profile:
 PROFILES: dict[str, Profile] = {
     "short": _short(), "output-guard": _output_guard(), "input-guard": _input_guard(), "full": _full(),
     "full-guarded": replace(_full(), name="full-guarded", stages=GUARDED), "processes": _processes(),
+    "processes-guarded": replace(_processes(), name="processes-guarded", stages=GUARDED_CACHED),
 }
