@@ -1,5 +1,5 @@
 """The chaos profiles as tests: `short`, `output-guard`, `input-guard` and `processes` run in `make test`
-(about 2-3 minutes each), `full` and `full-guarded` under `make chaos`."""
+(about 2-3 minutes each), `full`, `full-guarded` and `processes-guarded` under `make chaos`."""
 
 from __future__ import annotations
 
@@ -44,3 +44,8 @@ def test_full_profile() -> None:
 @pytest.mark.chaos
 def test_full_guarded_profile() -> None:
     _run("full-guarded")
+
+
+@pytest.mark.chaos
+def test_processes_guarded_profile() -> None:
+    _run("processes-guarded")
