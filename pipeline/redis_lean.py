@@ -1,8 +1,8 @@
 """The Redis client of the stages' stores: one pipelined connection per client, commands written as RESP
-by hand, replies parsed by hiredis. redis-py costs 95-130 µs of CPU per round trip here, most of it its
-connection pool, locks and stream reader, and a request makes about 14 (bench/redis_client.py); this one
-costs a third of that alone and a tenth with many calls in flight, because every caller shares one socket
-and Redis answers in order.
+by hand, replies parsed by hiredis. redis-py (with hiredis) costs 85-135 µs of CPU per round trip here,
+most of it its connection pool, locks and stream reader, and a request makes about 14; this one costs
+about half of that one call at a time and a quarter with many calls in flight, because every caller
+shares one socket and Redis answers in order (bench/redis_client.py).
 
 It speaks the part of `redis.asyncio.Redis` that the state store, the limiter, the key store and the exact
 cache call, with the same replies and the same exceptions (`redis.exceptions`, mapped by redis-py's own
@@ -82,7 +82,7 @@ class _Connection(asyncio.Protocol):
         self.open = True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(RedisConnectionError("Connection closed by server."))
+        self.fail(RedisConnectionError("Connection closed by server."))
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -97,7 +97,7 @@ class _Connection(asyncio.Protocol):
                     if not waiting.future.done():  # its caller may have been cancelled
                         waiting.future.set_result(waiting.replies)
         except (hiredis.ProtocolError, IndexError):  # garbage, or a reply nobody asked for
-            self._fail(RedisConnectionError("Protocol error, the connection was dropped."))
+            self.fail(RedisConnectionError("Protocol error, the connection was dropped."))
 
     def send(self, data: bytes, expected: int) -> asyncio.Future[list[Any]]:
         """Writes `data` (which must make Redis answer `expected` replies); the future gets the replies."""
@@ -122,9 +122,10 @@ class _Connection(asyncio.Protocol):
             waiting.deadline = loop.time() + 0.001
             waiting.timer = loop.call_at(waiting.deadline, self._expire, waiting)
             return
-        self._fail(RedisTimeoutError("Timeout reading from Redis."))
+        self.fail(RedisTimeoutError("Timeout reading from Redis."))
 
-    def _fail(self, exc: Exception) -> None:
+    def fail(self, exc: Exception) -> None:
+        """Closes the socket; every call still waiting gets `exc`."""
         self.open = False
         if self._transport is not None:
             self._transport.abort()
@@ -189,12 +190,12 @@ class LeanRedis:
                 try:
                     _raise_errors(await connection.send(b"".join(pack(c) for c in hello), len(hello)))
                 except Exception as exc:
-                    connection._fail(exc)
+                    connection.fail(exc)
                     raise
             self._connection = connection
             return connection
 
-    async def _round_trip(self, data: bytes, expected: int) -> list[Any]:
+    async def round_trip(self, data: bytes, expected: int) -> list[Any]:
         """Sends `data` once more on a fresh connection if the connection broke or timed out."""
         for attempt in (1, 2):
             connection = self._connection
@@ -212,7 +213,7 @@ class LeanRedis:
 
     async def execute(self, *args: Arg) -> Any:
         """One command; its reply, or the exception redis-py would raise for it."""
-        return (await self._round_trip(pack(args), 1))[0]
+        return (await self.round_trip(pack(args), 1))[0]
 
     # The commands the stores call, with redis-py's replies.
     async def evalsha(self, sha: str, numkeys: int, *keys_and_args: Arg) -> Any:
@@ -254,7 +255,7 @@ class LeanRedis:
 
     async def aclose(self) -> None:
         if self._connection is not None:
-            self._connection._fail(RedisConnectionError("Client closed."))
+            self._connection.fail(RedisConnectionError("Client closed."))
             self._connection = None
 
 
@@ -309,8 +310,10 @@ class LeanPipeline:
         return self._queue(int, "SADD", key, *members)
 
     async def execute(self) -> list[Any]:
+        if not self._commands:
+            return []
         commands = [["MULTI"], *self._commands, ["EXEC"]] if self._transaction else self._commands
-        replies = await self._redis._round_trip(b"".join(pack(c) for c in commands), len(commands))
+        replies = await self._redis.round_trip(b"".join(pack(c) for c in commands), len(commands))
         if self._transaction:
             _raise_errors(replies[:-1])  # a command refused while queued (EXEC then answers EXECABORT)
             replies = replies[-1]

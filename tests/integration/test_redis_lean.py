@@ -80,6 +80,8 @@ async def test_every_command_answers_as_redis_py_does(both: tuple[LeanRedis, Red
         assert await pipe.sadd(members, "x", "y").sadd(members, "x").set(s, 7).delete(name()).execute() == [2, 0, True, 0]
     assert await lean.smembers(members) == await py.smembers(members) == {b"x", b"y"}
     assert await lean.delete(h, t, members, name()) == 3
+    async with lean.pipeline(transaction=False) as pipe:
+        assert await pipe.execute() == []  # nothing queued: no round trip, as redis-py
     sha = await lean.script_load("return {KEYS[1], ARGV[1], 7}")
     assert sha == await py.script_load("return {KEYS[1], ARGV[1], 7}")
     assert await lean.evalsha(sha, 1, "k", 3.5) == await py.evalsha(sha, 1, "k", 3.5) == [b"k", b"3.5", 7]
