@@ -264,7 +264,8 @@ class Handling:
         a terminal event only after the outputs before it are acknowledged, runs each output's `acked`
         in order once the broker acknowledged it, then waits for all of it. Outputs the stage marks
         `with_next` are held until the next one comes and go with it as one record batch, which needs
-        no such wait: the broker appends a batch whole or not at all (a cache hit's chunks and `Done`,
+        no wait for its own records: the broker appends a batch whole or not at all (a terminal event in
+        it still waits for the outputs sent before the batch) (a cache hit's chunks and `Done`,
         an answer's last chunk and its terminal event: about a millisecond less per request).
         The next message of an ordered partition may start once this one's outputs are queued in the
         producer, before they are acknowledged. `earlier`: outputs of the records before this one in
@@ -275,6 +276,8 @@ class Handling:
 
         async def send(outs: list[Out]) -> None:
             nonlocal last
+            if len(outs) > 1 and acks and any(isinstance(out.value, Done | Failed) for out in outs):
+                await asyncio.gather(*acks)  # a batch with a terminal event waits too (below)
             ack = await self._send_together(outs) if len(outs) > 1 else None
             if ack is not None:
                 acks.append(ack)
@@ -285,10 +288,10 @@ class Handling:
                 return
             for out in outs:  # one at a time, as yielded
                 if isinstance(out.value, Done | Failed) and acks:
-                    # A terminal event sent on its own goes out only once every chunk before it is
-                    # acknowledged: after a broker outage, batches that expired are refused while later
-                    # ones are accepted, and a terminal event sent then would overtake the chunks the
-                    # retry sends again.
+                    # A terminal event goes out only once every chunk sent before it is acknowledged,
+                    # alone or in a batch with the last chunks: after a broker outage, batches that
+                    # expired are refused while later ones are accepted (or the producer is renewed), and
+                    # a terminal event sent then would overtake the chunks the retry sends again.
                     await asyncio.gather(*acks)
                 ack = await self._send(out)
                 acks.append(ack)
