@@ -6,14 +6,13 @@ short window into one: a streaming answer's first chunk goes alone and at once (
 does not grow), later ones wait at most the window (`runtime.chunk_window_ms`, 5 ms) for more text; a
 non-streaming answer waits up to `WHOLE_FACTOR` windows, so a fast backend's whole answer is one
 message. A window of 0 sends every delta as its own chunk. A chunk never
-grows past `MAX_CHUNK_CHARS`. The backend is read ahead in a task of its own (`_Ahead`), so waiting never
-cancels its step.
+grows past `MAX_CHUNK_CHARS`. Waiting never cancels the backend's step: the next delta is awaited in a
+task that the next chunk starts from.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator
 
 from pipeline.backends.base import Delta
@@ -33,57 +32,6 @@ def merged(deltas: list[Delta]) -> Delta:
     return Delta("".join(d.text for d in deltas), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens)
 
 
-class _Ahead:
-    """Reads a backend's deltas in one task of its own, ahead of the chunks, so a chunk takes whatever the
-    backend yielded meanwhile without waiting, and waits (up to its window) only when nothing has come.
-    One task per answer, not one per delta: a backend that has its deltas at hand (the instant backend,
-    an upstream's burst read at once) costs no task or loop iteration per delta. Every backend step runs
-    in that one task, and waiting for a chunk never cancels it."""
-
-    def __init__(self, deltas: AsyncIterator[Delta]) -> None:
-        self._items: deque[Delta] = deque()
-        self._end: BaseException | None = None  # StopAsyncIteration once the backend finished, or its error
-        self._wake: asyncio.Future[None] | None = None
-        self._task = asyncio.ensure_future(self._read(deltas))
-
-    async def _read(self, deltas: AsyncIterator[Delta]) -> None:
-        try:
-            async for delta in deltas:
-                self._items.append(delta)
-                self._notify()
-            self._end = StopAsyncIteration()
-        except BaseException as exc:  # the backend failed, or this task was cancelled by close()
-            self._end = exc
-        self._notify()
-
-    def _notify(self, *_: object) -> None:
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
-
-    async def next(self, deadline: float | None) -> Delta | None:
-        """The next delta; None if `deadline` (loop time) passed first. Raises StopAsyncIteration at the
-        end, or the backend's error after every delta before it."""
-        if not self._items and self._end is None:
-            loop = asyncio.get_running_loop()
-            self._wake = loop.create_future()
-            timer = loop.call_at(deadline, self._notify) if deadline is not None else None
-            try:
-                await self._wake
-            finally:
-                self._wake = None
-                if timer is not None:
-                    timer.cancel()
-        if self._items:
-            return self._items.popleft()
-        if self._end is not None:
-            raise self._end
-        return None
-
-    async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-
-
 async def coalesced(
     deltas: AsyncIterator[Delta], *, streaming: bool, first_alone: bool, window_s: float = STREAM_WINDOW_S,
 ) -> AsyncIterator[Delta]:
@@ -94,30 +42,33 @@ async def coalesced(
         return
     window = window_s if streaming else window_s * WHOLE_FACTOR
     loop = asyncio.get_running_loop()
-    ahead = _Ahead(deltas)
+    upcoming: asyncio.Future[Delta] | None = None  # the next delta, awaited in a task across chunks
     alone = first_alone and streaming
     try:
         while True:
             try:
-                delta = await ahead.next(None)
+                delta = await (upcoming if upcoming is not None else anext(deltas))
             except StopAsyncIteration:
                 return
-            assert delta is not None  # no deadline: only a delta, the end or an error
+            upcoming = None
             group, size, failure, ended = [delta], len(delta.text), None, False
             deadline = loop.time() + window
             while not alone and group[-1].finish_reason is None and size < MAX_CHUNK_CHARS:
+                upcoming = asyncio.ensure_future(anext(deltas))
+                done, _ = await asyncio.wait((upcoming,), timeout=max(deadline - loop.time(), 0.0))
+                if not done:
+                    break  # the window closed: this chunk goes; the next starts from `upcoming`
+                step, upcoming = upcoming, None
                 try:
-                    more = await ahead.next(deadline)
+                    delta = step.result()
                 except StopAsyncIteration:
                     ended = True
                     break
                 except BaseException as exc:  # the backend failed or was cancelled: send what came first
                     failure = exc
                     break
-                if more is None:
-                    break  # the window closed: this chunk goes; the next starts from what comes later
-                group.append(more)
-                size += len(more.text)
+                group.append(delta)
+                size += len(delta.text)
             alone = False
             yield merged(group)
             if failure is not None:
@@ -125,4 +76,6 @@ async def coalesced(
             if ended:
                 return
     finally:
-        await ahead.close()
+        if upcoming is not None:
+            upcoming.cancel()
+            await asyncio.gather(upcoming, return_exceptions=True)

@@ -67,23 +67,6 @@ async def test_text_before_a_backend_failure_is_sent_then_the_failure() -> None:
     assert "".join(d.text for d in got) == "t0 t1 t2 t3 "
 
 
-async def test_every_backend_step_runs_in_one_task_however_the_chunks_fall() -> None:
-    """The backend is read ahead in one task (not one task per delta): cheap when its deltas are at hand,
-    and a step that spans a wait (an upstream's read under a timeout scope) stays in the task it began in."""
-    tasks: list[asyncio.Task[object] | None] = []
-
-    async def recorded() -> AsyncIterator[Delta]:
-        for i in range(9):
-            tasks.append(asyncio.current_task())
-            if i % 3 == 2:
-                await asyncio.sleep(0.02)  # past the window: the chunk goes without this delta
-            yield Delta(f"t{i} ", (i,), "length" if i == 8 else None)
-
-    out = await collect(coalesced(recorded(), streaming=True, first_alone=True, window_s=0.005))
-    assert "".join(d.text for d in out) == "".join(f"t{i} " for i in range(9)) and len(out) > 2
-    assert len({id(t) for t in tasks}) == 1
-
-
 async def test_decode_sends_a_non_streaming_answer_as_one_chunk() -> None:
     backend = ScriptedBackend(["a", "b", "c", "d", "e", "f"])
     handed = await prefilled(backend, stream=False)
