@@ -1,13 +1,14 @@
 """One suite for every implementation of per-request state: the in-memory store (what unit tests use) and
-the Redis one on each client (LeanRedis, what the stages use; redis-py's), so all keep the same semantics. Then what only Redis can show: a TTL on every
-key, scripts reloaded after Redis lost them, and InfraUnavailable when Redis is away."""
+the Redis one on each client (LeanRedis, what the stages use; redis-py's), so all keep the same
+semantics. Then what only Redis can show: a TTL on every key, scripts reloaded after Redis lost them,
+and InfraUnavailable when Redis is away."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import pytest_asyncio
@@ -32,6 +33,7 @@ def lean(url: str) -> LeanRedis:
 
 
 CLIENTS = pytest.mark.parametrize("make", [lean, client], ids=["lean", "redis-py"])
+Make = Callable[[str], Redis | LeanRedis]
 
 
 @pytest_asyncio.fixture(params=["memory", "redis", "lean"], loop_scope="session")
@@ -143,7 +145,7 @@ async def test_concurrent_takes_see_each_other_exactly_once(store: StateStore) -
 
 
 @CLIENTS
-async def test_every_key_the_redis_store_writes_has_a_ttl(settings: Settings, redis: Redis, make) -> None:
+async def test_every_key_the_redis_store_writes_has_a_ttl(settings: Settings, redis: Redis, make: Make) -> None:
     store = RedisStateStore(make(settings.redis.url), ttl_s=30.0, prefix=PREFIX)
     written, claimed, taken, fenced = key(), key(), key(), key()
     await store.write(written, {"a": b"1"})
@@ -158,7 +160,7 @@ async def test_every_key_the_redis_store_writes_has_a_ttl(settings: Settings, re
 
 
 @CLIENTS
-async def test_scripts_are_loaded_again_after_redis_lost_them(settings: Settings, redis: Redis, make) -> None:
+async def test_scripts_are_loaded_again_after_redis_lost_them(settings: Settings, redis: Redis, make: Make) -> None:
     store = RedisStateStore(make(settings.redis.url), ttl_s=30.0, prefix=PREFIX)
     k = key()
     await redis.script_flush()
@@ -171,7 +173,7 @@ async def test_scripts_are_loaded_again_after_redis_lost_them(settings: Settings
 
 
 @CLIENTS
-async def test_unreachable_redis_raises_infra_unavailable_quickly(make) -> None:
+async def test_unreachable_redis_raises_infra_unavailable_quickly(make: Make) -> None:
     store = RedisStateStore(make("redis://:hunter2@127.0.0.1:1/0"))
     k = key()
     calls = [
