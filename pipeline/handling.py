@@ -264,9 +264,9 @@ class Handling:
         a terminal event only after the outputs before it are acknowledged, runs each output's `acked`
         in order once the broker acknowledged it, then waits for all of it. Outputs the stage marks
         `with_next` are held until the next one comes and go with it as one record batch, which needs
-        no wait for its own records: the broker appends a batch whole or not at all (a terminal event in
-        it still waits for the outputs sent before the batch) (a cache hit's chunks and `Done`,
-        an answer's last chunk and its terminal event: about a millisecond less per request).
+        no wait for its own records: the broker appends a batch whole or not at all (a cache hit's
+        chunks and `Done`, an answer's last chunk and its terminal event: about a millisecond less per
+        request). A terminal event in a batch still waits for the outputs sent before the batch.
         The next message of an ordered partition may start once this one's outputs are queued in the
         producer, before they are acknowledged. `earlier`: outputs of the records before this one in
         its group (`process_group`), held as if marked `with_next`."""
