@@ -10,6 +10,7 @@
     anything else (a bug)             -> llm.dlq and an `internal` terminal event
 
 A record's fate is decided here and nothing escapes but cancellation, so no record stops a stage.
+The topics a stage hears besides its input (control, table, reports) are followed in `pipeline.following`.
 
 Handover (`runtime.handover`, on by default): an output for the input topic of a request-part stage
 (guard, cache, route: no per-request state in memory, no order to keep) that runs in the same process
@@ -40,13 +41,12 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
 
-from pipeline import kafka, metrics, tracing
+from pipeline import metrics, tracing
 from pipeline.errors import InfraUnavailable, RetriableError, StageError, Undeliverable
 from pipeline.producing import Producer
 from pipeline.settings import Settings
 from pipeline.stage import Address, Out, Resettable, Stage, address_of
 from topics import codec, dlq, registry
-from topics.control import Cancel
 from topics.errors import ErrorCode
 from topics.stream import Done, Failed
 
@@ -95,7 +95,7 @@ class Handling:
             address = Address(rid, reply) if rid and reply else None
             code = ErrorCode.invalid_request if self._reads_requests else ErrorCode.internal
             detail = str(exc) if isinstance(exc, codec.SchemaError) else type(exc).__name__
-            await self._dead_letter(record, "SchemaError", detail, address, rid, code)
+            await self.dead_letter(record, "SchemaError", detail, address, rid, code)
             return "invalid"
         return await self._handle_message(message, record, span, handed_over, before)
 
@@ -229,10 +229,10 @@ class Handling:
                 return "ok"
             except RetriableError as exc:
                 if attempt >= MAX_ATTEMPTS:
-                    await self._dead_letter(record, type(exc).__name__, exc.message, address, None, ErrorCode.internal)
+                    await self.dead_letter(record, type(exc).__name__, exc.message, address, None, ErrorCode.internal)
                     return "dead_letter"
             except Undeliverable as exc:
-                await self._dead_letter(record, "Undeliverable", str(exc), None, address and address.request_id, None)
+                await self.dead_letter(record, "Undeliverable", str(exc), None, address and address.request_id, None)
                 return "undeliverable"
             except StageError as exc:
                 if address is not None:
@@ -254,7 +254,7 @@ class Handling:
                 where = traceback.extract_tb(exc.__traceback__)[-1]
                 detail = f"{type(exc).__name__} at {where.filename.rsplit('/', 1)[-1]}:{where.lineno}"
                 log.error("stage=%s request=%s failed: %s", self.stage.name, address and address.request_id, detail)
-                await self._dead_letter(record, type(exc).__name__, detail, address, None, ErrorCode.internal)
+                await self.dead_letter(record, type(exc).__name__, detail, address, None, ErrorCode.internal)
                 return "dead_letter"
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
@@ -293,7 +293,7 @@ class Handling:
                     # expired are refused while later ones are accepted (or the producer is renewed), and
                     # a terminal event sent then would overtake the chunks the retry sends again.
                     await asyncio.gather(*acks)
-                ack = await self._send(out)
+                ack = await self.send(out)
                 acks.append(ack)
                 _on_delivery(ack, out)
                 if out.acked is not None:
@@ -314,9 +314,9 @@ class Handling:
                 await last
         finally:
             for ack in acks:  # on an early exit nobody awaits them: retrieve their errors quietly
-                ack.add_done_callback(_quiet)
+                ack.add_done_callback(quiet)
             if last is not None:
-                last.add_done_callback(_quiet)
+                last.add_done_callback(quiet)
 
     async def _send_together(self, outs: list[Out]) -> asyncio.Future[Any] | None:
         """One record batch for `outs` when they share a topic and key and fit, or one `take_group` when
@@ -333,7 +333,7 @@ class Handling:
             metrics.PRODUCED.labels(self.stage.name, first.topic).inc(len(outs))
         return ack
 
-    async def _send(self, out: Out) -> asyncio.Future[Any]:
+    async def send(self, out: Out) -> asyncio.Future[Any]:
         taker = self._taker(out.topic)
         if taker is not None:
             return await taker.take(out)
@@ -345,7 +345,7 @@ class Handling:
         backoff = 0.1
         while True:
             try:
-                await (await self._send(out))
+                await (await self.send(out))
                 return
             except INFRA as exc:
                 log.warning("stage=%s cannot produce to %s (%s); retrying in %.1f s", self.stage.name, out.topic, type(exc).__name__, backoff)
@@ -360,7 +360,7 @@ class Handling:
             return
         await self._send_surely(Out(topic, address.request_id, address.failed(code, message, **extra)))
 
-    async def _dead_letter(
+    async def dead_letter(
         self, record: ConsumerRecord[bytes, bytes] | Handed, error_type: str, error: str, address: Address | None,
         rid: str | None, code: ErrorCode | None,
     ) -> None:
@@ -377,75 +377,6 @@ class Handling:
         if address is not None and code is not None:
             text = f"the {self.stage.name} stage could not process this request ({letter.error_type}); it is in the dead-letter topic"
             await self.terminal(address, code, text)
-
-    async def control_loop(self, stop: asyncio.Event, client_id: str) -> None:
-        """Every message on the stage's control topic, from now on, to its `on_control`; survives anything."""
-        await self._follow(stop, client_id + "-control", self.stage.topics.control, Cancel, getattr(self.stage, "on_control"))
-
-    async def table_loop(self, stop: asyncio.Event, client_id: str) -> None:
-        """Every record of the stage's table (a compacted topic), from its start, to its `on_table`; after a
-        lost connection the table is read again from its start (applying a record twice is harmless)."""
-        topic = self.stage.topics.table
-        assert topic is not None
-        await self._follow(stop, client_id + "-table", topic, getattr(self.stage, "table_type"), getattr(self.stage, "on_table"),
-                           from_start=True)
-
-    async def report_loop(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
-        """What the stage reports (`Reporting.report`), produced once a second; a failed produce is dropped
-        (the next report replaces it)."""
-        report = getattr(self.stage, "report")
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), every_s)
-            except TimeoutError:
-                pass
-            for out in report():
-                try:
-                    (await self._send(out)).add_done_callback(_quiet)
-                except INFRA as exc:
-                    log.debug("stage=%s report not sent (%s)", self.stage.name, type(exc).__name__)
-
-    async def _follow(
-        self, stop: asyncio.Event, client_id: str, topic: str, kind: Any, apply: Callable[[Any], Awaitable[None]],
-        *, from_start: bool = False,
-    ) -> None:
-        backoff = 0.5
-        while not stop.is_set():
-            try:
-                consumer = await kafka.broadcast_consumer(self.settings, (topic,), client_id, from_start=from_start)
-            except (LookupError, *INFRA) as exc:
-                log.warning("stage=%s %s unavailable (%s); retrying", self.stage.name, topic, type(exc).__name__)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
-                continue
-            try:
-                while not stop.is_set():
-                    batch = await consumer.getmany(timeout_ms=100)
-                    for records in batch.values():
-                        for record in records:
-                            await self._apply(record, kind, apply, from_start)
-            except INFRA as exc:
-                log.warning("stage=%s consumer of %s failed (%s); reconnecting", self.stage.name, topic, type(exc).__name__)
-            finally:
-                await consumer.stop()
-
-    async def _apply(
-        self, record: ConsumerRecord[bytes, bytes], kind: Any, apply: Callable[[Any], Awaitable[None]], table: bool,
-    ) -> None:
-        if record.value is None and table:
-            return  # a compacted table's tombstone: its key was deleted
-        try:
-            message = codec.decode(record.value, kind)
-        except Exception as exc:
-            await self._dead_letter(record, "SchemaError", str(exc) if isinstance(exc, codec.SchemaError) else type(exc).__name__, None, None, None)
-            return
-        try:
-            await apply(message)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("stage=%s record of %s failed: %s", self.stage.name, record.topic, type(exc).__name__)
-
 
 @dataclass(frozen=True)
 class Handed:
@@ -490,7 +421,7 @@ def _on_delivery(ack: asyncio.Future[Any], out: Out) -> None:
         ack.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None else delivered())
 
 
-def _quiet(future: asyncio.Future[Any]) -> None:
+def quiet(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
 

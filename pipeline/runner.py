@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
-from pipeline import kafka, metrics
+from pipeline import following, kafka, metrics
 from pipeline.handling import Handling, takes_groups
 from pipeline.observability.lag import LagWatch
 from pipeline.offsets import OffsetTracker
@@ -92,11 +92,11 @@ class Runner:
         handling = self._handling or Handling(self.stage, self.settings, self._producer)
         followers = []  # the topics a stage hears besides its input: cancellations, a table
         if isinstance(self.stage, Controlled):
-            followers.append(asyncio.create_task(handling.control_loop(stop, self.client_id)))
+            followers.append(asyncio.create_task(following.control_loop(handling, stop, self.client_id)))
         if isinstance(self.stage, Tabled):
-            followers.append(asyncio.create_task(handling.table_loop(stop, self.client_id)))
+            followers.append(asyncio.create_task(following.table_loop(handling, stop, self.client_id)))
         if isinstance(self.stage, Reporting):
-            followers.append(asyncio.create_task(handling.report_loop(stop)))
+            followers.append(asyncio.create_task(following.report_loop(handling, stop)))
         try:
             await self._poll_loop(stop, handling)
         finally:
