@@ -21,6 +21,7 @@ from pipeline.redis_lean import LeanPipeline, LeanRedis
 
 _LUA = Path(__file__).with_name("lua")
 DOWN = (RedisConnectionError, RedisTimeoutError, OSError)  # BusyLoadingError (a restart) is a ConnectionError
+Pipe = Pipeline | LeanPipeline  # either client's pipeline: the same calls
 
 
 def rate_keys(scope: Scope) -> list[str]:
@@ -43,7 +44,7 @@ class _Script:
         self.text = (_LUA / name).read_text()
         self.sha = hashlib.sha1(self.text.encode()).hexdigest()
 
-    def __call__(self, pipe: Pipeline | LeanPipeline, keys: list[str], args: list[Any]) -> None:
+    def __call__(self, pipe: Pipe, keys: list[str], args: list[Any]) -> None:
         pipe.evalsha(self.sha, len(keys), *keys, *args)
 
 
@@ -55,7 +56,7 @@ class RedisLimiter:
         self._charge = _Script("charge.lua")
         self._release = _Script("release.lua")
 
-    async def _run(self, build: Callable[[Pipeline | LeanPipeline], None]) -> list[Any]:
+    async def _run(self, build: Callable[[Pipe], None]) -> list[Any]:
         """One round trip of the commands `build` queues; StoreUnavailable if Redis is away."""
         try:
             for attempt in (1, 2):
@@ -73,7 +74,7 @@ class RedisLimiter:
         raise AssertionError("unreachable")
 
     async def admit(self, scopes: Sequence[Scope], member: str, tokens: int, ticket: bytes, ticket_ttl_s: float) -> Refusal | None:
-        def admit_all(pipe: Pipeline | LeanPipeline) -> None:
+        def admit_all(pipe: Pipe) -> None:
             for s in scopes:
                 args = [self._window_ms, s.rpm, s.tpm, repr(float(s.budget)), member, tokens]
                 self._admit(pipe, [*rate_keys(s), spend_key(s)], args)
@@ -84,7 +85,7 @@ class RedisLimiter:
         if not refused:
             return None
 
-        def release(pipe: Pipeline | LeanPipeline) -> None:
+        def release(pipe: Pipe) -> None:
             for s, r in zip(scopes, results, strict=False):
                 if int(r[0]) == 1:
                     self._release(pipe, rate_keys(s), [self._window_ms, member, tokens])
@@ -100,7 +101,7 @@ class RedisLimiter:
     async def charge(self, scopes: Sequence[Scope], member: str, tokens: int, spend: float) -> None:
         if tokens <= 0 and spend <= 0:
             return
-        def charge_all(pipe: Pipeline | LeanPipeline) -> None:
+        def charge_all(pipe: Pipe) -> None:
             for s in scopes:
                 keys = [rate_keys(s)[1], rate_keys(s)[2], spend_key(s)]
                 self._charge(pipe, keys, [self._window_ms, member, tokens, repr(float(spend if s.billed else 0.0))])
