@@ -96,7 +96,15 @@ async def test_no_raw_key_in_any_topic_or_segment_file(secure_bridge: SecureBrid
     request_segments = [f for f in files if f.parent.name.startswith(SECURE_REQUESTS + "-") and f.suffix == ".log"]
     assert request_segments, f"no segment of {SECURE_REQUESTS} under {log_dir}"
     assert any(hash_key(key).encode() in f.read_bytes() for f in request_segments)  # the grep sees what was written
-    assert [str(f) for f in files if secret in f.read_bytes()] == []
+    assert [str(f) for f in files if secret in contents(f)] == []
+
+
+def contents(path) -> bytes:
+    """A file's bytes; the broker renames its checkpoint `.tmp` files while we walk, so one may be gone."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return b""
 
 
 async def test_the_brokers_directories_and_files_are_private(secure_bridge: SecureBridge) -> None:
