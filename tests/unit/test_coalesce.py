@@ -67,6 +67,60 @@ async def test_text_before_a_backend_failure_is_sent_then_the_failure() -> None:
     assert "".join(d.text for d in got) == "t0 t1 t2 t3 "
 
 
+async def test_every_backend_step_runs_in_one_task_however_the_chunks_fall() -> None:
+    """The backend is read ahead in one task (not one task per delta): cheap when its deltas are at hand,
+    and a step that spans a wait (an upstream's read under a timeout scope) stays in the task it began in."""
+    tasks: list[asyncio.Task[object] | None] = []
+
+    async def recorded() -> AsyncIterator[Delta]:
+        for i in range(9):
+            tasks.append(asyncio.current_task())
+            if i % 3 == 2:
+                await asyncio.sleep(0.02)  # past the window: the chunk goes without this delta
+            yield Delta(f"t{i} ", (i,), "length" if i == 8 else None)
+
+    out = await collect(coalesced(recorded(), streaming=True, first_alone=True, window_s=0.005))
+    assert "".join(d.text for d in out) == "".join(f"t{i} " for i in range(9)) and len(out) > 2
+    assert len({id(t) for t in tasks}) == 1
+
+
+async def test_a_stalled_sender_gets_the_chunks_a_quick_one_gets() -> None:
+    """Chunks split where the backend paused, not where the sender came back: a retry after a failed
+    send regenerates the same chunks, so emit (which takes a chunk by seq) cannot mix two attempts.
+    The backend runs on its own, as the engine does, and queues its deltas: three at once, then a pause."""
+
+    async def engine_like() -> AsyncIterator[Delta]:
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+
+        async def produce() -> None:
+            for i in range(12):
+                if i and i % 3 == 0:
+                    await asyncio.sleep(0.03)
+                queue.put_nowait(Delta(f"t{i} ", (i,), "stop" if i == 11 else None))
+
+        producer = asyncio.ensure_future(produce())
+        try:
+            while True:
+                delta = await queue.get()
+                yield delta
+                if delta.finish_reason:
+                    return
+        finally:
+            producer.cancel()
+
+    async def chunks(stall_s: float) -> list[str]:
+        out = []
+        async for delta in coalesced(engine_like(), streaming=True, first_alone=False, window_s=0.01):
+            out.append(delta.text)
+            if len(out) == 1:
+                await asyncio.sleep(stall_s)  # the send blocks: the broker is away, the deltas pile up
+        return out
+
+    quick, stalled = await chunks(0.0), await chunks(0.2)
+    assert quick == ["t0 t1 t2 ", "t3 t4 t5 ", "t6 t7 t8 ", "t9 t10 t11 "]
+    assert stalled == quick
+
+
 async def test_decode_sends_a_non_streaming_answer_as_one_chunk() -> None:
     backend = ScriptedBackend(["a", "b", "c", "d", "e", "f"])
     handed = await prefilled(backend, stream=False)
