@@ -160,7 +160,7 @@ class DecodeStage:
         usage = lambda p: self._usage(message, p, last)  # noqa: E731
         if (reason := self._cancel_reason(rid, stored)) is not None:
             text = "cancelled before decode started"
-            yield self._terminal(rid, address.failed(CANCEL_CODE[reason], text, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
+            yield self._terminal(rid, progress, address.failed(CANCEL_CODE[reason], text, chunks=progress.next_seq, usage=usage(progress), timings=timings()))
             return
         error: tuple[ErrorCode, str] | None = None
         retry_after: float | None = None  # an upstream's retry-after, passed on to the client
@@ -184,9 +184,10 @@ class DecodeStage:
                         chunk = address.chunk(progress.next_seq - 1, delta.text, pending)
                         if chunk.seq == 0 and self.stats is not None:
                             self.stats.first_token(clock.ms())
-                        # the backend's last delta: its terminal event follows at once, in the same batch
+                        # the backend's last delta: its terminal event follows at once, in the same batch,
+                        # and records this chunk's progress with the ending (one round trip fewer)
                         ends = delta.finish_reason is not None
-                        yield Out(self.topics.stream or "", rid, chunk, acked=self._record(rid, progress), with_next=ends)
+                        yield Out(self.topics.stream or "", rid, chunk, acked=None if ends else self._record(rid, progress), with_next=ends)
                         pending = ()
                     elif pending:
                         progress = msgspec.structs.replace(progress, tokens=progress.tokens + pending)
@@ -208,10 +209,10 @@ class DecodeStage:
             if out.topic != registry.HEALTH:  # sent on to a fallback backend: its terminal is the fallback's
                 return
         if error is not None:
-            yield self._terminal(rid, address.failed(*error, chunks=progress.next_seq, usage=usage(progress),
+            yield self._terminal(rid, progress, address.failed(*error, chunks=progress.next_seq, usage=usage(progress),
                                                      timings=timings(), retry_after_s=retry_after))
             return
-        yield self._terminal(rid, address.done(chunks=progress.next_seq, digest=progress.digest, finish=finish,
+        yield self._terminal(rid, progress, address.done(chunks=progress.next_seq, digest=progress.digest, finish=finish,
                                                usage=usage(progress), timings=timings()))
 
     def _ended(self, message: Prefilled, failure: BackendError | None, sent: int) -> list[Out]:
@@ -280,14 +281,18 @@ class DecodeStage:
 
         return acked
 
-    def _terminal(self, rid: str, event: Done | Failed) -> Out:
+    def _terminal(self, rid: str, progress: Progress, event: Done | Failed) -> Out:
         """The request's ending. Once the broker acknowledged it (and so every chunk before it), it is
         recorded, so a worker that meets the request later sends this ending again (emit drops the
-        repeat) instead of generating; only while this worker owns the request."""
+        repeat) instead of generating; only while this worker owns the request. The same call records
+        `progress` unless a later one is (the last chunk, which goes in the ending's batch, records
+        nothing itself)."""
         encoded = codec.encode(event)
+        position = msgspec.msgpack.encode(progress)
 
         async def acked() -> None:
-            if not await self._store.write(rid, {"finished": encoded}, owner=self._owner):
+            if not await self._store.advance(rid, "next_seq", progress.next_seq, {"progress": position},
+                                             owner=self._owner, always={"finished": encoded}):
                 raise InfraUnavailable("taken over by another decode worker")
 
         return Out(self.topics.stream or "", rid, event, acked=acked)

@@ -348,12 +348,15 @@ class EmitStage:
             if position:
                 await self._recorded(sent, position - 1)
             async with sent.writing:
-                if position and position <= sent.stored:
+                if position and position <= sent.stored or "terminal" in fields and sent.ended:
                     return
+                # The terminal event already acknowledged (it went in this chunk's batch): recorded with the
+                # position, and its own write finds it done (one round trip fewer per request)
+                ending = {"terminal": b"1"} if position and rid in self._delivered else None
                 started = self._clock()
                 try:
                     if position:  # the store keeps the furthest position: a late write of an earlier one is dropped
-                        written = await self._store.advance(_key(rid), "emitted", position, fields, owner=self._owner)
+                        written = await self._store.advance(_key(rid), "emitted", position, fields, owner=self._owner, always=ending)
                     else:
                         written = await self._store.write(_key(rid), fields, owner=self._owner)
                 except BaseException:
@@ -366,7 +369,7 @@ class EmitStage:
                 sent.advance(position)
                 if position and position >= self._unsure.get(rid, position + 1):
                     del self._unsure[rid]  # every chunk forwarded before the failure is recorded now
-                if "terminal" in fields:
+                if "terminal" in fields or ending:
                     sent.ended = True
                     self._delivered.pop(rid, None)
                 self._retire(rid, sent)

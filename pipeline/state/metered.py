@@ -30,8 +30,11 @@ class MeteredStore:
             self._fenced.inc()
         return written
 
-    async def advance(self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str) -> bool:
-        written = await self._inner.advance(key, field, position, fields, owner=owner)
+    async def advance(
+        self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str,
+        always: Mapping[str, bytes] | None = None,
+    ) -> bool:
+        written = await self._inner.advance(key, field, position, fields, owner=owner, always=always)
         if not written:
             self._fenced.inc()
         return written

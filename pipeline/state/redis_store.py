@@ -90,9 +90,13 @@ class RedisStateStore:
                 await pipe.execute()
         return True
 
-    async def advance(self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str) -> bool:
+    async def advance(
+        self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str,
+        always: Mapping[str, bytes] | None = None,
+    ) -> bool:
+        first = [item for name, value in (always or {}).items() for item in (name, value)]
         pairs = [item for name, value in fields.items() for item in (name, value)]
-        return int(await self._eval(self._advance, key, owner, field, position, *pairs)) == 1
+        return int(await self._eval(self._advance, key, owner, field, position, len(first) // 2, *first, *pairs)) == 1
 
     async def claim(self, key: str, field: str, value: bytes) -> bool:
         return int(await self._eval(self._claim, key, field, value)) == 1

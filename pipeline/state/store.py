@@ -34,10 +34,15 @@ class StateStore(Protocol):
         `owner`; otherwise (another owner took it, or the key is gone) writes nothing and returns False (fenced).
         Without owner: always writes, returns True."""
 
-    async def advance(self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str) -> bool:
+    async def advance(
+        self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str,
+        always: Mapping[str, bytes] | None = None,
+    ) -> bool:
         """A fenced write of a position: while the key's owner is `owner`, sets `field` to `position` (as
-        decimal bytes) together with `fields` if it holds less (absent: 0), else writes nothing; refreshes
-        the TTL either way. True when the key now holds `position` or a later one; False when fenced."""
+        decimal bytes) together with `fields` if it holds less (absent: 0), else writes nothing of them;
+        sets `always` in either case (a request's ending, recorded in the same round trip as its last
+        position); refreshes the TTL either way. True when the key now holds `position` or a later one;
+        False when fenced."""
 
     async def claim(self, key: str, field: str, value: bytes) -> bool:
         """Sets `field` only if it is absent (and refreshes the TTL); True when this call set it. A claim
@@ -106,14 +111,18 @@ class MemoryStateStore:
         self._put(key, {**(current or {}), **fields})
         return True
 
-    async def advance(self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str) -> bool:
+    async def advance(
+        self, key: str, field: str, position: int, fields: Mapping[str, bytes], *, owner: str,
+        always: Mapping[str, bytes] | None = None,
+    ) -> bool:
         current = self._live(key)
         if current is None or current.get(OWNER) != owner.encode():
             return False
+        current = {**current, **(always or {})}
         if int(current.get(field, b"0")) < position:
             self._put(key, {**current, **fields, field: b"%d" % position})
         else:
-            self._put(key, current)  # the TTL only
+            self._put(key, current)  # `always` and the TTL only
         return True
 
     async def claim(self, key: str, field: str, value: bytes) -> bool:

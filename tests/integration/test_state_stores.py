@@ -125,6 +125,23 @@ async def test_a_position_only_moves_forward_and_is_fenced_by_owner(store: State
     assert await store.advance(key(), "emitted", 1, {}, owner="w1") is False  # a missing key has no owner
 
 
+async def test_an_ending_is_recorded_with_the_last_position_or_after_it(store: StateStore) -> None:
+    """`always`: a request's ending goes with its last position in one call, and is written even when
+    that position was recorded already (a late write); still fenced by the owner."""
+    k = key()
+    await store.take(k, "w1")
+    assert await store.advance(k, "emitted", 2, {"digest": b"b"}, owner="w1", always={"terminal": b"1"}) is True
+    assert await store.read(k) == {"owner": b"w1", "emitted": b"2", "digest": b"b", "terminal": b"1"}
+    other = key()
+    await store.take(other, "w1")
+    assert await store.advance(other, "emitted", 2, {"digest": b"b"}, owner="w1") is True
+    assert await store.advance(other, "emitted", 2, {"digest": b"late"}, owner="w1", always={"terminal": b"1"}) is True
+    assert await store.read(other) == {"owner": b"w1", "emitted": b"2", "digest": b"b", "terminal": b"1"}
+    await store.take(other, "w2")
+    assert await store.advance(other, "emitted", 3, {}, owner="w1", always={"finished": b"x"}) is False
+    assert "finished" not in await store.read(other)
+
+
 async def test_forget_deletes_the_key(store: StateStore) -> None:
     k = key()
     await store.take(k, "w1")

@@ -242,9 +242,9 @@ class FlakyStore(MemoryStateStore):
         self._failing()
         return await super().write(key, fields, owner=owner)
 
-    async def advance(self, key: str, field: str, position: int, fields, *, owner: str) -> bool:  # type: ignore[no-untyped-def]
+    async def advance(self, key: str, field: str, position: int, fields, *, owner: str, always=None) -> bool:  # type: ignore[no-untyped-def]
         self._failing()
-        return await super().advance(key, field, position, fields, owner=owner)
+        return await super().advance(key, field, position, fields, owner=owner, always=always)
 
 
 @pytest.mark.asyncio

@@ -111,6 +111,46 @@ async def test_the_last_chunk_and_the_ending_leave_in_one_batch_before_any_ack()
     assert stored.get("terminal") == b"1" and stored.get("emitted") == b"1"  # recorded after the acknowledgement
 
 
+class Counted(MemoryStateStore):
+    """A memory store that lists its writes: (call, key, fields written in any case or with a position)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[tuple[str, str, set[str]]] = []
+
+    async def write(self, key: str, fields, *, owner: str | None = None) -> bool:  # type: ignore[no-untyped-def]
+        self.writes.append(("write", key, set(fields)))
+        return await super().write(key, fields, owner=owner)
+
+    async def advance(self, key: str, field: str, position: int, fields, *, owner: str, always=None) -> bool:  # type: ignore[no-untyped-def]
+        self.writes.append(("advance", key, {field, *fields, *(always or {})}))
+        return await super().advance(key, field, position, fields, owner=owner, always=always)
+
+
+@pytest.mark.asyncio
+async def test_the_last_chunk_and_the_ending_acknowledged_together_are_recorded_in_one_call() -> None:
+    producer, store = HeldAcks(), Counted()
+    handling = Handling(EmitStage(SETTINGS, node("emit").topics, store), Settings(), producer)  # type: ignore[arg-type]
+    assert await acknowledged(asyncio.create_task(handling.process_group([record(chunk(0), 5), record(done(1), 6)], None, None)),
+                              producer) == ["ok", "ok"]
+    assert store.writes == [("advance", RID + "#emit", {"emitted", "digest", "terminal"})]
+    assert (await store.read(RID + "#emit")).get("terminal") == b"1"
+
+
+@pytest.mark.asyncio
+async def test_a_generate_stage_records_its_last_chunk_with_its_ending_in_one_call() -> None:
+    producer, store = HeldAcks(), Counted()
+    words = ["Hello", " there", "."]
+    message = helpers.routed(helpers.request("r1"))
+    sender = generate_emit(producer, store, ScriptedBackend(words))
+    assert await acknowledged(asyncio.create_task(sender.process(record_of(message, "llm.routed.local"), None)), producer) == "ok"
+    generated = [(call, fields) for call, key, fields in store.writes if key == message.id]
+    assert generated == [("advance", {"next_seq", "progress"})] * 2 + [("advance", {"next_seq", "progress", "finished"})]
+    assert [call for call, key, _ in store.writes if key == message.id + "#emit"] == ["advance"] * 3  # the last with "terminal"
+    stored = await store.read(message.id)
+    assert stored["next_seq"] == b"3" and stored.get("finished")
+
+
 @pytest.mark.asyncio
 async def test_a_failure_in_the_group_resets_the_request_and_handles_it_record_by_record() -> None:
     producer, store = HeldAcks(), MemoryStateStore()
