@@ -2,7 +2,9 @@
 (emit to clients): a tagged union of numbered chunks and exactly one terminal event per request.
 
 `Chunk.seq` runs 0..n-1 with no gap; `Done.chunks` is n and `Done.digest` the hash chain of the chunk
-texts (`digest_step`: resumable, so a worker that takes a stream over continues it).
+texts (`digest_step`: resumable, so a worker that takes a stream over continues it). postguard and emit
+check it against the chain of the chunks they took: a stream whose chunks came from two attempts cut
+differently ends `stream_incomplete`, not as an answer.
 Every event carries the pipeline's request id (`<tenant>/<client id>`, topics.hops) and the tenant.
 Stages that end a request early (ingest rejects it, a handler fails) send a `Failed` into the stream
 topics, so emit is the only writer of reply topics. Ingest's refusals of requests it could not

@@ -284,16 +284,23 @@ class EmitStage:
             raise InfraUnavailable("an earlier message of this request is being retried; its chunks may still come")
 
     def _terminal(self, message: Done | Failed, sent: _Sent, clock: Stopwatch) -> Done | Failed:
-        """The event the client gets: the chunk count and digest of what it received, or, when chunks
-        are missing (a gap, or fewer than the stream claims), `stream_incomplete`."""
+        """The event the client gets: the chunk count and digest of what it received, or
+        `stream_incomplete` when chunks are missing (a gap, or fewer than the stream claims) or what it
+        received is not what the stream's writer sent: the digest chains differ when a retry after a
+        failed send cut its chunks otherwise than the attempt whose chunks did land (docs/reliability.md),
+        and the client must not take that text for the answer."""
         now = time.time()
         total = round((now - message.created_at) * 1000.0, 3) if message.created_at else 0.0
         timings = {**message.timings, self.name: clock.ms(), "total": total}
         received = sent.order.next_seq
+        text = None
         if sent.order.gap() or message.chunks > received:
+            text = f"chunks {received}..{message.chunks - 1} of this answer were lost; retry the request"
+        elif isinstance(message, Done) and message.digest != sent.digest:
+            text = "the chunks of this answer that reached you differ from the ones generated; retry the request"
+        if text is not None:
             address = address_of(message)
             assert address is not None
-            text = f"chunks {received}..{message.chunks - 1} of this answer were lost; retry the request"
             return address.failed(ErrorCode.stream_incomplete, text, chunks=received, usage=message.usage, timings=timings)
         if isinstance(message, Done):
             return msgspec.structs.replace(message, chunks=received, digest=sent.digest, timings=timings, ticket=None)

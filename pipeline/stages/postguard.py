@@ -59,11 +59,13 @@ class _Stream:
     spent_s: float = 0.0  # time spent in this stage on the request, over all its chunks
     killed: Reason | None = None  # set when the kill switch fired; decode's terminal event is awaited
     unacked: dict[int, str] = field(default_factory=dict)  # released, not yet acknowledged: seq -> text
+    received: str = EMPTY_DIGEST  # the hash chain of the input texts taken in order ("": not known)
 
     def window(self) -> bytes:
         return postguard_state.encode(postguard_state.window_of(
             self.check, next_in=self.order.next_seq, next_out=self.next_out, digest=self.digest,
-            unacked=self.unacked, killed=self.killed, held={c.seq: c.text for c in self.order.held()}))
+            unacked=self.unacked, killed=self.killed, held={c.seq: c.text for c in self.order.held()},
+            received=self.received))
 
     @classmethod
     def restored(cls, raw: bytes, policy: GuardPolicy, message: StreamEvent) -> _Stream:
@@ -72,7 +74,7 @@ class _Stream:
         for seq, text in w.held.items():  # all above next_in: held again behind the same gap
             order.accept(Chunk(id=message.id, reply_to=message.reply_to, seq=seq, text=text, tenant=message.tenant, model=message.model))
         return cls(postguard_state.restore_check(w, policy), order, w.next_out, w.digest,
-                   killed=w.killed, unacked=dict(w.unacked))
+                   killed=w.killed, unacked=dict(w.unacked), received=w.received)
 
 
 class PostguardStage:
@@ -197,7 +199,10 @@ class PostguardStage:
                 yield Out(self.topics.forward or "", rid, self._ended(message, stream, stream.killed, started))
             return
         if isinstance(message, Chunk):
-            steps = [self._guard.push(stream.check, c.text) for c in stream.order.accept(message)]
+            taken = stream.order.accept(message)
+            for c in taken:
+                stream.received = digest_step(stream.received, c.text) if stream.received else ""
+            steps = [self._guard.push(stream.check, c.text) for c in taken]
         else:
             steps = [self._guard.finish(stream.check)]
         for step in steps:
@@ -230,6 +235,10 @@ class PostguardStage:
             return address.failed(ErrorCode.content_filter, text, chunks=stream.next_out, usage=message.usage, timings=timings)
         if stream.order.gap() or message.chunks > stream.order.next_seq:  # chunks of the answer never arrived
             text = f"chunks {stream.order.next_seq}..{message.chunks - 1} of this answer were lost; retry the request"
+            return address.failed(ErrorCode.stream_incomplete, text, chunks=stream.next_out, usage=message.usage, timings=timings)
+        if isinstance(message, Done) and stream.received and message.digest != stream.received:
+            # what came in is not what decode sent: two attempts' chunks, cut differently, under the same seqs
+            text = "the chunks of this answer that reached the output guard differ from the ones generated; retry the request"
             return address.failed(ErrorCode.stream_incomplete, text, chunks=stream.next_out, usage=message.usage, timings=timings)
         if isinstance(message, Done):
             return msgspec.structs.replace(message, chunks=stream.next_out, digest=stream.digest, timings=timings)

@@ -40,6 +40,7 @@ class Window(msgspec.Struct, frozen=True):
     unacked: dict[int, str]  # released chunks not yet acknowledged: seq -> text
     killed: Reason | None = None
     held: dict[int, str] = {}  # input chunks that arrived early, held until the gap before them fills: seq -> text
+    received: str = ""  # hash chain of the input texts taken in order ("": a window written before it was kept)
 
 
 _decoder = msgspec.msgpack.Decoder(Window)
@@ -55,10 +56,10 @@ def decode(raw: bytes) -> Window:
 
 def window_of(
     check: StreamState, *, next_in: int, next_out: int, digest: str, unacked: dict[int, str], killed: Reason | None,
-    held: dict[int, str],
+    held: dict[int, str], received: str,
 ) -> Window:
     return Window(next_in, next_out, digest, check.pending, list(check.lengths), check.placeholders.known(),
-                  dict(unacked), killed, held)
+                  dict(unacked), killed, held, received)
 
 
 def restore_check(window: Window, policy: Mapping[str, Action]) -> StreamState:

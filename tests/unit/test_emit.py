@@ -29,8 +29,16 @@ def chunk(seq: int) -> Chunk:
     return Chunk(id=RID, reply_to=REPLY, seq=seq, text=f"t{seq}", tenant="acme")
 
 
+def chain(chunks: int) -> str:
+    """The digest chain of chunks 0..chunks-1 as `chunk()` writes them."""
+    digest = EMPTY_DIGEST
+    for seq in range(chunks):
+        digest = digest_step(digest, f"t{seq}")
+    return digest
+
+
 def done(chunks: int = 2) -> Done:
-    return Done(id=RID, reply_to=REPLY, chunks=chunks, digest="d", finish_reason=FinishReason.stop, usage=Usage(3, 2),
+    return Done(id=RID, reply_to=REPLY, chunks=chunks, digest=chain(chunks), finish_reason=FinishReason.stop, usage=Usage(3, 2),
                 tenant="acme", model="m", created_at=1.0, timings={"decode": 5.0})
 
 
@@ -72,6 +80,19 @@ async def test_a_gap_at_the_end_is_an_error_not_a_holey_answer() -> None:
     sent = await replies(emit(), chunk(0), chunk(2), done(3))
     assert [getattr(m, "seq", "end") for m in sent] == [0, "end"]
     assert isinstance(sent[-1], Failed) and sent[-1].code is ErrorCode.stream_incomplete and sent[-1].chunks == 1
+
+
+@pytest.mark.asyncio
+async def test_chunks_cut_otherwise_than_the_writer_sent_them_end_as_an_error_not_an_answer() -> None:
+    """Two attempts at one stream whose chunks were cut differently (a retry after a failed send) can
+    reach emit mixed under the same seqs: the client then has text the writer did not send. The Done's
+    digest chain is the writer's, emit's is what it forwarded; they differ, and the client is told."""
+    other = digest_step(digest_step(EMPTY_DIGEST, "t0 t1"), "t2")  # the retry merged t0 and t1 into chunk 0
+    mixed = msgspec.structs.replace(done(2), digest=other)
+    sent = await replies(emit(), chunk(0), chunk(1), mixed)
+    assert isinstance(sent[-1], Failed) and sent[-1].code is ErrorCode.stream_incomplete and sent[-1].chunks == 2
+    assert "differ" in sent[-1].message
+    assert isinstance((await replies(emit(), chunk(0), chunk(1), done(2)))[-1], Done)  # the same chain: the answer
 
 
 @pytest.mark.asyncio

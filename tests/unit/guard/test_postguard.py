@@ -32,8 +32,12 @@ def chunk(seq: int, text: str, rid: str = "r1") -> Chunk:
     return Chunk(id=rid, reply_to=REPLY, seq=seq, text=text, tenant="t1")
 
 
-def done(chunks: int, rid: str = "r1") -> Done:
-    return Done(id=rid, reply_to=REPLY, chunks=chunks, digest="x", finish_reason=FinishReason.stop, usage=Usage(5, chunks), timings={"decode": 1.0}, tenant="t1", model="m", created_at=1.0)
+def done(chunks: int, rid: str = "r1", words: list[str] | None = None) -> Done:
+    """decode's ending after `chunks` chunks, with the digest chain of `words` (the texts it sent)."""
+    digest = EMPTY_DIGEST
+    for word in (words or [])[:chunks]:
+        digest = digest_step(digest, word)
+    return Done(id=rid, reply_to=REPLY, chunks=chunks, digest=digest, finish_reason=FinishReason.stop, usage=Usage(5, chunks), timings={"decode": 1.0}, tenant="t1", model="m", created_at=1.0)
 
 
 async def feed(guard: PostguardStage, words: list[str], end: Done | Failed | None = None) -> list:  # type: ignore[type-arg]
@@ -57,7 +61,7 @@ async def test_holds_back_the_newest_chunks_then_releases_all_with_the_terminal_
     outs = await feed_more(guard, words, 3)
     assert texts(outs) == "Paris is the "
     assert not any(o.with_next for o in outs)  # released as the stream goes: each on its way at once
-    ending = await run_handler(guard, done(len(words)))
+    ending = await run_handler(guard, done(len(words), words=words))
     # what the window held back goes with the terminal event as one record batch (pipeline/handling.py)
     assert [o.with_next for o in ending] == [True] * (len(ending) - 1) + [False] and len(ending) > 1
     outs += ending
@@ -160,7 +164,7 @@ async def test_a_successor_continues_the_window_its_predecessor_held(make_output
     successor = stage(make_output_guard, store, holdback_tokens=3)
     outs += await run_handler(successor, chunk(3, "capital "))  # redelivered from the last committed offset
     outs += [o for i in (4, 5) for o in await run_handler(successor, chunk(i, words[i]))]
-    outs += await run_handler(successor, done(len(words)))
+    outs += await run_handler(successor, done(len(words), words=words))
     by_seq = {o.value.seq: o.value.text for o in outs if isinstance(o.value, Chunk)}  # emit drops repeats by seq
     assert "".join(by_seq[i] for i in sorted(by_seq)) == "".join(words) and sorted(by_seq) == list(range(len(by_seq)))
     assert isinstance(outs[-1].value, Done) and outs[-1].value.chunks == len(by_seq)
@@ -180,7 +184,7 @@ async def test_a_replaced_worker_cannot_write_its_stale_window_over_its_successo
         await run_handler(paused, chunk(3, words[3]))
     third = stage(make_output_guard, store, holdback_tokens=1)  # the successor dies; its messages up to 4 are done
     outs += await run_handler(third, chunk(5, words[5]))
-    outs += await run_handler(third, done(6))
+    outs += await run_handler(third, done(6, words=words))
     by_seq = {o.value.seq: o.value.text for o in outs if isinstance(o.value, Chunk)}
     assert "".join(by_seq[i] for i in sorted(by_seq)) == "".join(words) and isinstance(outs[-1].value, Done)
 
@@ -192,9 +196,9 @@ async def test_a_refused_write_is_tried_again_from_the_stores_window(make_output
     successor = stage(make_output_guard, store, holdback_tokens=1)
     await run_handler(successor, chunk(2, "c "))
     with pytest.raises(InfraUnavailable):
-        await run_handler(paused, done(3))
+        await run_handler(paused, done(3, words=["a ", "b ", "c "]))
     await paused.reset("r1")  # what the runner does before it tries the message again
-    outs = await run_handler(paused, done(3))  # it takes the window back, with "c " in it
+    outs = await run_handler(paused, done(3, words=["a ", "b ", "c "]))  # it takes the window back, with "c " in it
     assert isinstance(outs[-1].value, Done) and outs[-1].value.chunks == 3
 
 
@@ -234,7 +238,7 @@ async def test_a_chunk_held_behind_a_gap_survives_the_worker(make_output_guard) 
     outs += await run_handler(first, chunk(2, "c "))  # early: held until 1 arrives; its message is finished
     successor = stage(make_output_guard, store, holdback_tokens=1)  # the first died; "c " was never redelivered
     outs += await run_handler(successor, chunk(1, "b "))
-    outs += await run_handler(successor, done(3))
+    outs += await run_handler(successor, done(3, words=["a ", "b ", "c "]))
     by_seq = {o.value.seq: o.value.text for o in outs if isinstance(o.value, Chunk)}
     assert "".join(by_seq[i] for i in sorted(by_seq)) == "a b c " and isinstance(outs[-1].value, Done)
 
@@ -246,6 +250,17 @@ async def test_a_terminal_with_chunks_missing_is_stream_incomplete(make_output_g
     outs += await run_handler(guard, done(3))
     assert texts(outs) == "a "  # never text after a hole
     assert isinstance(outs[-1].value, Failed) and outs[-1].value.code is ErrorCode.stream_incomplete
+
+
+async def test_an_ending_whose_chunks_were_cut_otherwise_is_stream_incomplete(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    """decode's digest chain is of the chunks it sent; chunks from two attempts cut differently (a retry
+    after a failed send), taken by seq, make another chain: the client is told, not given that text."""
+    guard = stage(make_output_guard, holdback_tokens=1)
+    outs = await feed(guard, ["a ", "b ", "c "], done(3, words=["a ", "b c", " "]))  # the retry cut them so
+    assert isinstance(outs[-1].value, Failed) and outs[-1].value.code is ErrorCode.stream_incomplete
+    assert "differ" in outs[-1].value.message
+    fine = await feed(stage(make_output_guard, holdback_tokens=1), ["a ", "b ", "c "], done(3, words=["a ", "b ", "c "]))
+    assert isinstance(fine[-1].value, Done)
 
 
 class CountingScorer:
@@ -321,7 +336,7 @@ async def test_a_retried_chunk_and_the_next_one_never_leave_an_older_window_stor
     await guard.reset("r1")  # the outage goes on: the next message too is tried again from the store
     for i in range(5, 8):
         outs += await run_handler(guard, chunk(i, words[i]))
-    outs += await run_handler(guard, done(8))
+    outs += await run_handler(guard, done(8, words=words))
     assert isinstance(outs[-1].value, Done), outs[-1].value
     released = {o.value.seq: o.value.text for o in outs if isinstance(o.value, Chunk)}  # repeats: emit drops them
     assert "".join(released[seq] for seq in sorted(released)) == "".join(words)
