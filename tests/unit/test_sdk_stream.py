@@ -18,6 +18,9 @@ class Offline(Client):
     async def _produce(self, request, headers=None) -> None:  # type: ignore[no-untyped-def]
         pass  # the request went out; what comes back is delivered by the test
 
+    async def cancel(self, request_id, reason=None) -> None:  # type: ignore[no-untyped-def]
+        self.cancelled = request_id
+
 
 def events(stream: Stream, chunks: int) -> tuple[list[Chunk], Done]:
     rid = "default/" + stream.id
@@ -61,3 +64,21 @@ async def test_chunks_that_never_come_end_the_stream_incomplete(monkeypatch: pyt
         await read(stream, (0, c0), (0, c2), (0, done))
     assert failed.value.code is ErrorCode.stream_incomplete and failed.value.failed.chunks == 1
     assert stream.done is None
+
+
+@pytest.mark.asyncio
+async def test_events_already_delivered_are_taken_at_once_and_silence_ends_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream waits for the next event with one future and a timer; what arrived before it asked is
+    taken without waiting, and a request that hears nothing ends at its deadline (plus `GRACE_S`)."""
+    monkeypatch.setattr(sdk, "GRACE_S", 0.0)
+    stream = Offline(SETTINGS).stream(prompt="hi", deadline_s=0.2)
+    made, done = events(stream, 2)
+    for event in (*made, done):
+        stream._deliver(event)
+    assert [chunk.text async for chunk in stream] == ["t0", "t1"] and stream.done == done
+    silent = Offline(SETTINGS).stream(prompt="hi", deadline_s=0.2)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(TimeoutError):
+        await read(silent)
+    assert 0.15 < asyncio.get_running_loop().time() - started < 2.0
+    assert silent._waiter is None  # nothing left waiting
