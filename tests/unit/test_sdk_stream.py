@@ -82,3 +82,4 @@ async def test_events_already_delivered_are_taken_at_once_and_silence_ends_at_th
         await read(silent)
     assert 0.15 < asyncio.get_running_loop().time() - started < 2.0
     assert silent._waiter is None  # nothing left waiting
+    assert silent._client.cancelled == silent.id  # and the pipeline is told to stop
