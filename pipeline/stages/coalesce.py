@@ -10,10 +10,12 @@ message. A window of 0 sends every delta as its own chunk. A chunk never grows p
 The backend is read ahead in one task per answer (`_Ahead`), so waiting never cancels its step, and
 each delta is stamped with the time it was produced: a chunk's window runs from its first delta's
 stamp, so where chunks split depends on when the backend produced its tokens, not on when the sender
-came back for them. A retry after a failed send regenerates the same tokens at the same pace and so
-cuts the same chunks, and emit, which takes a chunk by seq, cannot mix one attempt's text with
-another's (a stalled sender must not merge the deltas that piled up meanwhile into chunks the first
-attempt cut differently; docs/reliability.md).
+came back for them. A retry after a failed send that regenerates the same tokens at the same pace cuts
+the same chunks, so emit, which takes a chunk by seq, does not mix one attempt's text with another's (a
+stalled sender must not merge the deltas that piled up meanwhile into chunks the first attempt cut
+differently). A backend at another pace on the retry may still cut other chunks: postguard and emit
+then find the digest chain unlike the chunks they took and end the request `stream_incomplete`
+(docs/reliability.md).
 """
 
 from __future__ import annotations
