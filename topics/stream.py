@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Iterable
 
 import msgspec
 
@@ -27,6 +28,14 @@ EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 def digest_step(digest: str, text: str) -> str:
     """The digest after one more chunk: sha256(previous hex digest + text), from EMPTY_DIGEST."""
     return hashlib.sha256(digest.encode() + text.encode()).hexdigest()
+
+
+def digest_of(texts: Iterable[str]) -> str:
+    """The digest of a whole stream of chunk texts."""
+    digest = EMPTY_DIGEST
+    for text in texts:
+        digest = digest_step(digest, text)
+    return digest
 
 
 class FinishReason(enum.StrEnum):

@@ -32,7 +32,7 @@ from pipeline.stage import Out, Stopwatch, address_of
 from pipeline.topology import Topics
 from topics.cache import CacheTier, Entry, Purge, TableRecord, Ticket
 from topics.hops import Admitted
-from topics.stream import EMPTY_DIGEST, FinishReason, Usage, digest_step
+from topics.stream import FinishReason, Usage, digest_of
 
 # The embedder reads the first 256 tokens: two longer questions that differ after them would look the
 # same, so they are cached by their exact key only.
@@ -108,12 +108,10 @@ class CacheStage:
         address = address_of(message)
         assert address is not None
         stream = self.topics.stream or ""
-        outs, digest = [], EMPTY_DIGEST
-        for seq, text in enumerate(entry.chunks):
-            digest = digest_step(digest, text)
-            outs.append(Out(stream, message.id, msgspec.structs.replace(address.chunk(seq, text), cache=tier), with_next=True))
+        outs = [Out(stream, message.id, msgspec.structs.replace(address.chunk(seq, text), cache=tier), with_next=True)
+                for seq, text in enumerate(entry.chunks)]
         done = address.done(
-            chunks=len(entry.chunks), digest=digest, finish=FinishReason(entry.finish_reason),
+            chunks=len(entry.chunks), digest=digest_of(entry.chunks), finish=FinishReason(entry.finish_reason),
             usage=Usage(entry.prompt_tokens, entry.completion_tokens), timings={**message.timings, self.name: clock.ms()},
         )
         outs.append(Out(stream, message.id, msgspec.structs.replace(done, cache=tier, ticket=None)))

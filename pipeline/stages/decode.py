@@ -288,10 +288,10 @@ class DecodeStage:
         `progress` unless a later one is (the last chunk, which goes in the ending's batch, records
         nothing itself)."""
         encoded = codec.encode(event)
-        position = msgspec.msgpack.encode(progress)
+        recorded = msgspec.msgpack.encode(progress)
 
         async def acked() -> None:
-            if not await self._store.advance(rid, "next_seq", progress.next_seq, {"progress": position},
+            if not await self._store.advance(rid, "next_seq", progress.next_seq, {"progress": recorded},
                                              owner=self._owner, always={"finished": encoded}):
                 raise InfraUnavailable("taken over by another decode worker")
 

@@ -27,7 +27,7 @@ from topics.cache import CacheTier, Entry, Purge
 from topics.errors import ErrorCode
 from topics.hops import Admitted
 from topics.requests import ChatMessage, Sampling
-from topics.stream import EMPTY_DIGEST, Chunk, Done, FinishReason, Usage, digest_step
+from topics.stream import Chunk, Done, FinishReason, Usage, digest_of
 
 pytestmark = pytest.mark.asyncio
 CACHE, EMIT, ROUTE = node("cache"), node("emit"), node("route")
@@ -58,10 +58,7 @@ class Pipeline:
             if fail:
                 events.append(address.failed(ErrorCode.content_filter, "stopped", chunks=len(answer)))
             else:
-                digest = EMPTY_DIGEST
-                for text in answer:
-                    digest = digest_step(digest, text)
-                events.append(address.done(chunks=len(answer), digest=digest, finish=FinishReason.stop, usage=Usage(7, len(answer)), timings={}))
+                events.append(address.done(chunks=len(answer), digest=digest_of(answer), finish=FinishReason.stop, usage=Usage(7, len(answer)), timings={}))
             sent = [o for e in events for o in await run_handler(self.emit, e)]
             for out in sent:
                 if out.topic == registry.CACHE_ENTRIES:

@@ -13,7 +13,7 @@ from tests.unit.fakes import Clock, run_handler
 from tests.unit.helpers import SETTINGS, node
 from topics import registry
 from topics.errors import ErrorCode
-from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, Usage, digest_step
+from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, Usage, digest_of, digest_step
 from topics.usage import UsageRecord
 
 REPLY = "llm.responses.sdk"
@@ -29,16 +29,8 @@ def chunk(seq: int) -> Chunk:
     return Chunk(id=RID, reply_to=REPLY, seq=seq, text=f"t{seq}", tenant="acme")
 
 
-def chain(chunks: int) -> str:
-    """The digest chain of chunks 0..chunks-1 as `chunk()` writes them."""
-    digest = EMPTY_DIGEST
-    for seq in range(chunks):
-        digest = digest_step(digest, f"t{seq}")
-    return digest
-
-
 def done(chunks: int = 2) -> Done:
-    return Done(id=RID, reply_to=REPLY, chunks=chunks, digest=chain(chunks), finish_reason=FinishReason.stop, usage=Usage(3, 2),
+    return Done(id=RID, reply_to=REPLY, chunks=chunks, digest=digest_of(f"t{seq}" for seq in range(chunks)), finish_reason=FinishReason.stop, usage=Usage(3, 2),
                 tenant="acme", model="m", created_at=1.0, timings={"decode": 5.0})
 
 

@@ -28,7 +28,7 @@ from tests.unit import helpers
 from tests.unit.fakes import HeldAcks, ScriptedBackend, Yields, record_of
 from tests.unit.helpers import SETTINGS, node
 from topics import codec
-from topics.stream import EMPTY_DIGEST, Chunk, Done, FinishReason, StreamEvent, Usage, digest_step
+from topics.stream import Chunk, Done, FinishReason, StreamEvent, Usage, digest_of
 
 REPLY = "llm.responses.sdk"
 RID = "acme/r1"
@@ -38,16 +38,8 @@ def chunk(seq: int, rid: str = RID) -> Chunk:
     return Chunk(id=rid, reply_to=REPLY, seq=seq, text=f"t{seq}", tenant="acme")
 
 
-def chain(chunks: int) -> str:
-    """The digest chain of chunks 0..chunks-1 as `chunk()` writes them."""
-    digest = EMPTY_DIGEST
-    for seq in range(chunks):
-        digest = digest_step(digest, f"t{seq}")
-    return digest
-
-
 def done(chunks: int, rid: str = RID) -> Done:
-    return Done(id=rid, reply_to=REPLY, chunks=chunks, digest=chain(chunks), finish_reason=FinishReason.stop, usage=Usage(3, chunks),
+    return Done(id=rid, reply_to=REPLY, chunks=chunks, digest=digest_of(f"t{seq}" for seq in range(chunks)), finish_reason=FinishReason.stop, usage=Usage(3, chunks),
                 tenant="acme", model="m", created_at=1.0, timings={"decode": 5.0})
 
 

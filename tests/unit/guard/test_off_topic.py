@@ -20,7 +20,7 @@ from topics.control import Cancel
 from topics.errors import ErrorCode
 from topics.hops import Admitted, request_key
 from topics.requests import ChatMessage
-from topics.stream import EMPTY_DIGEST, Chunk, Done, FinishReason, Usage, digest_step
+from topics.stream import Chunk, Done, FinishReason, Usage, digest_of
 
 REPLY = "llm.responses.sdk"
 AIRLINE = RouteTopics(topics=(
@@ -68,10 +68,7 @@ async def stream(guard: PostguardStage, text: str, model: str = MODEL, rid: str 
     words = [w + " " for w in text.split()]
     for i, word in enumerate(words):
         outs += await run_handler(guard, Chunk(id=rid, reply_to=REPLY, seq=i, text=word, tenant="t1", model=model))
-    digest = EMPTY_DIGEST
-    for word in words:
-        digest = digest_step(digest, word)
-    end = Done(id=rid, reply_to=REPLY, chunks=len(words), digest=digest, finish_reason=FinishReason.stop, usage=Usage(5, len(words)),
+    end = Done(id=rid, reply_to=REPLY, chunks=len(words), digest=digest_of(words), finish_reason=FinishReason.stop, usage=Usage(5, len(words)),
                tenant="t1", model=model, created_at=1.0)
     return outs + await run_handler(guard, end)
 

@@ -18,7 +18,7 @@ from tests.unit.helpers import node
 from topics import registry
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
-from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, Usage, digest_step
+from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, Usage, digest_of, digest_step
 
 pytestmark = pytest.mark.asyncio
 REPLY = "llm.responses.sdk"
@@ -34,10 +34,7 @@ def chunk(seq: int, text: str, rid: str = "r1") -> Chunk:
 
 def done(chunks: int, rid: str = "r1", words: list[str] | None = None) -> Done:
     """decode's ending after `chunks` chunks, with the digest chain of `words` (the texts it sent)."""
-    digest = EMPTY_DIGEST
-    for word in (words or [])[:chunks]:
-        digest = digest_step(digest, word)
-    return Done(id=rid, reply_to=REPLY, chunks=chunks, digest=digest, finish_reason=FinishReason.stop, usage=Usage(5, chunks), timings={"decode": 1.0}, tenant="t1", model="m", created_at=1.0)
+    return Done(id=rid, reply_to=REPLY, chunks=chunks, digest=digest_of((words or [])[:chunks]), finish_reason=FinishReason.stop, usage=Usage(5, chunks), timings={"decode": 1.0}, tenant="t1", model="m", created_at=1.0)
 
 
 async def feed(guard: PostguardStage, words: list[str], end: Done | Failed | None = None) -> list:  # type: ignore[type-arg]
