@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from pipeline.engine import async_engine
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.errors import SequenceAborted, StepInterrupted, UnknownHandle
 from pipeline.engine.params import EngineRequest, Priority
@@ -158,11 +159,15 @@ async def test_next_step_wakes_once_per_step_while_that_step_computes(loaded: Lo
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("gather_ms", [0.0, 500.0])
-async def test_a_burst_arriving_one_by_one_starts_in_one_step_when_gathered(loaded: Loaded, gather_ms: float) -> None:
+async def test_a_burst_arriving_one_by_one_starts_in_one_step_when_gathered(
+    loaded: Loaded, gather_ms: float, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """`gather_arrivals_ms`: four requests handed over one by one, each in a later turn of the event loop
     (as Triton hands them to sluice_llm, ~1 ms apart) share the first step; without it the first runs
-    alone and the rest wait behind its step. (Turns, not 1 ms sleeps: a timer late by 3 ms on a busy
-    host would end the burst and make the test flaky.)"""
+    alone and the rest wait behind its step. (Turns, not 1 ms sleeps, and a gap that ends a burst of
+    0.2 s instead of 3 ms: on a host busy with other work this process can lose the CPU for more than
+    3 ms between two turns, which ended the burst after the first request in one run.)"""
+    monkeypatch.setattr(async_engine, "ARRIVAL_GAP_S", 0.2)
     engine = AsyncEngine(make_engine(loaded, max_num_batched_tokens=512, gather_arrivals_ms=gather_ms))  # type: ignore[arg-type]
     execute = engine.engine.execute
     fed: list[int] = []
