@@ -4,6 +4,11 @@ connection, hiredis; what the stages' stores use), on the calls sluice's stores 
 request's record, GET, EVALSHA of a small script, a pipelined HSET + EXPIRE, and 16 HGETALLs in flight.
 
     .venv/bin/python -m bench.redis_client                # 3 repeats, the clients interleaved
+    .venv/bin/python -m bench.redis_client --before REV   # and LeanRedis as it was at commit REV
+
+With --before, a fourth client (`lean-before`) runs LeanRedis from a git worktree of REV (under
+.cache/bench, as bench.throughput makes). Besides the client's CPU per call, the table gives the Redis
+server's CPU per call over a client's whole run (every kind of call, warm-up passes included).
 
 Starts its own redis-server (Debian's, as infra/services.sh does) on --port, without persistence. Each
 measurement runs in a process of its own on uvloop; reported as µs of CPU per call, median (min..max).
@@ -20,8 +25,12 @@ import subprocess
 import sys
 import time
 
+import psutil
+
+from bench.throughput import before_tree
+
 CALLS = ("hgetall", "get", "evalsha", "pipeline", "hgetall x16")
-CLIENTS = ("python", "hiredis", "lean")
+CLIENTS = ("python", "hiredis", "lean", "lean-before")
 SCRIPT = "local v = redis.call('HGET', KEYS[1], 'owner') redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) return v"
 
 
@@ -31,7 +40,7 @@ async def measure(port: int, client: str, n: int) -> dict[str, float]:
 
     from pipeline.redis_lean import LeanRedis
 
-    if client == "lean":
+    if client in ("lean", "lean-before"):  # lean-before runs in the --before worktree: its own module
         r: Redis | LeanRedis = LeanRedis(port=port)
     else:
         r = Redis.from_url(f"redis://127.0.0.1:{port}/0", parser_class=_AsyncHiredisParser if client == "hiredis" else _AsyncRESP2Parser)
@@ -64,10 +73,16 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=46999)
     parser.add_argument("--calls", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--before", default="", help="also measure LeanRedis as it was at this commit")
     parser.add_argument("--child", choices=CLIENTS, help=argparse.SUPPRESS)
+    parser.add_argument("--tree", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         import uvloop
+
+        if args.tree:  # lean-before: the commit's own pipeline package, imported before ours can be
+            assert "pipeline" not in sys.modules
+            sys.path.insert(0, args.tree)
 
         print(json.dumps(uvloop.run(measure(args.port, args.child, args.calls))))
         return
@@ -75,11 +90,22 @@ def main() -> None:
                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
     try:
         time.sleep(0.5)
-        results: dict[str, dict[str, list[float]]] = {client: {} for client in CLIENTS}
+        clients = CLIENTS if args.before else CLIENTS[:-1]
+        trees = {client: "" for client in clients}
+        if args.before:
+            trees["lean-before"] = before_tree(args.before)
+        results: dict[str, dict[str, list[float]]] = {client: {} for client in clients}
+        redis = psutil.Process(server.pid)
         for repeat in range(args.repeats):
-            for mode in (CLIENTS if repeat % 2 == 0 else CLIENTS[::-1]):
+            for mode in (clients if repeat % 2 == 0 else clients[::-1]):
+                cpu = redis.cpu_times()
                 child = subprocess.run([sys.executable, "-m", "bench.redis_client", "--child", mode, "--port", str(args.port),
-                                        "--calls", str(args.calls)], check=True, capture_output=True, text=True)
+                                        "--calls", str(args.calls), "--tree", str(trees[mode])],
+                                       check=True, capture_output=True, text=True)
+                after = redis.cpu_times()
+                calls = 2 * args.calls * len(CALLS)  # two passes of each kind
+                server_us = (after.user + after.system - cpu.user - cpu.system) / calls * 1e6
+                results[mode].setdefault("server", []).append(server_us)
                 for key, value in json.loads(child.stdout.strip().splitlines()[-1]).items():
                     results[mode].setdefault(key, []).append(value)
     finally:
@@ -90,11 +116,17 @@ def main() -> None:
         return f"{statistics.median(values):.1f} ({min(values):.1f}..{max(values):.1f})"
 
     print(f"\n{args.calls} calls per measurement, {args.repeats} runs per client, µs of CPU per call: median (min..max)\n")
-    print("| call | redis-py, pure-Python parser | redis-py, hiredis | LeanRedis | LeanRedis / redis-py hiredis |")
-    print("| --- | --- | --- | --- | --- |")
-    for name in CALLS:
-        py, hi, lean = (results[client][name] for client in CLIENTS)
-        print(f"| {name} | {cell(py)} | {cell(hi)} | {cell(lean)} | {statistics.median(lean) / statistics.median(hi):.2f} |")
+    before = f" | LeanRedis at {args.before} | LeanRedis / at {args.before}" if args.before else ""
+    print(f"| call | redis-py, pure-Python parser | redis-py, hiredis | LeanRedis | LeanRedis / redis-py hiredis{before} |")
+    print("| --- | --- | --- | --- | --- |" + (" --- | --- |" if args.before else ""))
+    for name in (*CALLS, "server"):
+        py, hi, lean = (results[client][name] for client in CLIENTS[:3])
+        row = f"| {name} | {cell(py)} | {cell(hi)} | {cell(lean)} | {statistics.median(lean) / statistics.median(hi):.2f} |"
+        if args.before:
+            old = results["lean-before"][name]
+            row += f" {cell(old)} | {statistics.median(lean) / statistics.median(old):.2f} |"
+        print(row)
+    print("\nserver: the Redis server's CPU per call over a client's run (µs), every kind of call together")
 
 
 if __name__ == "__main__":

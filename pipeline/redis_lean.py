@@ -60,21 +60,31 @@ def _raise_errors(replies: list[Any]) -> None:
 class _Waiting:
     future: asyncio.Future[list[Any]]
     expected: int
+    deadline: float
     replies: list[Any] = field(default_factory=list)
-    timer: asyncio.TimerHandle | None = None
-    deadline: float = 0.0
     graced: bool = False
 
 
 class _Connection(asyncio.Protocol):
     """One socket; replies come back in the order the commands went out, so the oldest waiting call
-    owns the next reply."""
+    owns the next reply. Two things are done once for many calls rather than once per call:
+
+    - Commands sent in one turn of the event loop go out in one write (`_flush`, scheduled by the
+      first of them), so Redis reads them in one read and answers them in one write: fewer system
+      calls on both sides when several requests are in flight, the same latency for a lone call (the
+      write waits only for the callbacks already due).
+    - One timer watches the oldest waiting call. Deadlines are the send time plus the same timeout,
+      so the oldest call's is the earliest; the timer is set again, for the next oldest, only when it
+      fires. A timer per call cost a timer handle and its cancellation per round trip.
+    """
 
     def __init__(self, timeout_s: float) -> None:
         self._timeout_s = timeout_s
         self._reader = hiredis.Reader()
         self._waiting: deque[_Waiting] = deque()
         self._transport: asyncio.Transport | None = None
+        self._unsent: list[bytes] = []
+        self._timer: asyncio.TimerHandle | None = None
         self.open = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -92,47 +102,63 @@ class _Connection(asyncio.Protocol):
                 waiting.replies.append(reply)
                 if len(waiting.replies) == waiting.expected:
                     self._waiting.popleft()
-                    if waiting.timer is not None:
-                        waiting.timer.cancel()
                     if not waiting.future.done():  # its caller may have been cancelled
                         waiting.future.set_result(waiting.replies)
         except (hiredis.ProtocolError, IndexError):  # garbage, or a reply nobody asked for
             self.fail(RedisConnectionError("Protocol error, the connection was dropped."))
 
     def send(self, data: bytes, expected: int) -> asyncio.Future[list[Any]]:
-        """Writes `data` (which must make Redis answer `expected` replies); the future gets the replies."""
+        """Queues `data` (which must make Redis answer `expected` replies) for this turn's write; the
+        future gets the replies."""
         if not self.open or self._transport is None:
             raise RedisConnectionError("Connection closed.")
         loop = asyncio.get_running_loop()
-        waiting = _Waiting(loop.create_future(), expected)
-        waiting.deadline = loop.time() + self._timeout_s
-        waiting.timer = loop.call_at(waiting.deadline, self._expire, waiting)
+        waiting = _Waiting(loop.create_future(), expected, loop.time() + self._timeout_s)
         self._waiting.append(waiting)
-        self._transport.write(data)
+        if not self._unsent:
+            loop.call_soon(self._flush)
+        self._unsent.append(data)
+        if self._timer is None:
+            self._timer = loop.call_at(waiting.deadline, self._expire)
         return waiting.future
 
-    def _expire(self, waiting: _Waiting) -> None:
-        if waiting.future.done():
+    def _flush(self) -> None:
+        unsent, self._unsent = self._unsent, []
+        if self.open and self._transport is not None and unsent:
+            self._transport.write(b"".join(unsent))
+
+    def _expire(self) -> None:
+        """The watch timer: fails the connection if the oldest waiting call is past its deadline,
+        else sets itself for that call's deadline."""
+        self._timer = None
+        if not self._waiting:
             return
+        waiting = self._waiting[0]
         loop = asyncio.get_running_loop()
-        if not waiting.graced and loop.time() - waiting.deadline > self._timeout_s / 2:
+        now = loop.time()
+        if now < waiting.deadline:
+            self._timer = loop.call_at(waiting.deadline, self._expire)
+            return
+        if not waiting.graced and now - waiting.deadline > self._timeout_s / 2:
             # The timer ran late: the event loop was busy, not Redis, and the reply may be unread in the
             # socket (uvloop runs due timers before it polls). Look again once the loop has read it.
             waiting.graced = True
-            waiting.deadline = loop.time() + 0.001
-            waiting.timer = loop.call_at(waiting.deadline, self._expire, waiting)
+            waiting.deadline = now + 0.001
+            self._timer = loop.call_at(waiting.deadline, self._expire)
             return
         self.fail(RedisTimeoutError("Timeout reading from Redis."))
 
     def fail(self, exc: Exception) -> None:
         """Closes the socket; every call still waiting gets `exc`."""
         self.open = False
+        self._unsent = []
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._transport is not None:
             self._transport.abort()
         while self._waiting:
             waiting = self._waiting.popleft()
-            if waiting.timer is not None:
-                waiting.timer.cancel()
             if not waiting.future.done():
                 waiting.future.set_exception(exc)
 

@@ -130,6 +130,37 @@ async def test_concurrent_and_cancelled_callers_each_get_their_own_reply(both: t
     assert await lean.execute("ECHO", "later") == b"later"
 
 
+async def test_calls_made_in_one_turn_go_out_in_one_write_and_share_one_timer(both: tuple[LeanRedis, Redis]) -> None:
+    lean, _ = both
+    await lean.execute("PING")
+    connection = lean._connection
+    assert connection is not None and connection._transport is not None
+    transport = connection._transport
+    writes: list[bytes] = []
+    write = transport.write
+    transport.write = lambda data: (writes.append(data), write(data))[1]  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    timers = 0
+    call_at = loop.call_at
+
+    def counting_call_at(when: float, callback: object, *args: object) -> asyncio.TimerHandle:
+        nonlocal timers
+        timers += 1
+        return call_at(when, callback, *args)  # type: ignore[arg-type]
+
+    loop.call_at = counting_call_at  # type: ignore[method-assign]
+    try:
+        replies = await asyncio.gather(*(lean.execute("ECHO", str(i)) for i in range(16)))
+        alone = await lean.execute("ECHO", "alone")
+    finally:
+        loop.call_at = call_at  # type: ignore[method-assign]
+        transport.write = write  # type: ignore[method-assign]
+    assert replies == [str(i).encode() for i in range(16)] and alone == b"alone"
+    assert len(writes) == 2  # the 16, then the lone call
+    assert writes[0] == b"".join(pack(["ECHO", str(i)]) for i in range(16))
+    assert timers <= 2  # at most one set at the first call and none for the others (one more if it fired)
+
+
 async def test_a_restarted_redis_is_reconnected_to_by_the_next_call(private_redis: tuple[int, subprocess.Popen[bytes]],
                                                                     tmp_path: Path) -> None:
     port, process = private_redis
@@ -218,6 +249,7 @@ async def test_a_busy_event_loop_is_not_taken_for_a_stalled_redis(settings: Sett
             ours.recv(1)
             loop.remove_reader(ours)
             sent.append(connection.send(pack(["GET", key]), 1))
+            connection._flush()  # written now, not at the end of this turn
             time.sleep(0.5)  # Redis answers meanwhile; this poll did not see its socket ready
 
         loop.add_reader(ours, stall)
