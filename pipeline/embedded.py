@@ -25,7 +25,7 @@ async def _main(settings: Settings, stop: asyncio.Event, *, with_stages: bool = 
     try:
         tasks = {asyncio.create_task(serve_bridge(settings, client, stop))}
         if with_stages:
-            tasks.add(asyncio.create_task(run_stages(None, settings, stop)))  # settles the GC once its stages run
+            tasks.add(asyncio.create_task(run_stages(None, settings, stop, client)))  # settles the GC once its stages run
         else:
             serve.settle_gc(settings)
         log.info("bridge on http://%s:%d", settings.bridge.host, settings.bridge.port)

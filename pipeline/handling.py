@@ -21,7 +21,9 @@ chain has sent its outputs, so a crash redoes the chain from the sender's record
 request part is idempotent under redelivery already, as at-least-once delivery requires). A generate
 stage takes what route sends it, and emit what the cache and a generate stage send it, the same way
 (`topology.HANDOVER_FROM`); emit takes a run of messages held for one another at once (`take_group`),
-so they still reach the reply topic as one record batch.
+so they still reach the reply topic as one record batch. And emit hands a reply to the bridge of its
+process (`Handling.replies`, the bridge's SDK client) when one of the bridge's streams waits for it: the
+bridge is that reply's only reader, so the reply topic's crossing is saved as well.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
@@ -71,6 +73,9 @@ class Handling:
         # by pipeline.serve for generate, whose work lasts a whole stream); past it they go to the topic.
         self.take_limit: int | None = None
         self._taking = 0
+        # The SDK client of this process's bridge, for emit (set by pipeline.serve with `runtime.handover`):
+        # a reply one of its streams waits for is delivered to it in memory instead of produced.
+        self.replies: LocalReplies | None = None
 
     async def process(
         self, record: ConsumerRecord[bytes, bytes], handed_over: asyncio.Future[None] | None,
@@ -325,6 +330,10 @@ class Handling:
         first = outs[0]
         if any(o.topic != first.topic or o.key != first.key for o in outs):
             return None
+        if self.replies is not None and self.replies.take_reply(first.topic, first.value):
+            for out in outs[1:]:  # one request's events: its stream is there for all of them
+                self.replies.take_reply(out.topic, out.value)
+            return _acknowledged()
         if (taker := self._taker(first.topic)) is not None:
             return await taker.take_group(outs) if takes_groups(taker.stage) else None
         items = [(codec.encode(o.value), tracing.publish(o.topic)) for o in outs]
@@ -337,6 +346,8 @@ class Handling:
         taker = self._taker(out.topic)
         if taker is not None:
             return await taker.take(out)
+        if self.replies is not None and self.replies.take_reply(out.topic, out.value):
+            return _acknowledged()
         metrics.PRODUCED.labels(self.stage.name, out.topic).inc()
         return await self._producer.send(out.topic, codec.encode(out.value), key=out.key.encode(), headers=tracing.publish(out.topic))
 
@@ -377,6 +388,12 @@ class Handling:
         if address is not None and code is not None:
             text = f"the {self.stage.name} stage could not process this request ({letter.error_type}); it is in the dead-letter topic"
             await self.terminal(address, code, text)
+
+class LocalReplies(Protocol):
+    """A reader of reply topics in this process (the bridge's SDK client, `pipeline.sdk.Client`)."""
+
+    def take_reply(self, topic: str, event: Any) -> bool: ...
+
 
 @dataclass(frozen=True)
 class Handed:

@@ -9,19 +9,21 @@ import os
 from pipeline import assemble, serve
 from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
+from pipeline.handling import LocalReplies
 from pipeline.observability import setup as observability
 from pipeline.settings import Settings
 
 
-async def run_stages(names: list[str] | None, settings: Settings, stop: asyncio.Event) -> None:
-    """Runs the profile's stages named (by kind, `decode`, or by name, `decode.local`); None: all of them."""
+async def run_stages(names: list[str] | None, settings: Settings, stop: asyncio.Event, replies: LocalReplies | None = None) -> None:
+    """Runs the profile's stages named (by kind, `decode`, or by name, `decode.local`); None: all of them.
+    `replies`: the SDK client of a bridge in this process (emit delivers its streams' replies in memory)."""
     nodes = assemble.nodes_of(settings, names)
     pools = frozenset(n.pool for n in nodes if n.pool is not None)
     backends = await asyncio.to_thread(backend_registry.load, settings, pools) if pools else {}
     if stop.is_set():  # a signal came while the models loaded: nothing started, nothing to drain
         return
     stages = assemble.build(nodes, settings, backends, worker=str(os.getpid()))
-    await serve.run_stages(stages, settings, stop, instance=str(os.getpid()))
+    await serve.run_stages(stages, settings, stop, instance=str(os.getpid()), replies=replies)
 
 
 def run_worker(*names: str) -> None:

@@ -287,6 +287,18 @@ class Client:
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def take_reply(self, topic: str, event: StreamEvent) -> bool:
+        """An event that emit, running in this process, would produce to `topic`: delivered here in
+        memory when `topic` is this client's reply topic and one of its streams waits for the event's
+        request (True); otherwise nothing is done and emit produces it (False). That stream is the
+        event's only reader (other clients of a shared reply topic drop what is not theirs), so no one
+        misses it, and one broker crossing less is on the answer's way. A stream that ended meanwhile
+        leaves the event to the topic, where no one reads it, as before."""
+        if topic != self.reply_topic or (stream := self._streams.get(client_id_of(event.id))) is None:
+            return False
+        stream._deliver(event)
+        return True
+
     async def _read(self) -> None:
         assert self._consumer is not None
         while True:

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import uvloop
 
 from pipeline.gateway.redact import RedactKeys
-from pipeline.handling import Handling
+from pipeline.handling import Handling, LocalReplies
 from pipeline.logs import RateLimit
 from pipeline.producing import Producer
 from pipeline.runner import Runner
@@ -31,12 +31,14 @@ def configure_logging(level: str = "INFO") -> None:
         handler.addFilter(RedactKeys())
 
 
-async def run_stages(stages: list[Stage], settings: Settings, stop: asyncio.Event, *, instance: str = "0") -> None:
+async def run_stages(
+    stages: list[Stage], settings: Settings, stop: asyncio.Event, *, instance: str = "0", replies: LocalReplies | None = None,
+) -> None:
     """Runs one runner per stage until `stop` is set; a runner that crashes stops the others. The
-    runners share one producer."""
+    runners share one producer. `replies`: the SDK client of a bridge in this process."""
     producer = Producer(settings, f"sluice-stages-{instance}")
     await producer.start(stop)
-    runners = runners_for(stages, settings, producer, instance)
+    runners = runners_for(stages, settings, producer, instance, replies)
     tasks = [asyncio.create_task(r.run(stop), name=r.stage.name) for r in runners]
     log.info("running stages: %s", ", ".join(s.name for s in stages))
     settling = asyncio.create_task(_settle_when_ready(runners, settings))
@@ -74,12 +76,18 @@ def settle_gc(settings: Settings) -> None:
         gc.set_threshold(settings.runtime.gc_threshold, older, oldest)
 
 
-def runners_for(stages: list[Stage], settings: Settings, producer: Producer, instance: str) -> list[Runner]:
+def runners_for(
+    stages: list[Stage], settings: Settings, producer: Producer, instance: str, replies: LocalReplies | None = None,
+) -> list[Runner]:
     """A runner per stage, sharing `producer`; with `runtime.handover`, the request-part stages after
     ingest (guard, cache, route) take their input from the stages of this process in memory, and so do
-    emit from the cache and generate stages and generate from route (`topology.HANDOVER_FROM`)."""
+    emit from the cache and generate stages and generate from route (`topology.HANDOVER_FROM`), and the
+    bridge's client (`replies`) the replies emit has for its streams."""
     handlings = {stage.name: Handling(stage, settings, producer) for stage in stages}
     if settings.runtime.handover:
+        for name, handling in handlings.items():
+            if _kind(name) == "emit":
+                handling.replies = replies
         takers = {stage.topics.inputs[0]: handlings[stage.name] for stage in stages if stage.name in HANDOVER}
         for name, handling in handlings.items():
             handling.takers = takers | {

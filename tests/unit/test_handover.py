@@ -221,3 +221,15 @@ def test_generate_takes_from_route_of_its_process_and_prefill_from_nobody() -> N
     for name in handlings:  # from route only
         if name != "route":
             assert "llm.routed.up" not in handlings[name].takers, name  # type: ignore[union-attr]
+
+
+def test_emit_alone_hands_replies_to_the_bridge_client_of_its_process() -> None:
+    from pipeline.serve import runners_for
+
+    stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()]
+    bridge = object()
+    runners = runners_for(stages, Settings(), FakeProducer(), "t", bridge)  # type: ignore[arg-type]
+    handlings = {r.stage.name: r._handling for r in runners}  # type: ignore[misc]
+    assert handlings["emit"].replies is bridge
+    assert all(h.replies is None for name, h in handlings.items() if name != "emit")
+    assert all(h.replies is None for h in wired_with_generate().values())  # no bridge in the process

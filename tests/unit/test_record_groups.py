@@ -16,6 +16,7 @@ from aiokafka.structs import ConsumerRecord
 from pipeline.errors import InfraUnavailable
 from pipeline.handling import Handling
 from pipeline.runner import GROUP_MAX, Runner
+from pipeline.sdk import Client
 from pipeline.settings import Settings
 from pipeline.stage import Out
 from pipeline.stages.emit import EmitStage
@@ -309,3 +310,41 @@ async def test_a_route_handover_cancelled_midway_is_finished_once_by_the_redeliv
     sent = [seq for _, seqs in replies(producer) for seq in seqs]
     assert list(dict.fromkeys(sent)) == [str(i) for i in range(len(words))] + ["end"]  # each chunk, in order
     assert sent.count("end") == 1, sent  # a chunk in flight at the cancel may come twice: clients keep the first
+
+
+def bridge_client() -> tuple[Client, str]:
+    """The SDK client of a bridge in emit's process, not started (nothing here reaches a broker), with a
+    stream waiting for one request; and that request's id as the pipeline names it."""
+    client = Client(Settings(), reply_name="sdk")
+    request = client.request(prompt="hi")
+    client.stream(request)
+    return client, f"acme/{request.id}"
+
+
+@pytest.mark.asyncio
+async def test_a_reply_one_of_this_process_s_streams_waits_for_is_delivered_in_memory_not_produced() -> None:
+    producer, store = HeldAcks(), MemoryStateStore()
+    client, rid = bridge_client()
+    handling = Handling(EmitStage(SETTINGS, node("emit").topics, store), Settings(), producer)  # type: ignore[arg-type]
+    handling.replies = client
+    task = asyncio.create_task(handling.process_group([record(chunk(0, rid), 5), record(done(1, rid), 6)], None, None))
+    assert await acknowledged(task, producer) == ["ok", "ok"]
+    assert replies(producer) == []  # nothing on the reply topic (the usage record still goes to its topic)
+    stream = client._streams[rid.split("/")[1]]
+    assert [type(e).__name__ for e in stream._events] == ["Chunk", "Done"]
+    stored = await store.read(rid + "#emit")
+    assert stored.get("terminal") == b"1" and stored.get("emitted") == b"1"  # recorded as after a broker's ack
+
+
+@pytest.mark.asyncio
+async def test_a_reply_no_stream_of_this_process_waits_for_is_produced() -> None:
+    producer, store = HeldAcks(), MemoryStateStore()
+    client, _ = bridge_client()
+    handling = Handling(EmitStage(SETTINGS, node("emit").topics, store), Settings(), producer)  # type: ignore[arg-type]
+    handling.replies = client
+    task = asyncio.create_task(handling.process_group([record(chunk(0), 5), record(done(1), 6)], None, None))
+    assert await acknowledged(task, producer) == ["ok", "ok"]
+    assert replies(producer) == [("batch", ["0", "end"])]  # another client's request: through the topic
+    other = Client(Settings(), reply_name="other")  # a stream for this request, but another reply topic
+    stream = other.stream(other.request(prompt="hi"))
+    assert not other.take_reply(REPLY, chunk(0, f"acme/{stream.id}")) and not stream._events
