@@ -15,9 +15,10 @@ what it says. The usage record is claimed in the store before it is produced, so
 most once.
 
 A finished answer (`Done`, stop or length, every chunk seen by this worker from the first) whose
-request carries a cache ticket is stored: in the exact tier (Redis) and as an entry on
-`llm.cache.entries` for every cache worker's semantic index. Errors, cancellations, `content_filter`
-endings, answers over `cache.max_entry_bytes` and streams this worker took over midway are not.
+request carries a cache ticket is stored: in the exact tier (Redis) and, when the request had a semantic
+tier (its ticket carries an embedding), as an entry on `llm.cache.entries` for every cache worker's
+semantic index. Errors, cancellations, `content_filter` endings, answers over `cache.max_entry_bytes`
+and streams this worker took over midway are not.
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ class EmitStage:
             entry = self._entry(terminal, ticket, texts)
             if self._answers is not None:
                 await self._answers.put(entry)
-            yield Out(self.topics.table, entry.key, entry)
+            if ticket.vector:  # none when the request had no semantic tier: every cache worker skips such an entry
+                yield Out(self.topics.table, entry.key, entry)
 
     async def _still_ours(self, rid: str, sent: _Sent) -> None:
         """Raises InfraUnavailable when another worker took the request over (a paused worker's was taken).

@@ -192,3 +192,23 @@ async def test_the_default_profile_runs_the_cache_between_guard_and_route() -> N
     assert kinds.index("guard") < kinds.index("cache") < kinds.index("route")
     assert CACHE.topics.inputs == (registry.SCREENED,) and node("guard").topics.forward == registry.SCREENED
     assert CACHE.topics.forward == ROUTE.topics.inputs[0] and CACHE.topics.table == EMIT.topics.table == registry.CACHE_ENTRIES
+
+
+async def test_without_a_semantic_tier_an_answer_goes_to_the_exact_tier_only(embedder) -> None:  # type: ignore[no-untyped-def]
+    """An entry without an embedding is skipped by every cache worker's index, so emit does not produce
+    one: a request whose tenant has no semantic tier costs no message on llm.cache.entries."""
+    config = CacheSettings(tenants={"plain": TenantCache(semantic=False)})
+    pipeline = Pipeline(embedder, config)
+    produced: list[str] = []
+    on_table = pipeline.cache.on_table
+
+    async def seen(record: object) -> None:
+        produced.append(type(record).__name__)
+        await on_table(record)  # type: ignore[arg-type]
+
+    pipeline.cache.on_table = seen  # type: ignore[method-assign]
+    assert (await pipeline.ask(chat("What is the capital of Austria?", "r1", tenant="plain")))[0] == "miss"
+    assert (await pipeline.ask(chat("What is the capital of Austria?", "r2", tenant="plain")))[0] == "hit-exact"
+    assert produced == []
+    assert (await pipeline.ask(chat("What is the capital of Austria?", "r3")))[0] == "miss"  # acme: semantic on
+    assert produced == ["Entry"]
