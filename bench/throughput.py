@@ -70,6 +70,9 @@ class Result:
     p50_ms: float
     p99_ms: float
     cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
+    # each process of a group of several (sluice's: the supervisor, `run --in-process` with the bridge,
+    # each `worker`), by group and the process's arguments after `pipeline.cli`
+    cpu_ms_per_process: dict[str, float] = field(default_factory=dict)
 
 
 def sluice_config(backend: str, guards: bool, processes: int, linger_ms: int, max_in_flight: int = 0) -> str:
@@ -209,6 +212,15 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
+def role(process: psutil.Process) -> str:
+    """A process's arguments after `pipeline.cli` (`run --in-process`, `worker`), else its name."""
+    try:
+        argv = process.cmdline()
+    except psutil.NoSuchProcess:
+        return "gone"
+    return " ".join(argv[argv.index("pipeline.cli") + 1:]) if "pipeline.cli" in argv else process.name()
+
+
 def body(i: int, max_tokens: int) -> bytes:
     prompt = f"Request {uuid.uuid4().hex[:12]}: tell me something about the number {i}."  # unique: no cache hits
     return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}).encode()
@@ -249,10 +261,13 @@ async def load(system: str, port: int, rate: float, seconds: float, max_tokens: 
     bodies = [body(i, max_tokens) for i in range(n)]
     pool = Pool("127.0.0.1", port, {"Authorization": f"Bearer {LITELLM_KEY}"})  # only LiteLLM checks it
     before = {g: cpu_seconds(ps) for g, ps in groups.items()}
+    several = {f"{g}:{role(p)}:{p.pid}": p for g, ps in groups.items() if len(ps) > 1 for p in ps}
+    before_each = {name: cpu_seconds([p]) for name, p in several.items()}
     started = time.perf_counter()
     outcomes = await paced_posts(pool, PATH, bodies, rate)
     elapsed = time.perf_counter() - started
     after = {g: cpu_seconds(ps) for g, ps in groups.items()}
+    after_each = {name: cpu_seconds([p]) for name, p in several.items()}
     pool.close()
     ok = [o for o in outcomes if o.status == 200]
     errors: dict[str, int] = {}
@@ -262,8 +277,9 @@ async def load(system: str, port: int, rate: float, seconds: float, max_tokens: 
             errors[kind] = errors.get(kind, 0) + 1
     lat = [o.latency_ms for o in ok] or [float("nan")]
     cpu = {g: round((after[g] - before[g]) * 1000 / max(len(ok), 1), 3) for g in groups}
+    each = {name: round((after_each[name] - before_each[name]) * 1000 / max(len(ok), 1), 3) for name in several}
     return Result(system, rate, repeat, n, len(ok), errors, round(len(ok) / elapsed, 1), round(percentile(lat, 50), 2),
-                  round(percentile(lat, 99), 2), cpu)
+                  round(percentile(lat, 99), 2), cpu, each)
 
 
 def print_table(results: list[Result]) -> None:
