@@ -321,14 +321,20 @@ def bridge_client() -> tuple[Client, str]:
     return client, f"acme/{request.id}"
 
 
-@pytest.mark.asyncio
-async def test_a_reply_one_of_this_process_s_streams_waits_for_is_delivered_in_memory_not_produced() -> None:
+async def emitted_beside(client: Client, rid: str) -> tuple[HeldAcks, MemoryStateStore]:
+    """A request's last chunk and its ending through emit, whose process runs the bridge of `client`."""
     producer, store = HeldAcks(), MemoryStateStore()
-    client, rid = bridge_client()
     handling = Handling(EmitStage(SETTINGS, node("emit").topics, store), Settings(), producer)  # type: ignore[arg-type]
     handling.replies = client
     task = asyncio.create_task(handling.process_group([record(chunk(0, rid), 5), record(done(1, rid), 6)], None, None))
     assert await acknowledged(task, producer) == ["ok", "ok"]
+    return producer, store
+
+
+@pytest.mark.asyncio
+async def test_a_reply_one_of_this_process_s_streams_waits_for_is_delivered_in_memory_not_produced() -> None:
+    client, rid = bridge_client()
+    producer, store = await emitted_beside(client, rid)
     assert replies(producer) == []  # nothing on the reply topic (the usage record still goes to its topic)
     stream = client._streams[rid.split("/")[1]]
     assert [type(e).__name__ for e in stream._events] == ["Chunk", "Done"]
@@ -338,12 +344,8 @@ async def test_a_reply_one_of_this_process_s_streams_waits_for_is_delivered_in_m
 
 @pytest.mark.asyncio
 async def test_a_reply_no_stream_of_this_process_waits_for_is_produced() -> None:
-    producer, store = HeldAcks(), MemoryStateStore()
     client, _ = bridge_client()
-    handling = Handling(EmitStage(SETTINGS, node("emit").topics, store), Settings(), producer)  # type: ignore[arg-type]
-    handling.replies = client
-    task = asyncio.create_task(handling.process_group([record(chunk(0), 5), record(done(1), 6)], None, None))
-    assert await acknowledged(task, producer) == ["ok", "ok"]
+    producer, _ = await emitted_beside(client, RID)
     assert replies(producer) == [("batch", ["0", "end"])]  # another client's request: through the topic
     other = Client(Settings(), reply_name="other")  # a stream for this request, but another reply topic
     stream = other.stream(other.request(prompt="hi"))
