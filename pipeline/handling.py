@@ -389,6 +389,7 @@ class Handling:
             text = f"the {self.stage.name} stage could not process this request ({letter.error_type}); it is in the dead-letter topic"
             await self.terminal(address, code, text)
 
+
 class LocalReplies(Protocol):
     """A reader of reply topics in this process (the bridge's SDK client, `pipeline.sdk.Client`)."""
 
