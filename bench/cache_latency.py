@@ -15,7 +15,10 @@ semantic hit searches an index of that size. Then `--warmup-s` seconds of exact 
 broker just started is slower until its JIT has compiled its hot paths). Starts its own Kafka and Redis
 (ports 49292/46579).
 
-The client runs in the same process, one request at a time, so its own cost is in every figure. By
+Every stage and the bridge run in this process, wired as `sluice run --in-process` wires them (the
+handovers, and emit handing replies to the bridge's client: a request crosses the broker once; with
+`sluice run`'s two processes, about half the requests do). The client runs in the same process, one
+request at a time, so its own cost is in every figure. By
 default it is the lean keep-alive client of `bench/http_load.py`, which bench/throughput.py uses too;
 `--client httpx` (the figures up to session 28) spent about 1.4 ms more per exact hit on session 29's
 host, in httpx's request and response handling (0.9 ms from the client's send to the bridge's produce
@@ -127,7 +130,8 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     stages = assemble.build(assemble.nodes_of(settings), settings, backend_registry.load(settings))
     producer = Producer(settings, "sluice-stages-bench")  # as `sluice run` wires them (handover included)
     await producer.start(stop)
-    runners = runners_for(stages, settings, producer, "bench")
+    client = Client(settings, reply_name=settings.bridge.reply_name)  # the bridge's (started below): emit hands it replies
+    runners = runners_for(stages, settings, producer, "bench", client)
     tasks = [asyncio.create_task(r.run(stop)) for r in runners]
     await asyncio.gather(*(r.ready.wait() for r in runners))
     cache = next(s for s in stages if s.name == "cache")
@@ -135,7 +139,7 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
         await asyncio.sleep(0.2)
     results: dict[str, list[float]] = {"miss": [], "hit-exact": [], "hit-semantic": []}
     wrong: list[str] = []
-    async with Client(settings, reply_name=settings.bridge.reply_name) as client:
+    async with client:
         serving = asyncio.create_task(serve(settings, client, stop))
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.bridge.port}", timeout=120) as http:
             for _ in range(100):
