@@ -15,6 +15,7 @@ Systems:
     sluice-instant  sluice with its in-process instant backend (the transport topology, no upstream hop)
     sluice-instant:N   the same with `bridge.max_in_flight = N` (admission control: over N open requests, a 503)
     sluice-instant@L   the same with its producers' `kafka.linger_ms = L` (else --linger-ms); both: @L:N
+    sluice-instant+first   the same with `[run] bridges = "first"`: the bridge in the first process only
     sluice-instant+pyredis   the same with redis-py's pure-Python reply parser: hiredis (which `make setup`
                     installs) shadowed by a module that fails to import, in every process of that system
     before-instant, before-openai   the same, from the commit --before (a git worktree under .cache/bench):
@@ -123,6 +124,7 @@ litellm_settings:
 
 
 PY_REDIS = "+pyredis"
+FIRST_BRIDGE = "+first"  # `[run] bridges = "first"`: the bridge in the first process only
 
 
 def no_hiredis() -> Path:
@@ -153,7 +155,7 @@ def before_tree(rev: str) -> Path:
 # Config lines the benchmark writes that older commits do not know, each with the field whose presence
 # in that commit's pipeline/settings.py says it does (an older instant backend always splits).
 _NEWER_KEYS = {"split = ": "split:", "linger_ms = ": "linger_ms:", "[run]": "class RunSettings",
-               "processes = ": "class RunSettings", "max_in_flight = ": "bridge.max_in_flight"}
+               "processes = ": "class RunSettings", "bridges = ": "bridges:", "max_in_flight = ": "bridge.max_in_flight"}
 
 
 def splits(tree: Path) -> bool:
@@ -317,10 +319,12 @@ async def run(args: argparse.Namespace) -> None:
                 if system.startswith(("sluice-", "before-")):
                     port = SLUICE_PORT + 10 * len(servers)
                     path = Path(configs) / f"{system}.toml"
-                    variant, _, bound = system.split("-", 1)[1].removesuffix(PY_REDIS).partition(":")
+                    variant, _, bound = system.split("-", 1)[1].removesuffix(PY_REDIS).removesuffix(FIRST_BRIDGE).partition(":")
                     backend, _, linger = variant.partition("@")
                     config = sluice_config(backend, args.guards, args.processes, int(linger or args.linger_ms), int(bound or 0))
                     config = config.replace(f"port = {SLUICE_PORT}", f"port = {port}")
+                    if FIRST_BRIDGE in system:
+                        config = config.replace("[run]", '[run]\nbridges = "first"')
                     service_env = service_envs[system]
                     config = config.replace(f"127.0.0.1:{KAFKA_PORT}", service_env["SLUICE_KAFKA_BOOTSTRAP"])
                     config = config.replace(f"redis://127.0.0.1:{REDIS_PORT}/0", service_env["SLUICE_REDIS_URL"])

@@ -1,8 +1,9 @@
 """The `sluice` command.
 
     sluice run [--processes N] every stage and the bridge, supervised, over N processes (default: one per
-                               core; `[run] processes`): the bridge and the stages in the first, the
-                               stages in the others (each stage's consumer group spreads its partitions)
+                               core; `[run] processes`): the bridge and the stages in each, on one port
+                               (`[run] bridges = "first"`: the bridge in the first only); each stage's
+                               consumer group spreads its partitions
     sluice bridge              the bridge alone, in front of stage processes started elsewhere
     sluice worker [STAGE...]   some stages in this process (all of the profile's when none is named); a
                                kind (`decode`: every pool's) or a name (`decode.local`)
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run every stage and the bridge, restarted if it fails")
     run.add_argument("--in-process", action="store_true", help="in this process, unsupervised")
     run.add_argument("--processes", type=int, default=None, help="processes to spread over (default: [run] processes, 0: one per core)")
+    run.add_argument("--shared-port", action="store_true",
+                     help="with --in-process: the bridge's port is shared with the other processes of `sluice run` (SO_REUSEPORT)")
     sub.add_parser("bridge", help="run the bridge alone (stages run in `sluice worker` processes)")
     worker = sub.add_parser("worker", help="run the named stages (default: all of the profile's) in this process")
     worker.add_argument("stages", nargs="*", metavar="STAGE", help=f"a kind ({', '.join(KINDS)}) or a name (decode.local)")
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run" and args.in_process:
         from pipeline.embedded import run_embedded
 
-        run_embedded(settings)
+        run_embedded(settings, shared_port=args.shared_port)
         return 0
     if args.command == "bridge":
         from pipeline.embedded import run_embedded

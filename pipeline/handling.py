@@ -34,7 +34,7 @@ import hashlib
 import logging
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -394,6 +394,8 @@ class LocalReplies(Protocol):
     """A reader of reply topics in this process (the bridge's SDK client, `pipeline.sdk.Client`)."""
 
     def take_reply(self, topic: str, event: Any) -> bool: ...
+
+    def send_requests_to(self, partitions: Callable[[], Sequence[int]]) -> None: ...
 
 
 @dataclass(frozen=True)

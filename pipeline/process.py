@@ -14,16 +14,19 @@ from pipeline.observability import setup as observability
 from pipeline.settings import Settings
 
 
-async def run_stages(names: list[str] | None, settings: Settings, stop: asyncio.Event, replies: LocalReplies | None = None) -> None:
+async def run_stages(
+    names: list[str] | None, settings: Settings, stop: asyncio.Event, replies: LocalReplies | None = None, *, local_requests: bool = False,
+) -> None:
     """Runs the profile's stages named (by kind, `decode`, or by name, `decode.local`); None: all of them.
-    `replies`: the SDK client of a bridge in this process (emit delivers its streams' replies in memory)."""
+    `replies`: the SDK client of a bridge in this process (emit delivers its streams' replies in memory);
+    `local_requests`: it sends its requests to this process's ingest (a bridge in every process)."""
     nodes = assemble.nodes_of(settings, names)
     pools = frozenset(n.pool for n in nodes if n.pool is not None)
     backends = await asyncio.to_thread(backend_registry.load, settings, pools) if pools else {}
     if stop.is_set():  # a signal came while the models loaded: nothing started, nothing to drain
         return
     stages = assemble.build(nodes, settings, backends, worker=str(os.getpid()))
-    await serve.run_stages(stages, settings, stop, instance=str(os.getpid()), replies=replies)
+    await serve.run_stages(stages, settings, stop, instance=str(os.getpid()), replies=replies, local_requests=local_requests)
 
 
 def run_worker(*names: str) -> None:

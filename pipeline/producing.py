@@ -41,12 +41,15 @@ class Producer:
         if self._client is not None:
             await self._client.stop()
 
-    async def send(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
-        """Queues one message; the returned future resolves when the broker acknowledged it."""
+    async def send(
+        self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]], partition: int | None = None,
+    ) -> asyncio.Future[Any]:
+        """Queues one message (on the key's partition unless one is named); the returned future resolves
+        when the broker acknowledged it."""
         if self._unusable():
             await self._renew()
         assert self._client is not None
-        ack = await self._client.send(topic, value, key=key, headers=headers)
+        ack = await self._client.send(topic, value, key=key, headers=headers, partition=partition)
         ack.add_done_callback(self._watch)
         return ack
 
@@ -70,9 +73,11 @@ class Producer:
         ack.add_done_callback(self._watch)
         return ack
 
-    async def send_and_wait(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]] | None = None) -> None:
+    async def send_and_wait(
+        self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]] | None = None, partition: int | None = None,
+    ) -> None:
         """Sends one message and waits for the broker's acknowledgement."""
-        await (await self.send(topic, value, key=key, headers=headers or []))
+        await (await self.send(topic, value, key=key, headers=headers or [], partition=partition))
 
     def _watch(self, ack: asyncio.Future[Any]) -> None:
         if not ack.cancelled() and isinstance(ack.exception(), POISONED):

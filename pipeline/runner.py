@@ -82,6 +82,10 @@ class Runner:
         self.close_after: tuple[asyncio.Event, ...] = ()
         self._lag = LagWatch(stage.name, settings.observability.lag_interval_s)  # sluice_consumer_lag
 
+    def partitions(self) -> list[int]:
+        """The partitions of its input this runner's consumer holds now (none before it has joined)."""
+        return [tp.partition for tp in self._consumer.assignment()] if self._consumer is not None else []
+
     async def run(self, stop: asyncio.Event) -> None:
         if self._owns_producer:
             self._producer = Producer(self.settings, self.client_id)

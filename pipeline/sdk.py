@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -190,6 +190,14 @@ class Client:
         self._producer: Producer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._partitions: Callable[[], Sequence[int]] | None = None
+        self._turn = 0
+
+    def send_requests_to(self, partitions: Callable[[], Sequence[int]]) -> None:
+        """Requests go to the partitions of `llm.requests` that `partitions()` gives at the time (in turn),
+        the ones the ingest of this process reads, so that with every stage here the answer comes back in
+        memory (`take_reply`); by their key, as otherwise, while it gives none (a rebalance)."""
+        self._partitions = partitions
 
     async def start(self) -> None:
         producer = Producer(self.settings, self._client_id)  # renewed if a long broker outage kills it
@@ -282,7 +290,11 @@ class Client:
 
     async def _produce(self, request: Request, headers: list[tuple[str, bytes]] | None = None) -> None:
         assert self._producer is not None, "start() the client first"
-        await self._producer.send_and_wait(registry.REQUESTS, codec.encode(request), key=request.id.encode(), headers=headers)
+        here = self._partitions() if self._partitions is not None else ()
+        partition = here[self._turn % len(here)] if here else None
+        self._turn += 1
+        await self._producer.send_and_wait(registry.REQUESTS, codec.encode(request), key=request.id.encode(), headers=headers,
+                                           partition=partition)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

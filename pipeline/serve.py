@@ -33,12 +33,14 @@ def configure_logging(level: str = "INFO") -> None:
 
 async def run_stages(
     stages: list[Stage], settings: Settings, stop: asyncio.Event, *, instance: str = "0", replies: LocalReplies | None = None,
+    local_requests: bool = False,
 ) -> None:
     """Runs one runner per stage until `stop` is set; a runner that crashes stops the others. The
-    runners share one producer. `replies`: the SDK client of a bridge in this process."""
+    runners share one producer. `replies`: the SDK client of a bridge in this process; with
+    `local_requests` it sends its requests to the partitions this process's ingest reads."""
     producer = Producer(settings, f"sluice-stages-{instance}")
     await producer.start(stop)
-    runners = runners_for(stages, settings, producer, instance, replies)
+    runners = runners_for(stages, settings, producer, instance, replies, local_requests=local_requests)
     tasks = [asyncio.create_task(r.run(stop), name=r.stage.name) for r in runners]
     log.info("running stages: %s", ", ".join(s.name for s in stages))
     settling = asyncio.create_task(_settle_when_ready(runners, settings))
@@ -77,7 +79,8 @@ def settle_gc(settings: Settings) -> None:
 
 
 def runners_for(
-    stages: list[Stage], settings: Settings, producer: Producer, instance: str, replies: LocalReplies | None = None,
+    stages: list[Stage], settings: Settings, producer: Producer, instance: str, replies: LocalReplies | None = None, *,
+    local_requests: bool = False,
 ) -> list[Runner]:
     """A runner per stage, sharing `producer`; with `runtime.handover`, the request-part stages after
     ingest (guard, cache, route) take their input from the stages of this process in memory, and so do
@@ -100,6 +103,11 @@ def runners_for(
                 # so long streams never stop ingest admitting (cache hits, refusals).
                 handling.take_limit = max(1, settings.runtime.max_in_flight // 2)
     runners = [Runner(stage, settings, instance=instance, producer=producer, handling=handlings[stage.name]) for stage in stages]
+    ingest = next((r for r in runners if r.stage.name == "ingest"), None)
+    if local_requests and replies is not None and settings.runtime.handover and ingest is not None:
+        # With a bridge in every process only: one bridge sending all its requests to its own process
+        # would leave the others idle. Here each request's chain runs in memory, answer included.
+        replies.send_requests_to(ingest.partitions)
     if settings.runtime.handover:  # a taker closes its connections after every runner that may hand it work
         for runner in runners:
             if runner.stage.name in HANDOVER or _kind(runner.stage.name) in HANDOVER_FROM:

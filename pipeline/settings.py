@@ -155,6 +155,10 @@ class RuntimeSettings:
 @dataclass(frozen=True)
 class RunSettings:
     processes: int = 0  # `sluice run`: processes the stages and the bridge are spread over; 0: one per core
+    # "every": each of those processes runs a bridge on the one port (SO_REUSEPORT: the kernel spreads the
+    # connections) and sends its requests to the partitions its own ingest reads, so a request's answer
+    # comes back to its bridge in memory; "first": the first process alone runs the bridge
+    bridges: Literal["every", "first"] = "every"
 
 
 @dataclass(frozen=True)

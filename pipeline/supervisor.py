@@ -1,9 +1,10 @@
 """Keeps child processes alive: `sluice run` runs the pipeline in children and starts each again when it
 exits non-zero (a stage that truly cannot continue exits; it does not limp on).
 
-`run_supervised` spreads the pipeline over N processes (one per core by default): the first runs the
-bridge and every stage, the others every stage; each stage's consumer group shares its partitions
-among them, so N may usefully reach the topics' partition count.
+`run_supervised` spreads the pipeline over N processes (one per core by default), each running every
+stage and a bridge on the one port (`[run] bridges = "every"`; "first": the bridge in the first only);
+each stage's consumer group shares its partitions among them, so N may usefully reach the topics'
+partition count.
 
 Restarts back off exponentially (1 s doubling to 30 s) and the backoff resets once a child has stayed
 up for a minute. SIGINT/SIGTERM are passed on to the children, which shut down gracefully; a clean
@@ -15,9 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -110,6 +114,13 @@ def run_supervised(settings: Settings, requested: int | None = None) -> int:
     from pipeline.serve import configure_logging
 
     configure_logging()
+    n = processes_for(settings, requested)
+    shared = settings.run.bridges == "every" and n > 1
+    if shared and (taken := _port_taken(settings.bridge.host, settings.bridge.port)) is not None:
+        # Checked first because the processes bind with SO_REUSEPORT, which would share the port with
+        # another `sluice run` of this user instead of failing.
+        log.error("the bridge's address %s:%d is taken (%s); is sluice already running?", settings.bridge.host, settings.bridge.port, taken)
+        return 1
     for attempt in range(60):
         try:
             asyncio.run(kafka.create_topics(settings))
@@ -117,11 +128,31 @@ def run_supervised(settings: Settings, requested: int | None = None) -> int:
         except Exception as exc:  # the broker is not up yet
             log.warning("creating topics failed (%s); retrying", type(exc).__name__)
             time.sleep(min(1.0 + attempt, 5.0))
-    n = processes_for(settings, requested)
     command = [sys.executable, "-m", "pipeline.cli"]
-    children = [Child("sluice", [*command, "run", "--in-process"])]
-    base = settings.observability.metrics_port  # stage processes serve /metrics on base, base + 1, ... (the first: the bridge)
-    children += [Child(f"stages-{i}", [*command, "worker"], env={**os.environ, "SLUICE_METRICS_PORT": str(base + i - 1)} if base else None)
-                 for i in range(1, n)]
+    run_dir = None
+    if shared:
+        run_dir = tempfile.mkdtemp(prefix="sluice-run-")  # mode 700: each process's metrics socket (observability/siblings.py)
+        children = [Child(f"sluice-{i}", [*command, "run", "--in-process", "--shared-port"],
+                          env={**os.environ, "SLUICE_RUN_DIR": run_dir, "SLUICE_PROCESS": str(i)}) for i in range(n)]
+    else:
+        children = [Child("sluice", [*command, "run", "--in-process"])]
+        base = settings.observability.metrics_port  # stage processes serve /metrics on base, base + 1, ... (the first: the bridge)
+        children += [Child(f"stages-{i}", [*command, "worker"], env={**os.environ, "SLUICE_METRICS_PORT": str(base + i - 1)} if base else None)
+                     for i in range(1, n)]
     log.info("sluice run: %d process%s", n, "es" if n > 1 else "")
-    return Supervisor(children).run()
+    try:
+        return Supervisor(children).run()
+    finally:
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """Why host:port cannot be bound by a plain socket (None: it can)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 from collections.abc import Iterator
 
@@ -21,6 +22,7 @@ import uvicorn
 from pipeline.bridge.app import MAX_HEADER_BYTES, create_app
 from pipeline.bridge.edges import head_limited_protocol
 from pipeline.errors import SluiceError
+from pipeline.observability.siblings import Siblings
 from pipeline.sdk import Client
 from pipeline.settings import Settings
 
@@ -38,20 +40,41 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
-    async def serve_until_exit(self) -> None:
+    async def serve_until_exit(self, sockets: list[socket.socket] | None = None) -> None:
         """`serve()`, with uvicorn's `sys.exit()` on a failed start turned into `BridgeStartError`."""
         try:
-            await self.serve()
+            await self.serve(sockets)
         except SystemExit as exc:
             where = f"{self.config.host}:{self.config.port}"
             raise BridgeStartError(f"the bridge could not start on {where} (uvicorn logged why; exit {exc.code})") from None
 
 
-async def serve(settings: Settings, client: Client, stop: asyncio.Event, *, owns_client: bool = False) -> None:
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that other processes may bind too (SO_REUSEPORT: the kernel
+    spreads new connections over them): `sluice run`'s bridge in every process."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise BridgeStartError(f"the bridge could not start on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+async def serve(
+    settings: Settings, client: Client, stop: asyncio.Event, *, owns_client: bool = False, shared_port: bool = False,
+    siblings: Siblings | None = None,
+) -> None:
     """Serves the bridge on settings.bridge.host:port until `stop` is set; returns once it has shut down.
 
-    With `owns_client` the app starts and stops `client`; otherwise the caller has started it."""
-    app = create_app(settings, client, owns_client=owns_client)
+    With `owns_client` the app starts and stops `client`; otherwise the caller has started it. With
+    `shared_port` other processes may serve the same port (`shared_socket`), and `siblings` reaches their
+    metrics."""
+    app = create_app(settings, client, owns_client=owns_client, siblings=siblings)
     tls = settings.gateway.tls
     config = uvicorn.Config(
         app,
@@ -72,7 +95,8 @@ async def serve(settings: Settings, client: Client, stop: asyncio.Event, *, owns
         ssl_cert_reqs=ssl.CERT_REQUIRED if tls.client_ca else ssl.CERT_NONE,
     )
     server = _Server(config)
-    serving = asyncio.create_task(server.serve_until_exit())
+    sockets = [shared_socket(settings.bridge.host, settings.bridge.port)] if shared_port else None
+    serving = asyncio.create_task(server.serve_until_exit(sockets))
     stopping = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)

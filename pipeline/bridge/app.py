@@ -54,6 +54,7 @@ from pipeline.bridge.relay import RelayResponse
 from pipeline.bridge.websocket import StreamSession
 from pipeline.gateway.network import attest
 from pipeline.observability.http import TraceRequests
+from pipeline.observability.siblings import Siblings
 from pipeline.sdk import Client
 from pipeline.settings import LimitSettings, Settings
 from topics.errors import ErrorCode
@@ -71,9 +72,10 @@ def body_cap(limits: LimitSettings) -> int:
     return limits.max_prompt_bytes * 2 + 16 * 1024
 
 
-def create_app(settings: Settings, client: Client, *, owns_client: bool = False) -> Starlette:
+def create_app(settings: Settings, client: Client, *, owns_client: bool = False, siblings: Siblings | None = None) -> Starlette:
     """The bridge on `client`. With `owns_client` the app's lifespan starts and stops the client;
-    otherwise the caller does, around the app's whole life."""
+    otherwise the caller does, around the app's whole life. `siblings`: the other processes serving the
+    same port (`sluice run`), whose metrics /metrics and /dashboard answer for too."""
     cap = body_cap(settings.limits)
     from pipeline.bridge.batches import BatchApi  # here: pipeline.batch imports openai_format, i.e. this package
 
@@ -116,7 +118,7 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
             if settings.bridge.metrics_token:
                 raise Unauthorized("/metrics needs its bearer token")
             raise HTTPException(404, "Not Found")
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await siblings.metrics() if siblings else generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     routes = [
         Route("/v1/chat/completions", _completions(client, parse_chat, cap, settings, credentials, admission), methods=["POST"]),
@@ -125,7 +127,7 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False)
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         WebSocketRoute("/v1/stream", stream),
-        *dashboard.routes(settings),  # /dashboard: live charts on the same metrics (dashboard.py)
+        *dashboard.routes(settings, siblings),  # /dashboard: live charts on the same metrics (dashboard.py)
         *batches.routes(),
     ]
     handlers = {BridgeError: _bridge_error, HTTPException: _http_error, Exception: _internal_error}

@@ -4,8 +4,9 @@ static/vendor/; no CDN: the page works offline).
     GET /dashboard              the page (static HTML, no data in it)
     GET /dashboard/static/...   its script, style sheet and the vendored chart library
     GET /dashboard/data         this process's sluice_* samples, its last finished requests and the
-                                waterfall of its last trace, as JSON; the browser turns successive
-                                snapshots into rates and percentiles
+                                waterfall of its last trace, as JSON (with a bridge in every process of
+                                `sluice run`: every process's, observability/siblings.py); the browser
+                                turns successive snapshots into rates and percentiles
 
 `/dashboard/data` is guarded like /metrics (edges.metrics_allowed): with a metrics token the page sends
 it from the URL's fragment (`/dashboard#token=...`, never sent to the server in the URL).
@@ -27,6 +28,7 @@ from starlette.staticfiles import StaticFiles
 from pipeline.bridge.edges import metrics_allowed
 from pipeline.bridge.openai_format import Unauthorized
 from pipeline.observability import recent
+from pipeline.observability.siblings import Siblings
 from pipeline.settings import Settings
 
 STATIC = Path(__file__).resolve().parent / "static" / "dashboard"
@@ -46,7 +48,8 @@ def snapshot() -> dict[str, Any]:
     return {"at": time.time(), "samples": samples, "requests": recent.REQUESTS.items(), "waterfall": recent.TRACES.waterfall()}
 
 
-def routes(settings: Settings) -> list[BaseRoute]:
+def routes(settings: Settings, siblings: Siblings | None = None) -> list[BaseRoute]:
+    """The page's routes; with `siblings` its data covers every process serving the bridge's port."""
     token, auth_required = settings.bridge.metrics_token, settings.gateway.auth_required
 
     async def page(request: HttpRequest) -> Response:
@@ -57,7 +60,7 @@ def routes(settings: Settings) -> list[BaseRoute]:
             if token:
                 raise Unauthorized("/dashboard/data needs the metrics token")
             raise HTTPException(404, "Not Found")
-        return JSONResponse(snapshot(), headers={"cache-control": "no-store"})
+        return JSONResponse(await siblings.dashboard() if siblings else snapshot(), headers={"cache-control": "no-store"})
 
     return [
         Route("/dashboard", page, methods=["GET"]),

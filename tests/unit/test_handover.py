@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from aiokafka import TopicPartition
 
 from pipeline.errors import StageError
 from pipeline.handling import Handling
+from pipeline.sdk import Client
 from pipeline.settings import Settings
 from pipeline.stage import Out
 from pipeline.topology import Topics
@@ -227,9 +229,51 @@ def test_emit_alone_hands_replies_to_the_bridge_client_of_its_process() -> None:
     from pipeline.serve import runners_for
 
     stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()]
-    bridge = object()
+    bridge = Client(Settings(), reply_name="bridge")
     runners = runners_for(stages, Settings(), FakeProducer(), "t", bridge)  # type: ignore[arg-type]
     handlings = {r.stage.name: r._handling for r in runners}  # type: ignore[misc]
     assert handlings["emit"].replies is bridge
     assert all(h.replies is None for name, h in handlings.items() if name != "emit")
     assert all(h.replies is None for h in wired_with_generate().values())  # no bridge in the process
+    assert bridge._partitions is None  # its requests go by their key: the bridge is in this process only
+    runners = runners_for(stages, Settings(), FakeProducer(), "t", bridge, local_requests=True)  # type: ignore[arg-type]
+    ingest = next(r for r in runners if r.stage.name == "ingest")
+    assert bridge._partitions == ingest.partitions  # a bridge in every process: where this process's ingest reads
+
+
+class Assigned:
+    """A consumer's assignment, as the runner asks it."""
+
+    def __init__(self, *partitions: int) -> None:
+        self.held = {TopicPartition("llm.requests", p) for p in partitions}
+
+    def assignment(self) -> set[TopicPartition]:
+        return self.held
+
+
+class Sent:
+    """A producer that records the partition each message was sent to (None: the key's)."""
+
+    def __init__(self) -> None:
+        self.partitions: list[int | None] = []
+
+    async def send_and_wait(self, topic: str, value: bytes, *, key: bytes, headers: object = None, partition: int | None = None) -> None:
+        self.partitions.append(partition)
+
+
+@pytest.mark.asyncio
+async def test_a_bridge_sends_its_requests_to_the_partitions_its_process_s_ingest_holds_in_turn() -> None:
+    from pipeline.runner import Runner
+
+    ingest = Runner(Named("ingest", "llm.requests"), Settings(), producer=FakeProducer())  # type: ignore[arg-type]
+    client, sent = Client(Settings(), reply_name="bridge"), Sent()
+    client._producer = sent  # type: ignore[assignment]
+    client.send_requests_to(ingest.partitions)
+    await client._produce(client.request(prompt="before it joined"))
+    ingest._consumer = Assigned(1, 3)  # type: ignore[assignment]
+    for _ in range(4):
+        await client._produce(client.request(prompt="hi"))
+    ingest._consumer = Assigned()  # a rebalance took them away
+    await client._produce(client.request(prompt="meanwhile"))
+    assert sent.partitions[0] is None and sent.partitions[-1] is None  # by the key, as without a bridge here
+    assert sorted(sent.partitions[1:5]) == [1, 1, 3, 3]  # type: ignore[type-var]

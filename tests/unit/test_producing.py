@@ -16,7 +16,8 @@ class FakeClient:
         self.outcome = outcome
         self.stopped = False
 
-    async def send(self, topic: str, value: bytes, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[None]:
+    async def send(self, topic: str, value: bytes, key: bytes, headers: list[tuple[str, bytes]],
+                   partition: int | None = None) -> asyncio.Future[None]:
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self.outcome is None:
             ack.set_result(None)

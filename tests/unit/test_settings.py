@@ -44,6 +44,7 @@ def test_a_top_level_replies_list_takes_effect(tmp_path: Path) -> None:
     ("[cache.models.m]\nttl = 3\n", "`cache.models.m.ttl` is not a key of [cache.models.m] (allowed: ttl_s, threshold)"),
     ('[kafka]\npartitions = "4"\n', "`kafka.partitions`: expected `int`, got `str`"),
     ('[state]\nstore = "disk"\n', "`state.store`: invalid enum value 'disk' (allowed: one of 'redis', 'memory')"),
+    ('[run]\nbridges = "all"\n', "`run.bridges`: invalid enum value 'all' (allowed: one of 'every', 'first')"),
     ('[guard.pii]\nEMAIL = "zap"\n', "(allowed: one of 'allow', 'redact', 'block')"),
     ("bridge = 3\n", "`bridge`: expected `object`, got `int`"),
 ])

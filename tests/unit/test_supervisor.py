@@ -1,8 +1,10 @@
 """`sluice run`'s supervisor stops its children on a signal within one grace period for all of them
-(a child still loading its models may not answer SIGTERM at once; make's stop waits for all of this)."""
+(a child still loading its models may not answer SIGTERM at once; make's stop waits for all of this),
+and does not start a bridge in every process on a port something already listens on."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 import time
@@ -26,3 +28,19 @@ def test_children_that_ignore_sigterm_are_killed_after_one_shared_grace_period(m
     took = time.monotonic() - started
     assert all(c.process is not None and c.process.poll() is not None for c in children)  # none left behind
     assert took < 1.0 + 1.5 + 1.0  # one grace period in all (three, one per child, would be 4.5 s)
+
+
+def test_a_taken_bridge_port_stops_sluice_run_before_it_shares_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its processes bind with SO_REUSEPORT, which another listener of the same user would not refuse."""
+    from pipeline.settings import BridgeSettings, RunSettings, Settings
+
+    started: list[object] = []
+    monkeypatch.setattr(supervisor, "Supervisor", lambda children: started.append(children))
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = Settings(bridge=BridgeSettings(port=port), run=RunSettings(processes=2))
+        assert supervisor.run_supervised(settings) == 1
+    assert started == []
