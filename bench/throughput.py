@@ -24,9 +24,11 @@ Systems:
 For every system, rate and repeat: requests sent and answered 200, errors, served/s (answers over the
 time from the first send to the last answer), latency p50/p99, and CPU milliseconds per served
 request of every process involved (sluice's processes, the broker, Redis, the upstream, LiteLLM, the
-load generator itself). Results also go to --out as JSON. Each sluice system has a Kafka and a Redis of
-its own (ports from 49392/46679 up, in steps of 100); before session 12 they shared one, so the stages of
-all the systems up in a run formed one consumer group per stage and served each other's requests.
+load generator itself), and the seconds of the step during which the system's Redis was rewriting its
+append-only file (its log says when: a forked child writes the whole dataset, on the same cores).
+Results also go to --out as JSON. Each sluice system has a Kafka and a Redis of its own (ports from
+49392/46679 up, in steps of 100); before session 12 they shared one, so the stages of all the systems
+up in a run formed one consumer group per stage and served each other's requests.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -74,6 +77,11 @@ class Result:
     # each process of a group of several (sluice's: the supervisor, `run --in-process` with the bridge,
     # each `worker`), by group and the process's arguments after `pipeline.cli`
     cpu_ms_per_process: dict[str, float] = field(default_factory=dict)
+    started_at: float = 0.0  # when the step began (epoch seconds), to lay beside the services' logs
+    seconds: float = 0.0  # how long it took, from the first send to the last answer
+    # seconds of the step during which the system's Redis was rewriting its append-only file (a forked
+    # child writing the whole dataset: on two cores it competes with everything else); from its log
+    redis_rewriting_s: float = 0.0
 
 
 def sluice_config(backend: str, guards: bool, processes: int, linger_ms: int, max_in_flight: int = 0) -> str:
@@ -214,6 +222,22 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
+def rewriting_during(log: Path, start: float, seconds: float) -> float:
+    """Seconds of [start, start + seconds] during which Redis (by its log) was rewriting its AOF."""
+    spans, began = [], None
+    for line in log.read_text(errors="replace").splitlines():
+        if "Starting automatic rewriting of AOF" in line or "Background AOF rewrite terminated" in line:
+            at = datetime.strptime(" ".join(line.split()[1:5]), "%d %b %Y %H:%M:%S.%f").timestamp()
+            if "Starting" in line:
+                began = at
+            elif began is not None:
+                spans.append((began, at))
+                began = None
+    if began is not None:
+        spans.append((began, start + seconds))
+    return round(sum(max(0.0, min(end, start + seconds) - max(begin, start)) for begin, end in spans), 2)
+
+
 def role(process: psutil.Process) -> str:
     """A process's arguments after `pipeline.cli` (`run --in-process`, `worker`), else its name."""
     try:
@@ -265,7 +289,7 @@ async def load(system: str, port: int, rate: float, seconds: float, max_tokens: 
     before = {g: cpu_seconds(ps) for g, ps in groups.items()}
     several = {f"{g}:{role(p)}:{p.pid}": p for g, ps in groups.items() if len(ps) > 1 for p in ps}
     before_each = {name: cpu_seconds([p]) for name, p in several.items()}
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     outcomes = await paced_posts(pool, PATH, bodies, rate)
     elapsed = time.perf_counter() - started
     after = {g: cpu_seconds(ps) for g, ps in groups.items()}
@@ -281,16 +305,16 @@ async def load(system: str, port: int, rate: float, seconds: float, max_tokens: 
     cpu = {g: round((after[g] - before[g]) * 1000 / max(len(ok), 1), 3) for g in groups}
     each = {name: round((after_each[name] - before_each[name]) * 1000 / max(len(ok), 1), 3) for name in several}
     return Result(system, rate, repeat, n, len(ok), errors, round(len(ok) / elapsed, 1), round(percentile(lat, 50), 2),
-                  round(percentile(lat, 99), 2), cpu, each)
+                  round(percentile(lat, 99), 2), cpu, each, round(started_at, 3), round(elapsed, 2))
 
 
 def print_table(results: list[Result]) -> None:
-    print("\n| system | offered/s | repeat | served/s | ok/sent | errors | p50 ms | p99 ms | CPU ms/request by process |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| system | offered/s | repeat | served/s | ok/sent | errors | p50 ms | p99 ms | CPU ms/request by process | Redis AOF rewrite s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in sorted(results, key=lambda r: (r.system, r.rate, r.repeat)):
         cpu = ", ".join(f"{g} {v:.2f}" for g, v in r.cpu_ms_per_request.items() if v > 0.005)
         errs = ", ".join(f"{k}:{v}" for k, v in r.errors.items()) or "0"
-        print(f"| {r.system} | {r.rate:g} | {r.repeat} | {r.served_per_s:.1f} | {r.ok}/{r.sent} | {errs} | {r.p50_ms:.1f} | {r.p99_ms:.1f} | {cpu} |")
+        print(f"| {r.system} | {r.rate:g} | {r.repeat} | {r.served_per_s:.1f} | {r.ok}/{r.sent} | {errs} | {r.p50_ms:.1f} | {r.p99_ms:.1f} | {cpu} | {r.redis_rewriting_s:g} |")
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -302,10 +326,12 @@ async def run(args: argparse.Namespace) -> None:
         # topics, same consumer groups) would share each other's load, and their CPU would not be their own.
         service_envs: dict[str, dict[str, str]] = {}
         infra: dict[str, dict[str, list[psutil.Process]]] = {}
+        redis_logs: dict[str, Path] = {}
         for i, system in enumerate(s for s in systems if s.startswith(("sluice-", "before-"))):
             name = f"bench-throughput-{i}"
             service_envs[system] = stack.enter_context(own_services(name, KAFKA_PORT + 100 * i, REDIS_PORT + 100 * i))
             state = ROOT / ".state" / name
+            redis_logs[system] = state / "redis.log"
             infra[system] = {"kafka": [psutil.Process(int((state / "kafka.pid").read_text()))],
                              "redis": [psutil.Process(int((state / "redis.pid").read_text()))]}
         servers: dict[str, Started] = {}
@@ -378,6 +404,8 @@ async def run(args: argparse.Namespace) -> None:
                         for part, started in parts.get(system, {}).items():
                             groups[f"{system}:{part}"] = started.tree()
                         result = await load(system, ports[system], rate, args.seconds, args.max_tokens, groups, repeat)
+                        if system in redis_logs:
+                            result.redis_rewriting_s = rewriting_during(redis_logs[system], result.started_at, result.seconds)
                         results.append(result)
                         print(json.dumps(asdict(result)), flush=True)
                         await asyncio.sleep(args.pause)
