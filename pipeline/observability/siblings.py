@@ -82,7 +82,7 @@ class Siblings:
             return None
         try:
             writer.write(f"{what}\n".encode())
-            return await asyncio.wait_for(reader.read(MAX_ANSWER), TIMEOUT_S)
+            return await asyncio.wait_for(_until_closed(reader), TIMEOUT_S)
         except (OSError, TimeoutError):
             return None
         finally:
@@ -106,6 +106,17 @@ class Siblings:
             except ValueError:
                 log.warning("process %s sent an unreadable dashboard snapshot", index)
         return merged_snapshot(snapshots, str(self.index))
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> bytes | None:
+    """All the peer wrote before it closed; None past MAX_ANSWER bytes."""
+    parts, size = [], 0
+    while chunk := await reader.read(65536):
+        parts.append(chunk)
+        size += len(chunk)
+        if size > MAX_ANSWER:
+            return None
+    return b"".join(parts)
 
 
 class _Families:

@@ -51,7 +51,9 @@ def test_the_dashboard_snapshot_labels_samples_and_keeps_the_latest_requests_of_
 
 @pytest.mark.asyncio
 async def test_a_process_answers_for_itself_and_the_siblings_that_answer_on_their_sockets(tmp_path: Path) -> None:
-    snapshot: dict[str, Any] = {"samples": {}, "requests": [], "waterfall": None}
+    # large enough to arrive in many reads: an answer is read to its end, not to its first chunk
+    snapshot: dict[str, Any] = {"samples": {f"sluice_x{i}": [[{"stage": "emit"}, float(i)]] for i in range(20000)},
+                                "requests": [], "waterfall": None}
     first, second = Siblings(tmp_path, 0, lambda: snapshot), Siblings(tmp_path, 1, lambda: snapshot)
     await first.start()
     await second.start()
