@@ -147,6 +147,6 @@ def merged_snapshot(snapshots: Mapping[str, dict[str, Any]], own: str) -> dict[s
         for name, rows in snapshot.get("samples", {}).items():
             samples.setdefault(name, []).extend([{**labels, LABEL: index}, value] for labels, value in rows)
     requests = sorted((r for s in snapshots.values() for r in s.get("requests", [])), key=lambda r: r.get("at", 0))
-    waterfalls = [s.get("waterfall") for i, s in sorted(snapshots.items(), key=lambda item: item[0] != own)]
+    waterfalls = [snapshot.get("waterfall") for _, snapshot in sorted(snapshots.items(), key=lambda item: item[0] != own)]
     return {"at": time.time(), "samples": samples, "requests": requests[-RECENT:],
             "waterfall": next((w for w in waterfalls if w), None)}
