@@ -5,7 +5,7 @@ running backfill does to interactive latency: all in one run, on the default mod
     .venv/bin/python -m bench.backfill --prompts 48 --max-tokens 48 --probes 30
     .venv/bin/python -m bench.backfill --prompt-chars 4000 --distinct-load   # long prompts, none cached
 
-Starts its own Kafka and Redis (ports 48192/48479), runs the bare profile (no guards, cache off: the
+Starts its own Kafka and Redis (ports 18192/18479), runs the bare profile (no guards, cache off: the
 same prompts must not be answered from the cache) in this process with the local engine, and then:
 
 1. interactive, one at a time: each prompt sent and answered before the next (tokens/s);
@@ -323,7 +323,7 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=None, help="runtime.torch_threads (default: the config's)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the local backend's weights (default: the config's)")
     args = parser.parse_args()
-    with own_services("bench-backfill", 48192, 48479) as env:
+    with own_services("bench-backfill", 18192, 18479) as env:
         settings = settings_module.load(env=env)
         batch = settings.batch if args.max_in_flight is None else replace(settings.batch, max_in_flight=args.max_in_flight)
         runtime = settings.runtime if args.torch_threads is None else replace(settings.runtime, torch_threads=args.torch_threads)

@@ -13,7 +13,7 @@ Before the rounds, the tenant's semantic index is filled with `--entries` entrie
 under other contexts' keys: the search's cost depends on their number, not their content), so a
 semantic hit searches an index of that size. Then `--warmup-s` seconds of exact hits back to back (a
 broker just started is slower until its JIT has compiled its hot paths). Starts its own Kafka and Redis
-(ports 49292/46579).
+(ports 19292/16579).
 
 Every stage and the bridge run in this process, wired as `sluice run --in-process` wires them (the
 handovers, and emit handing replies to the bridge's client: a request crosses the broker once; with
@@ -210,8 +210,8 @@ def main() -> None:
                         help="after the rounds, exact hits with this idle time before each, e.g. 0,10,50,200,0")
     parser.add_argument("--gap-seconds", type=float, default=8.0, help="how long each gap of --gaps-ms runs")
     args = parser.parse_args()
-    with own_services("bench-cache", 49292, 46579) as env:
-        settings = settings_module.load(env={**env, "SLUICE_BRIDGE_PORT": "48480"})
+    with own_services("bench-cache", 19292, 16579) as env:
+        settings = settings_module.load(env={**env, "SLUICE_BRIDGE_PORT": "18480"})
         if args.without_guards:
             profile = ("ingest", "cache", "route", "prefill", "decode", "emit")
             settings = replace(settings, profiles={**settings.profiles, "cached": profile}, profile="cached")

@@ -33,7 +33,7 @@ from pipeline import kafka
 from pipeline import settings as settings_module
 from pipeline.settings import Settings
 
-KAFKA_PORT, REDIS_PORT = 49892, 47179
+KAFKA_PORT, REDIS_PORT = 19892, 17179
 
 
 async def send_paced(pool: Pool, bodies: list[bytes], rate: float) -> list[tuple[float, float, bytes]]:

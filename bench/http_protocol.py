@@ -131,7 +131,7 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--pause", type=float, default=1.0)
-    parser.add_argument("--port", type=int, default=49800)
+    parser.add_argument("--port", type=int, default=19800)
     parser.add_argument("--out", default="")
     parser.add_argument("--serve", choices=PROTOCOLS, help=argparse.SUPPRESS)
     args = parser.parse_args()

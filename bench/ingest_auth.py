@@ -3,7 +3,7 @@ limits on four scopes (key, tenant, client address, global; requests and tokens 
 pipelined round trip to real Redis, against the foundation's ingest (validation only), same run.
 
 Each sample is one `IngestStage.handle` call, timed with perf_counter; the two variants alternate so
-drift on the shared machine hits both alike. Starts its own Redis (infra/redis/start.sh, port 46479)
+drift on the shared machine hits both alike. Starts its own Redis (infra/redis/start.sh, port 16479)
 unless --redis-url is given.
 
     .venv/bin/python -m bench.ingest_auth [--n 5000] [--redis-url redis://127.0.0.1:16379/0]
@@ -104,13 +104,13 @@ def main() -> None:
     url = args.redis_url
     if url is None:
         state.mkdir(parents=True, exist_ok=True)
-        subprocess.run([ROOT / "infra" / "redis" / "start.sh", state, "46479"], check=True)
-        url = "redis://127.0.0.1:46479/0"
+        subprocess.run([ROOT / "infra" / "redis" / "start.sh", state, "16479"], check=True)
+        url = "redis://127.0.0.1:16479/0"
     try:
         asyncio.run(measure(url, args.n))
     finally:
         if args.redis_url is None:
-            subprocess.run(["redis-cli", "-p", "46479", "shutdown", "nosave"], check=False, capture_output=True)
+            subprocess.run(["redis-cli", "-p", "16479", "shutdown", "nosave"], check=False, capture_output=True)
 
 
 if __name__ == "__main__":

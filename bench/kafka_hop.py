@@ -1,6 +1,6 @@
 """One Kafka hop, aiokafka against faust-streaming and confluent-kafka: what a Kafka client costs sluice's runner per message.
 
-    .venv/bin/python -m bench.kafka_hop                      # starts its own Kafka on 127.0.0.1:39092
+    .venv/bin/python -m bench.kafka_hop                      # starts its own Kafka on 127.0.0.1:19192
     .venv/bin/python -m bench.kafka_hop --bootstrap 127.0.0.1:19092 --count 1000 --rate 200
 
 Paths, measured one after another in one run on one broker, each on fresh topics:
@@ -308,7 +308,7 @@ def services(state: Path, action: str, kafka_port: int = 0, redis_port: int = 0)
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bootstrap", help="use this Kafka instead of starting one on 127.0.0.1:39092")
+    p.add_argument("--bootstrap", help="use this Kafka instead of starting one on 127.0.0.1:19192")
     p.add_argument("--paths", default=",".join([FLOOR, *STAGES]), help=f"comma-separated of: {FLOOR}, "
                    + ", ".join(STAGES))
     p.add_argument("--partitions", type=int, default=4, help="partitions per topic (sluice.toml uses 4)")
@@ -344,14 +344,14 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown paths: {sorted(unknown)}")
     own_kafka = args.bootstrap is None
-    plan = Plan(args.bootstrap or "127.0.0.1:39092", f"{int(time.time())}-{time.monotonic_ns() % 10**6}",
+    plan = Plan(args.bootstrap or "127.0.0.1:19192", f"{int(time.time())}-{time.monotonic_ns() % 10**6}",
                 args.partitions, args.warmup, args.count, args.rate, args.blast, state)
     state.mkdir(parents=True, exist_ok=True)
     command = " ".join([".venv/bin/python -m bench.kafka_hop", *(argv if argv is not None else sys.argv[1:])])
     started = time.monotonic()
     if own_kafka:
         services(state, "stop")  # a run that was killed may have left this state dir's services behind
-        services(state, "start", 39092, 36379)
+        services(state, "start", 19192, 16279)
     try:
         results = asyncio.run(bench(plan, paths))
     finally:

@@ -5,7 +5,7 @@ after a miss (bench.cache_latency's rounds and --gaps-ms): sluice's request cros
     .venv/bin/python -m bench.kafka_idle                          # gaps 0,5,20,100 ms, 3 repeats
     .venv/bin/python -m bench.kafka_idle --gaps-ms 0,50,200 --repeats 5
 
-Starts its own Kafka and Redis (ports 49792/46879). One aiokafka producer (idempotent, `linger_ms = 0`)
+Starts its own Kafka and Redis (ports 19792/16879). One aiokafka producer (idempotent, `linger_ms = 0`)
 and one consumer (`fetch_max_wait_ms = 500`), both as sluice's runner configures them, in this process
 on uvloop; a 300-byte message is sent, and the time until the consumer has it is one hop. Each gap runs
 --count hops, each after sleeping the gap; the gaps' order is reversed on every other repeat. Reported:
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=100, help="hops per gap and repeat")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    with own_services("kafka-idle", 49792, 46879) as env:
+    with own_services("kafka-idle", 19792, 16879) as env:
         results = uvloop.run(measure(env["SLUICE_KAFKA_BOOTSTRAP"], args.gaps_ms, args.count, args.repeats))
 
     def cell(values: list[float]) -> str:

@@ -10,7 +10,7 @@ per request shows as objects and RSS growing from window to window.
 
 --gc: `default` Python's collector as it is; `freeze` gc.freeze() after the warm-up; `settled` what
 `runtime.gc_threshold` does (pipeline.serve.settle_gc: freeze, and the youngest generation collected every
-10,000 net allocations). Starts its own Kafka and Redis (ports 48092/45379).
+10,000 net allocations). Starts its own Kafka and Redis (ports 18092/15379).
 """
 
 from __future__ import annotations
@@ -98,13 +98,13 @@ def main() -> None:
     parser.add_argument("--gc", choices=("default", "freeze", "settled"), default="default")
     parser.add_argument("--types", action="store_true", help="print the object types that grew most per window")
     args = parser.parse_args()
-    env = {"SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:48092", "SLUICE_REDIS_URL": "redis://127.0.0.1:45379/0"}
+    env = {"SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:18092", "SLUICE_REDIS_URL": "redis://127.0.0.1:15379/0"}
     settings = settings_module.load(env=env)
     settings = replace(settings, profile="bare", runtime=replace(settings.runtime, max_in_flight=256))
     state = ROOT / ".state" / "bench-memory"
     subprocess.run([ROOT / "infra" / "services.sh", "stop", state], check=False, capture_output=True)
     subprocess.run(["rm", "-rf", str(state)], check=True)
-    subprocess.run([ROOT / "infra" / "services.sh", "start", state, "48092", "45379"], check=True, capture_output=True)
+    subprocess.run([ROOT / "infra" / "services.sh", "start", state, "18092", "15379"], check=True, capture_output=True)
     try:
         asyncio.run(measure(settings, args))
     finally:

@@ -6,7 +6,7 @@ Kafka hops between them).
     .venv/bin/python -m bench.pipeline_overhead --rate 10          # every stage, guards included
     .venv/bin/python -m bench.pipeline_overhead --backend model --rate 2 --requests 40
 
-Starts its own Kafka and Redis (infra/services.sh, ports 49092/46379) unless --bootstrap is given, and
+Starts its own Kafka and Redis (infra/services.sh, ports 19092/16379) unless --bootstrap is given, and
 runs the stages in this process as `sluice run` does. Requests are sent open-loop at a fixed rate.
 """
 
@@ -123,12 +123,12 @@ def main() -> None:
     args = parser.parse_args()
     args.profile = TRANSPORT_ONLY if args.without_guards else ALL_STAGES
     state = ROOT / ".state" / "bench"
-    env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:49092", "SLUICE_REDIS_URL": args.redis or "redis://127.0.0.1:46379/0"}
+    env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:19092", "SLUICE_REDIS_URL": args.redis or "redis://127.0.0.1:16379/0"}
     settings = settings_module.load(env=env)
     settings = replace(settings, runtime=replace(settings.runtime, max_in_flight=256))
     if not args.bootstrap:
         subprocess.run(["rm", "-rf", str(state)], check=True)
-        subprocess.run([ROOT / "infra" / "services.sh", "start", state, "49092", "46379"], check=True)
+        subprocess.run([ROOT / "infra" / "services.sh", "start", state, "19092", "16379"], check=True)
     try:
         backend: Backend = EchoBackend() if args.backend == "echo" else backend_registry.load(settings)["local"]
         backend.name = "local"  # type: ignore[misc]  # the configured backend it stands in for (assemble looks it up)

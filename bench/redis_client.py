@@ -70,7 +70,7 @@ async def measure(port: int, client: str, n: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--port", type=int, default=46999)
+    parser.add_argument("--port", type=int, default=16999)
     parser.add_argument("--calls", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--before", default="", help="also measure LeanRedis as it was at this commit")

@@ -1,6 +1,6 @@
 """Routing under faults: three OpenAI-compatible upstreams (bench.fake_openai) behind three pools, one
 of which fails (HTTP 500) for a phase, then stalls past the backend's timeout for another, under an
-open-loop load; the stages run in this process on their own Kafka and Redis (ports 49392/46679).
+open-loop load; the stages run in this process on their own Kafka and Redis (ports 19392/16679).
 
     .venv/bin/python -m bench.routing_faults [--rate 40] [--phase-s 10]
 
@@ -48,7 +48,7 @@ async def watch_ejection(settings: Settings, backend: str, stop: asyncio.Event, 
 
 
 async def measure(settings: Settings, args: argparse.Namespace) -> None:
-    fakes = [FakeUpstream(port) for port in (48901, 48902, 48903)]
+    fakes = [FakeUpstream(port) for port in (18901, 18902, 18903)]
     for fake in fakes:
         await fake.__aenter__()
     backends = tuple(BackendSettings(name=f"up{i}", model=MODEL, pool=f"up{i}", kind="openai", base_url=f.base_url,
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=40.0)
     parser.add_argument("--phase-s", type=float, default=10.0)
     args = parser.parse_args()
-    with own_services("bench-routing", 49392, 46679) as env:
+    with own_services("bench-routing", 19392, 16679) as env:
         asyncio.run(measure(settings_module.load(env=env), args))
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ request of every process involved (sluice's processes, the broker, Redis, the up
 load generator itself), and the seconds of the step during which the system's Redis was rewriting its
 append-only file (its log says when: a forked child writes the whole dataset, on the same cores).
 Results also go to --out as JSON. Each sluice system has a Kafka and a Redis of its own (ports from
-49392/46679 up, in steps of 100); before session 12 they shared one, so the stages of all the systems
+19392/16679 up, in steps of 100); before session 12 they shared one, so the stages of all the systems
 up in a run formed one consumer group per stage and served each other's requests.
 """
 
@@ -55,8 +55,8 @@ from bench.stats import percentile
 
 LITELLM = "1.108.7"
 LITELLM_VENV = ROOT / ".cache" / "bench" / f"litellm-{LITELLM}"
-KAFKA_PORT, REDIS_PORT = 49392, 46679
-UPSTREAM_PORT, SLUICE_PORT, LITELLM_PORT = 49401, 49410, 49405  # Kafka takes its port + 1 (controller)
+KAFKA_PORT, REDIS_PORT = 19392, 16679
+UPSTREAM_PORT, SLUICE_PORT, LITELLM_PORT = 19401, 19410, 19405  # Kafka takes its port + 1 (controller)
 MODEL = "fake-model"
 LITELLM_KEY = "sk-bench-" + uuid.uuid4().hex
 PATH = "/v1/chat/completions"

@@ -1,9 +1,9 @@
 """How long each topic's records take from their producer's send() to a reader that does nothing else.
 
-    .venv/bin/python -m bench.topic_lag --bootstrap 127.0.0.1:49892 --seconds 25
+    .venv/bin/python -m bench.topic_lag --bootstrap 127.0.0.1:19892 --seconds 25
 
 Run it beside a system under load (for example `python -m bench.hop_latency --rate 50 --seconds 60`,
-whose Kafka listens on 127.0.0.1:49892). It reads every `llm.*` topic from its end, outside any group,
+whose Kafka listens on 127.0.0.1:19892). It reads every `llm.*` topic from its end, outside any group,
 and for each record takes its arrival wall time minus its CreateTime (set by the producer when send()
 took it). Per topic, a key's first record in the window and its later ones are reported apart (on a
 reply topic: an answer's chunk, then its terminal event). CreateTime is in whole milliseconds, so half
@@ -51,7 +51,7 @@ async def lags(bootstrap: str, seconds: float) -> dict[str, list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bootstrap", default="127.0.0.1:49892")
+    parser.add_argument("--bootstrap", default="127.0.0.1:19892")
     parser.add_argument("--seconds", type=float, default=25.0)
     args = parser.parse_args()
     found = asyncio.run(lags(args.bootstrap, args.seconds))

@@ -29,7 +29,7 @@ child's CPU with this process's.
 Then `--connected` requests (1,000) with tracing on: how many of their traces are one connected tree in
 which the terminal event's path passes every stage, in pipeline order.
 
-Starts its own Kafka and Redis (ports 48092/45379) unless --bootstrap is given.
+Starts its own Kafka and Redis (ports 18092/15379) unless --bootstrap is given.
 """
 
 from __future__ import annotations
@@ -329,21 +329,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--bootstrap", help="use a running Kafka instead of starting one")
     parser.add_argument("--redis", help="with --bootstrap: the running Redis's URL")
-    parser.add_argument("--sink-port", type=int, default=44318)
+    parser.add_argument("--sink-port", type=int, default=14318)
     parser.add_argument("--modes", default="on,off", help="on (as sluice run exports: from a child process), off, on-thread (exported from a thread of this process), on-recorded (recorded, not exported)")
     parser.add_argument("--connected", type=int, default=1000, help="then this many requests traced: how many traces are whole")
     args = parser.parse_args()
     args.modes = args.modes.split(",")
     if "off" not in args.modes or not set(args.modes) <= set(LABELS) | {"off"} or len(set(args.modes)) < len(args.modes):
         parser.error("--modes: off and one or more of on, on-thread, on-recorded, each once")
-    env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:48092", "SLUICE_REDIS_URL": args.redis or "redis://127.0.0.1:45379/0"}
+    env = {"SLUICE_KAFKA_BOOTSTRAP": args.bootstrap or "127.0.0.1:18092", "SLUICE_REDIS_URL": args.redis or "redis://127.0.0.1:15379/0"}
     settings = settings_module.load(env=env)
     settings = replace(settings, profile="bare", runtime=replace(settings.runtime, max_in_flight=256))
     state = ROOT / ".state" / "bench-tracing"
     if not args.bootstrap:  # a run that died may have left its services holding the state dir
         subprocess.run([ROOT / "infra" / "services.sh", "stop", state], check=False, capture_output=True)
         subprocess.run(["rm", "-rf", str(state)], check=True)
-        subprocess.run([ROOT / "infra" / "services.sh", "start", state, "48092", "45379"], check=True)
+        subprocess.run([ROOT / "infra" / "services.sh", "start", state, "18092", "15379"], check=True)
     sink = subprocess.Popen([sys.executable, "-c", SINK, str(args.sink_port)])
     try:
         switch = Switch()
