@@ -32,14 +32,15 @@ def security(settings: Settings) -> dict[str, Any]:
     }
 
 
-def producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
-    """Idempotent, acks from all in-sync replicas, so an acknowledged message is never duplicated by retries."""
+def producer(settings: Settings, client_id: str, linger_ms: int | None = None) -> AIOKafkaProducer:
+    """Idempotent, acks from all in-sync replicas, so an acknowledged message is never duplicated by retries.
+    `linger_ms`: `kafka.linger_ms` unless given."""
     return AIOKafkaProducer(
         bootstrap_servers=settings.kafka.bootstrap,
         client_id=client_id,
         enable_idempotence=True,
         acks="all",
-        linger_ms=settings.kafka.linger_ms,
+        linger_ms=settings.kafka.linger_ms if linger_ms is None else linger_ms,
         request_timeout_ms=30000,
         **security(settings),
     )

@@ -7,6 +7,11 @@ suite: every stage looping on that error minutes after the broker was back. `Pro
 send's outcome and, once one fails that way or the sender has stopped, replaces the client with a fresh
 one (a new producer id) before the next send, so a stage recovers from an outage of any length. The messages that were in flight are retried by
 the runner (their offsets were never committed).
+
+Records of the `lingering` topics (the stages' processes pass `registry.LINGERING`: records no request
+waits for) go through a second `Producer` that waits `kafka.lingering_ms` to batch them, so a usage
+record is not a produce request of its own. Their senders still wait for the acknowledgement (at least
+once); only nobody's answer does.
 """
 
 from __future__ import annotations
@@ -26,18 +31,31 @@ POISONED = (OutOfOrderSequenceNumber, UnknownProducerId, InvalidProducerEpoch)  
 
 
 class Producer:
-    def __init__(self, settings: Settings, client_id: str) -> None:
+    def __init__(
+        self, settings: Settings, client_id: str, *, lingering: frozenset[str] = frozenset(), linger_ms: int | None = None,
+    ) -> None:
         self._settings = settings
         self._client_id = client_id
+        self._linger_ms = settings.kafka.linger_ms if linger_ms is None else linger_ms
         self._client: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
         self._poisoned = False
         self.renewals = 0
+        lingers = bool(lingering) and settings.kafka.lingering_ms > self._linger_ms
+        self._lingering = lingering if lingers else frozenset()
+        self._batching = Producer(settings, f"{client_id}-lingering", linger_ms=settings.kafka.lingering_ms) if lingers else None
+
+    def _new(self) -> AIOKafkaProducer:
+        return kafka.producer(self._settings, self._client_id, self._linger_ms)
 
     async def start(self, stop: asyncio.Event) -> None:
-        self._client = await kafka.started(lambda: kafka.producer(self._settings, self._client_id), stop, self._client_id)
+        self._client = await kafka.started(self._new, stop, self._client_id)
+        if self._batching is not None:
+            await self._batching.start(stop)
 
     async def stop(self) -> None:
+        if self._batching is not None:
+            await self._batching.stop()
         if self._client is not None:
             await self._client.stop()
 
@@ -46,6 +64,9 @@ class Producer:
     ) -> asyncio.Future[Any]:
         """Queues one message (on the key's partition unless one is named); the returned future resolves
         when the broker acknowledged it."""
+        if topic in self._lingering:
+            assert self._batching is not None
+            return await self._batching.send(topic, value, key=key, headers=headers, partition=partition)
         if self._unusable():
             await self._renew()
         assert self._client is not None
@@ -59,6 +80,9 @@ class Producer:
         """Queues several messages with one key as one record batch on the key's partition (the one `send`
         picks): the broker appends all of them or none, so a later one cannot overtake an earlier one that
         failed. None, with nothing queued, when they do not fit in one batch (`max_batch_size`)."""
+        if topic in self._lingering:
+            assert self._batching is not None
+            return await self._batching.send_together(topic, key, items)
         if self._unusable():
             await self._renew()
         client = self._client
@@ -97,7 +121,7 @@ class Producer:
             self.renewals += 1
             metrics.PRODUCER_RENEWALS.inc()
             log.warning("producer %s stopped delivering; starting a new one (renewal %d)", self._client_id, self.renewals)
-            self._client = await kafka.started(lambda: kafka.producer(self._settings, self._client_id), asyncio.Event(), self._client_id)
+            self._client = await kafka.started(self._new, asyncio.Event(), self._client_id)
             if old is not None:
                 try:
                     await old.stop()

@@ -28,6 +28,7 @@ from pipeline.offsets import OffsetTracker
 from pipeline.producing import Producer
 from pipeline.settings import Settings
 from pipeline.stage import Closable, Controlled, Reporting, Resettable, Stage, Tabled
+from topics import registry
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class Runner:
 
     async def run(self, stop: asyncio.Event) -> None:
         if self._owns_producer:
-            self._producer = Producer(self.settings, self.client_id)
+            self._producer = Producer(self.settings, self.client_id, lingering=registry.LINGERING)
             await self._producer.start(stop)
         assert self._producer is not None
         consumer = lambda: kafka.group_consumer(self.settings, self.stage.name, (), self.client_id)  # noqa: E731

@@ -18,6 +18,7 @@ from pipeline.runner import Runner
 from pipeline.settings import Settings
 from pipeline.stage import Stage
 from pipeline.topology import GENERATE, HANDOVER, HANDOVER_FROM
+from topics import registry
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ async def run_stages(
     """Runs one runner per stage until `stop` is set; a runner that crashes stops the others. The
     runners share one producer. `replies`: the SDK client of a bridge in this process; with
     `local_requests` it sends its requests to the partitions this process's ingest reads."""
-    producer = Producer(settings, f"sluice-stages-{instance}")
+    producer = Producer(settings, f"sluice-stages-{instance}", lingering=registry.LINGERING)
     await producer.start(stop)
     runners = runners_for(stages, settings, producer, instance, replies, local_requests=local_requests)
     tasks = [asyncio.create_task(r.run(stop), name=r.stage.name) for r in runners]

@@ -43,6 +43,10 @@ class KafkaSettings:
     # How long a producer waits for more messages to send in the same request. 0: at once (each hop adds
     # nothing); under load messages batch anyway while a request is in flight (bench/throughput.py).
     linger_ms: int = 0
+    # Records no request waits for (`registry.LINGERING`: usage, cache entries, backend health) go through
+    # a second producer of the process that waits this long to batch them: one produce request per record
+    # was about a tenth of a request's CPU at 400/s (docs/benchmarks.md, "Session 35"). 0: the one producer.
+    lingering_ms: int = 20
 
 
 @dataclass(frozen=True)
@@ -235,8 +239,8 @@ class Settings:
         for b in self.backends:
             if b.split and b.kind not in ("local", "instant"):
                 raise SettingsError(f"backend {b.name!r}: a {b.kind} backend cannot split prefill from decode (split = true)")
-        if self.kafka.linger_ms < 0:
-            raise SettingsError(f"kafka.linger_ms must not be negative, got {self.kafka.linger_ms}")
+        if self.kafka.linger_ms < 0 or self.kafka.lingering_ms < 0:
+            raise SettingsError(f"kafka.linger_ms and kafka.lingering_ms must not be negative, got {self.kafka.linger_ms} and {self.kafka.lingering_ms}")
         if self.run.processes < 0:
             raise SettingsError(f"run.processes must be 0 (one per core) or more, got {self.run.processes}")
         for b in self.backends:

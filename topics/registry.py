@@ -25,6 +25,9 @@ CHECKED = "llm.checked"  # postguard -> emit: the stream after the output checks
 CONTROL = "llm.control"
 DLQ = "llm.dlq"
 USAGE = "llm.usage"
+# Records no request waits for: the stages' processes send them through a producer that lingers to batch
+# them (`kafka.lingering_ms`, pipeline/producing.py).
+LINGERING = frozenset({USAGE, CACHE_ENTRIES, HEALTH})
 ROUTED_PREFIX = "llm.routed."
 PREFILLED_PREFIX = "llm.prefilled."
 REPLY_PREFIX = "llm.responses."

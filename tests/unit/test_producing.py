@@ -1,4 +1,5 @@
-"""The runner's producer is replaced once the broker refuses its producer id (after a long outage)."""
+"""The runner's producer is replaced once the broker refuses its producer id (after a long outage), and
+sends records nobody waits for through a client of its own that lingers to batch them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 from aiokafka.errors import KafkaTimeoutError, OutOfOrderSequenceNumber
 
 from pipeline.producing import Producer
-from pipeline.settings import Settings
+from pipeline.settings import KafkaSettings, Settings
+from topics import registry
 
 
 class FakeClient:
@@ -49,3 +51,53 @@ async def test_a_refused_producer_id_makes_the_next_send_use_a_new_client(
     await asyncio.sleep(0)  # the outcome's callbacks run
     await producer.send("t", b"v", key=b"k", headers=[])
     assert (producer._client is fresh) is renewed and broken.stopped is renewed and producer.renewals == int(renewed)
+
+
+class RecordingClient(FakeClient):
+    def __init__(self, linger_ms: int) -> None:
+        super().__init__(None)
+        self.linger_ms = linger_ms
+        self.topics: list[str] = []
+
+    async def send(self, topic: str, value: bytes, key: bytes, headers: list[tuple[str, bytes]],
+                   partition: int | None = None) -> asyncio.Future[None]:
+        self.topics.append(topic)
+        return await super().send(topic, value, key, headers, partition)
+
+
+async def started_clients(monkeypatch: pytest.MonkeyPatch, settings: Settings, **kwargs: object) -> tuple[Producer, list[RecordingClient]]:
+    """A started Producer whose clients record their linger and what was sent through them."""
+    clients: list[RecordingClient] = []
+
+    async def started(make: object, stop: object, name: str) -> RecordingClient:
+        clients.append(RecordingClient(make().linger_ms))  # type: ignore[operator]
+        return clients[-1]
+
+    monkeypatch.setattr("pipeline.producing.kafka.started", started)
+    monkeypatch.setattr("pipeline.producing.kafka.producer", lambda settings, client_id, linger_ms: type("P", (), {"linger_ms": linger_ms})())
+    producer = Producer(settings, "test", **kwargs)  # type: ignore[arg-type]
+    await producer.start(asyncio.Event())
+    return producer, clients
+
+
+@pytest.mark.asyncio
+async def test_records_nobody_waits_for_go_through_a_lingering_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    producer, clients = await started_clients(monkeypatch, Settings(), lingering=registry.LINGERING)
+    for topic in (registry.REQUESTS, registry.USAGE, registry.CACHE_ENTRIES, registry.HEALTH, "llm.responses.bridge"):
+        await (await producer.send(topic, b"v", key=b"k", headers=[]))
+    main, lingering = clients
+    assert (main.linger_ms, lingering.linger_ms) == (Settings().kafka.linger_ms, Settings().kafka.lingering_ms)
+    assert main.topics == [registry.REQUESTS, "llm.responses.bridge"]
+    assert lingering.topics == [registry.USAGE, registry.CACHE_ENTRIES, registry.HEALTH]
+    await producer.stop()
+    assert main.stopped and lingering.stopped
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kwargs", [{}, {"lingering": registry.LINGERING, "lingering_ms": 0}])
+async def test_one_client_without_lingering_topics_or_linger(monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, object]) -> None:
+    lingering_ms = kwargs.pop("lingering_ms", 20)
+    settings = Settings(kafka=KafkaSettings(lingering_ms=lingering_ms))  # type: ignore[arg-type]
+    producer, clients = await started_clients(monkeypatch, settings, **kwargs)
+    await (await producer.send(registry.USAGE, b"v", key=b"k", headers=[]))
+    assert len(clients) == 1 and clients[0].topics == [registry.USAGE]
