@@ -86,8 +86,8 @@ async def broadcast_consumer(
         fetch_max_wait_ms=500,
         **security(settings),
     )
-    await consumer.start()
     try:
+        await consumer.start()
         consumer.assign([TopicPartition(topic, 0) for topic in topics])  # makes the client fetch their metadata
         deadline = asyncio.get_running_loop().time() + timeout_s
         while not all(consumer.partitions_for_topic(topic) for topic in topics):
@@ -134,8 +134,8 @@ async def _warm_group_coordinator(admin: AIOKafkaAdminClient, timeout_s: float =
 async def create_topics(settings: Settings) -> list[str]:
     """Creates every declared topic that does not exist yet; returns the names it created."""
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap, client_id="sluice-admin", **security(settings))
-    await admin.start()
     try:
+        await admin.start()
         existing = set(await admin.list_topics())
         wanted = [s for s in topic_specs(settings) if s.name not in existing]
         await _warm_group_coordinator(admin)
@@ -162,9 +162,9 @@ async def started(make: Callable[[], Any], stop: asyncio.Event, name: str, subsc
         try:
             await client.start()
             return client
-        except KafkaError as exc:
+        except BaseException as exc:  # a start cut short (cancelled too) leaves connections open until stopped
             await client.stop()
-            if stop.is_set():
+            if not isinstance(exc, KafkaError) or stop.is_set():
                 raise
             log.warning("%s cannot reach the broker, retrying in %.1f s: %s", name, backoff, type(exc).__name__)
             await asyncio.sleep(backoff)

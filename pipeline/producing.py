@@ -51,7 +51,11 @@ class Producer:
     async def start(self, stop: asyncio.Event) -> None:
         self._client = await kafka.started(self._new, stop, self._client_id)
         if self._batching is not None:
-            await self._batching.start(stop)
+            try:
+                await self._batching.start(stop)
+            except BaseException:
+                await self._client.stop()
+                raise
 
     async def stop(self) -> None:
         if self._batching is not None:
