@@ -1,7 +1,10 @@
 """The Redis StateStore: one hash per key, `prefix + "{key}"`, so each key has its own hash tag and one
 Redis Cluster slot. Every operation is one round trip: `lua/write_owned.lua`, `lua/advance.lua`, `lua/claim.lua`
 and `lua/take.lua` for the ones that read before they write, HSET + PEXPIRE in one MULTI for a plain write.
-Every write sets the TTL, so no key outlives it. Scripts are called by EVALSHA and loaded again when
+Every key has a TTL, and after any write at least half of it is left: the scripts refresh it only when
+less is, since a PEXPIRE on each of a request's six or so script calls was a sixth of what Redis appended
+to its AOF per request, and the rewrites of that file on the same cores are the worst of the pipeline's
+latency tails (docs/benchmarks.md, "Session 35"). Scripts are called by EVALSHA and loaded again when
 Redis lost them (a restart)."""
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Per-request state: the StateStore protocol and its in-memory implementation.
 
 State is a small hash of byte fields per key (a request id, a stream id), and every key has a TTL, so
-state a crashed worker left behind goes away by itself. The one field with a meaning of its own is
+state a crashed worker left behind goes away by itself. A write "refreshes" the TTL: after it the key has
+at least half of `ttl_s` left (the memory store sets all of it; the Redis store only when less than half
+is left, which spares Redis a command per call). The one field with a meaning of its own is
 `owner`: `take` makes a worker the owner whoever held the key before, and `write(..., owner=...)` is
 fenced on it, so a worker that lost a request to another (a rebalance, a redelivery) cannot overwrite
 the new owner's state. `claim` sets a field once (an event emitted once, a charge made once), and

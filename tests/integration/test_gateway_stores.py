@@ -16,7 +16,7 @@ from pipeline.gateway.build import redis_client, stage_redis
 from pipeline.gateway.keys import KeyEntry, KeyManager, KeyRecord, KeyStore, MemoryKeyStore, hash_key
 from pipeline.gateway.limits import Limiter, MemoryLimiter, Scope
 from pipeline.gateway.redis_keys import RedisKeyStore
-from pipeline.gateway.redis_limits import RedisLimiter
+from pipeline.gateway.redis_limits import RedisLimiter, rate_keys
 from pipeline.settings import Settings
 from tests.integration.gateway_fixtures import with_gateway
 
@@ -120,3 +120,27 @@ async def test_key_store_round_trip_expiry_and_forgetting(key_store: KeyStore) -
     await manager.revoke(record.key_id)
     assert await key_store.lookup(hash_key(new)) is None
     assert await key_store.lookup(hash_key("sk-sluice-unknown")) is None
+
+
+@pytest.mark.parametrize("client", ["redis", "lean"])
+async def test_rate_limit_keys_keep_a_window_of_ttl_set_about_once_a_second(settings: Settings, client: str) -> None:
+    """A PEXPIRE of three keys on every admission was a fifth of what Redis appended to its AOF per request."""
+    gateway = with_gateway(settings, redis_timeout_s=2.0)
+    redis, check = (redis_client if client == "redis" else stage_redis)(gateway), redis_client(gateway)
+    limiter, s = RedisLimiter(redis, WINDOW_S), scope(rpm=100, tpm=1000)
+    try:
+        assert await limiter.admit([s], rid(), 5, b"t", 10) is None
+        names = rate_keys(s)
+        ttls = [await check.pttl(name) for name in names]
+        assert all(1000 < ttl <= 2000 for ttl in ttls), ttls  # the window and a second
+        for name in names:
+            await check.pexpire(name, 1500)  # at least the window left: admission leaves it
+        assert await limiter.admit([s], rid(), 5, b"t", 10) is None
+        assert all([1000 < await check.pttl(name) <= 1500 for name in names])
+        for name in names:
+            await check.pexpire(name, 500)  # less than the window left: set again
+        assert await limiter.admit([s], rid(), 5, b"t", 10) is None
+        assert all([await check.pttl(name) > 1500 for name in names])
+    finally:
+        await redis.aclose()
+        await check.aclose()

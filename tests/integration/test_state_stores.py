@@ -177,6 +177,30 @@ async def test_every_key_the_redis_store_writes_has_a_ttl(settings: Settings, re
 
 
 @CLIENTS
+async def test_a_script_call_refreshes_the_ttl_only_when_less_than_half_is_left(settings: Settings, redis: Redis, make: Make) -> None:
+    """A PEXPIRE on every call was a sixth of what Redis appended to its AOF per request."""
+    store = RedisStateStore(make(settings.redis.url), ttl_s=30.0, prefix=PREFIX)
+    k = key()
+    name = PREFIX + "{" + k + "}"
+    calls = [
+        lambda: store.take(k, "w1"), lambda: store.claim(k, f"c{key()}", b"1"),
+        lambda: store.write(k, {"a": b"1"}, owner="w1"), lambda: store.advance(k, "seq", 1, {}, owner="w1"),
+    ]
+    try:
+        await store.take(k, "w1")
+        assert await redis.pttl(name) > 29_000  # a new key gets all of it
+        for call in calls:
+            await redis.pexpire(name, 20_000)  # more than half left: the call leaves it
+            await call()
+            assert 19_000 < await redis.pttl(name) <= 20_000
+            await redis.pexpire(name, 10_000)  # less than half left: the call sets all of it again
+            await call()
+            assert await redis.pttl(name) > 29_000
+    finally:
+        await store.aclose()
+
+
+@CLIENTS
 async def test_scripts_are_loaded_again_after_redis_lost_them(settings: Settings, redis: Redis, make: Make) -> None:
     store = RedisStateStore(make(settings.redis.url), ttl_s=30.0, prefix=PREFIX)
     k = key()

@@ -11,8 +11,10 @@ local rpm, tpm, budget = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local member, tokens = ARGV[5], tonumber(ARGV[6])
 local cutoff = now - window
 
-local function touch()  -- every rate-limit key always has a TTL
-  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], window + 1000) end
+local function touch()  -- every rate-limit key has a TTL, at least the window (set about once a second)
+  for i = 1, 3 do
+    if redis.call('PTTL', KEYS[i]) < window then redis.call('PEXPIRE', KEYS[i], window + 1000) end
+  end
 end
 local function weight(entry) return tonumber(string.match(entry, '|(%d+)$')) end
 

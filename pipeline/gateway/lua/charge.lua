@@ -8,6 +8,7 @@ if added == 1 then
   redis.call('INCRBY', KEYS[2], tokens)
   if tonumber(ARGV[4]) > 0 then redis.call('INCRBYFLOAT', KEYS[3], ARGV[4]) end
 end
-redis.call('PEXPIRE', KEYS[1], window + 1000)
-redis.call('PEXPIRE', KEYS[2], window + 1000)
+for i = 1, 2 do  -- as admit.lua's touch()
+  if redis.call('PTTL', KEYS[i]) < window then redis.call('PEXPIRE', KEYS[i], window + 1000) end
+end
 return added

@@ -5,5 +5,7 @@ redis.call('ZREM', KEYS[1], ARGV[2])
 if tokens > 0 and redis.call('ZREM', KEYS[2], ARGV[2] .. ':p|' .. tokens) == 1 then
   redis.call('DECRBY', KEYS[3], tokens)
 end
-for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], window + 1000) end
+for i = 1, 3 do  -- as admit.lua's touch()
+  if redis.call('PTTL', KEYS[i]) < window then redis.call('PEXPIRE', KEYS[i], window + 1000) end
+end
 return 1

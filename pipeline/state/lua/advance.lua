@@ -13,5 +13,5 @@ end
 if tonumber(redis.call('HGET', KEYS[1], ARGV[3]) or '0') < tonumber(ARGV[4]) then
   redis.call('HSET', KEYS[1], ARGV[3], ARGV[4], unpack(ARGV, always))
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if redis.call('PTTL', KEYS[1]) < ARGV[1] / 2 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end  -- see redis_store.py
 return 1

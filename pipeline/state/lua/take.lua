@@ -3,5 +3,5 @@
 -- KEYS[1] the state hash. ARGV: TTL ms, owner.
 local before = redis.call('HGETALL', KEYS[1])
 redis.call('HSET', KEYS[1], 'owner', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if redis.call('PTTL', KEYS[1]) < ARGV[1] / 2 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end  -- see redis_store.py
 return before

@@ -4,5 +4,5 @@
 -- Returns 1 when written, 0 when fenced off.
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
 if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if redis.call('PTTL', KEYS[1]) < ARGV[1] / 2 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end  -- see redis_store.py
 return 1
