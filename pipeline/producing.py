@@ -10,8 +10,8 @@ the runner (their offsets were never committed).
 
 Records of the `lingering` topics (the stages' processes pass `registry.LINGERING`: records no request
 waits for) go through a second `Producer` that waits `kafka.lingering_ms` to batch them, so a usage
-record is not a produce request of its own. Their senders still wait for the acknowledgement (at least
-once); only nobody's answer does.
+record is not a produce request of its own. Their stage still waits for the acknowledgement before its
+offset is committed; no answer waits for them.
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ CONTROL = "llm.control"
 DLQ = "llm.dlq"
 USAGE = "llm.usage"
 # Records no request waits for: the stages' processes send them through a producer that lingers to batch
-# them (`kafka.lingering_ms`, pipeline/producing.py).
-LINGERING = frozenset({USAGE, CACHE_ENTRIES, HEALTH})
+# them (`kafka.lingering_ms`, pipeline/producing.py). Not health: a generation worker's report at the
+# failure streak that ejects its backend goes before the failed request's terminal event, which waits
+# for it, and the sooner route reads it, the fewer requests reach that backend.
+LINGERING = frozenset({USAGE, CACHE_ENTRIES})
 ROUTED_PREFIX = "llm.routed."
 PREFILLED_PREFIX = "llm.prefilled."
 REPLY_PREFIX = "llm.responses."

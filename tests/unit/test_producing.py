@@ -87,8 +87,8 @@ async def test_records_nobody_waits_for_go_through_a_lingering_client(monkeypatc
         await (await producer.send(topic, b"v", key=b"k", headers=[]))
     main, lingering = clients
     assert (main.linger_ms, lingering.linger_ms) == (Settings().kafka.linger_ms, Settings().kafka.lingering_ms)
-    assert main.topics == [registry.REQUESTS, "llm.responses.bridge"]
-    assert lingering.topics == [registry.USAGE, registry.CACHE_ENTRIES, registry.HEALTH]
+    assert main.topics == [registry.REQUESTS, registry.HEALTH, "llm.responses.bridge"]
+    assert lingering.topics == [registry.USAGE, registry.CACHE_ENTRIES]
     await producer.stop()
     assert main.stopped and lingering.stopped
 
