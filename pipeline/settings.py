@@ -43,9 +43,10 @@ class KafkaSettings:
     # How long a producer waits for more messages to send in the same request. 0: at once (each hop adds
     # nothing); under load messages batch anyway while a request is in flight (bench/throughput.py).
     linger_ms: int = 0
-    # Records no request waits for (`registry.LINGERING`: usage records, cache entries) go through
-    # a second producer of the process that waits this long to batch them: one produce request per record
-    # was about a tenth of a request's CPU at 400/s (docs/benchmarks.md, "Session 35"). 0: the one producer.
+    # Records no request waits for (`registry.LINGERING`: usage records, cache entries) go through a
+    # second producer of the process that waits this long to batch them: a produce request per usage
+    # record was about a tenth of sluice's CPU per request at 400/s (docs/benchmarks.md, "Session 35").
+    # 0: the one producer.
     lingering_ms: int = 20
 
 

@@ -2,7 +2,7 @@
 Redis Cluster slot. Every operation is one round trip: `lua/write_owned.lua`, `lua/advance.lua`, `lua/claim.lua`
 and `lua/take.lua` for the ones that read before they write, HSET + PEXPIRE in one MULTI for a plain write.
 Every key has a TTL, and after any write at least half of it is left: the scripts refresh it only when
-less is, since a PEXPIRE on each of a request's six or so script calls was a sixth of what Redis appended
+less is, since a PEXPIRE on each of a request's seven script calls was a sixth of what Redis appended
 to its AOF per request, and the rewrites of that file on the same cores are the worst of the pipeline's
 latency tails (docs/benchmarks.md, "Session 35"). Scripts are called by EVALSHA and loaded again when
 Redis lost them (a restart)."""

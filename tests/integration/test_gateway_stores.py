@@ -124,7 +124,8 @@ async def test_key_store_round_trip_expiry_and_forgetting(key_store: KeyStore) -
 
 @pytest.mark.parametrize("client", ["redis", "lean"])
 async def test_rate_limit_keys_keep_a_window_of_ttl_set_about_once_a_second(settings: Settings, client: str) -> None:
-    """A PEXPIRE of three keys on every admission was a fifth of what Redis appended to its AOF per request."""
+    """PEXPIREs of the rate-limit keys on every admission and charge were a twelfth of what Redis appended to its
+    AOF per request."""
     gateway = with_gateway(settings, redis_timeout_s=2.0)
     redis, check = (redis_client if client == "redis" else stage_redis)(gateway), redis_client(gateway)
     limiter, s = RedisLimiter(redis, WINDOW_S), scope(rpm=100, tpm=1000)

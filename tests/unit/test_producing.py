@@ -96,8 +96,7 @@ async def test_records_nobody_waits_for_go_through_a_lingering_client(monkeypatc
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kwargs", [{}, {"lingering": registry.LINGERING, "lingering_ms": 0}])
 async def test_one_client_without_lingering_topics_or_linger(monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, object]) -> None:
-    lingering_ms = kwargs.pop("lingering_ms", 20)
-    settings = Settings(kafka=KafkaSettings(lingering_ms=lingering_ms))  # type: ignore[arg-type]
-    producer, clients = await started_clients(monkeypatch, settings, **kwargs)
+    settings = Settings(kafka=KafkaSettings(lingering_ms=kwargs.get("lingering_ms", 20)))  # type: ignore[arg-type]
+    producer, clients = await started_clients(monkeypatch, settings, **{k: v for k, v in kwargs.items() if k != "lingering_ms"})
     await (await producer.send(registry.USAGE, b"v", key=b"k", headers=[]))
     assert len(clients) == 1 and clients[0].topics == [registry.USAGE]
