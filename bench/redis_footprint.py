@@ -24,6 +24,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from bench import throughput
 from bench.http_load import Pool, paced_posts
 from bench.services import ROOT, own_services
 from bench.throughput import PATH, SLUICE_PORT, Started, before_config, before_tree, body, sluice_config, wait_ready
@@ -71,8 +72,8 @@ async def measure(system: str, tree: Path, config: str, args: argparse.Namespace
     """(AOF bytes by command, AOF commands by command, memory by key kind, requests answered in all)."""
     state_name = f"bench-redis-footprint-{system}"
     with own_services(state_name, KAFKA_PORT, REDIS_PORT) as env:
-        config = config.replace("127.0.0.1:19392", env["SLUICE_KAFKA_BOOTSTRAP"]).replace(
-            "redis://127.0.0.1:16679/0", env["SLUICE_REDIS_URL"]).replace(f"port = {SLUICE_PORT}", f"port = {PORT}")
+        config = config.replace(f"127.0.0.1:{throughput.KAFKA_PORT}", env["SLUICE_KAFKA_BOOTSTRAP"]).replace(
+            f"redis://127.0.0.1:{throughput.REDIS_PORT}/0", env["SLUICE_REDIS_URL"]).replace(f"port = {SLUICE_PORT}", f"port = {PORT}")
         path = Path(tempfile.mkdtemp(prefix="bench-redis-footprint-")) / "sluice.toml"
         path.write_text(config)
         server = Started(f"redis-footprint-{system}", [sys.executable, "-m", "pipeline.cli", "run"],
