@@ -41,9 +41,9 @@ def commands(aof: bytes) -> list[list[bytes]]:
         args = []
         for _ in range(argc):
             end = aof.index(b"\r\n", i)
-            size, i = int(aof[i + 1:end]), end + 2
-            args.append(aof[i:i + size])
-            i += size + 2
+            length, i = int(aof[i + 1:end]), end + 2
+            args.append(aof[i:i + length])
+            i += length + 2
         out.append(args)
     return out
 
