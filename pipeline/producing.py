@@ -41,8 +41,8 @@ class Producer:
         self._lock = asyncio.Lock()
         self._poisoned = False
         self.renewals = 0
+        self._lingering = lingering
         lingers = bool(lingering) and settings.kafka.lingering_ms > self._linger_ms
-        self._lingering = lingering if lingers else frozenset()
         self._batching = Producer(settings, f"{client_id}-lingering", linger_ms=settings.kafka.lingering_ms) if lingers else None
 
     def _new(self) -> AIOKafkaProducer:
@@ -68,8 +68,7 @@ class Producer:
     ) -> asyncio.Future[Any]:
         """Queues one message (on the key's partition unless one is named); the returned future resolves
         when the broker acknowledged it."""
-        if topic in self._lingering:
-            assert self._batching is not None
+        if self._batching is not None and topic in self._lingering:
             return await self._batching.send(topic, value, key=key, headers=headers, partition=partition)
         if self._unusable():
             await self._renew()
@@ -84,8 +83,7 @@ class Producer:
         """Queues several messages with one key as one record batch on the key's partition (the one `send`
         picks): the broker appends all of them or none, so a later one cannot overtake an earlier one that
         failed. None, with nothing queued, when they do not fit in one batch (`max_batch_size`)."""
-        if topic in self._lingering:
-            assert self._batching is not None
+        if self._batching is not None and topic in self._lingering:
             return await self._batching.send_together(topic, key, items)
         if self._unusable():
             await self._renew()
