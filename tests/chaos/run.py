@@ -26,7 +26,7 @@ import traceback
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pipeline import assemble
@@ -262,8 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="short")
     parser.add_argument("--report", type=Path, default=None, help="also write the report as JSON here")
     parser.add_argument("--seed", type=int, default=None, help="which workers the faults pick")
+    parser.add_argument("--only", default=None, help="run only these scenarios (comma-separated) after the reference")
     args = parser.parse_args(argv)
-    report = asyncio.run(run_profile(PROFILES[args.profile], args.seed))
+    profile = PROFILES[args.profile]
+    if args.only is not None:
+        wanted = {"reference", *args.only.split(",")}
+        if unknown := wanted - {s.name for s in profile.scenarios}:
+            parser.error(f"no such scenario in {profile.name}: {', '.join(sorted(unknown))}")
+        profile = replace(profile, scenarios=tuple(s for s in profile.scenarios if s.name in wanted))
+    report = asyncio.run(run_profile(profile, args.seed))
     print(report.markdown())
     if args.report is not None:
         args.report.write_text(json.dumps(asdict(report), indent=2, default=str))
