@@ -6,6 +6,7 @@
     .venv/bin/python -m bench.cache_latency --warmup-s 0         # no warm-up: measured just after the start
     .venv/bin/python -m bench.cache_latency --client httpx       # the client the figures before session 29 used
     .venv/bin/python -m bench.cache_latency --gaps-ms 0,10,50,200,0   # then exact hits with idle gaps between them
+    .venv/bin/python -m bench.cache_latency --after-miss-ms 30   # each round's exact hit 30 ms after its miss's answer
 
 Each round asks three questions one after another: a new one (a miss: the default model generates it),
 one asked before word for word (an exact hit) and a paraphrase of one asked before (a semantic hit).
@@ -33,6 +34,7 @@ import json
 import time
 import uuid
 from dataclasses import replace
+from typing import Any
 
 import httpx
 import numpy as np
@@ -46,6 +48,7 @@ from pipeline import settings as settings_module
 from pipeline.bridge import serve
 from pipeline.cache.index import from_vector
 from pipeline.guard.embedder import DIMS
+from pipeline.observability import recent
 from pipeline.producing import Producer
 from pipeline.sdk import Client
 from pipeline.serve import runners_for
@@ -152,11 +155,15 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
             for first, _ in PAIRS:  # stored once, before the rounds
                 await ask(client, model, first)
             await asyncio.sleep(1.0)
+            recent.REQUESTS = recent.RecentRequests(size=1_000_000)  # every terminal event from here on, in order
             warm = await warm_up(client, model, args.warmup_s)
+            in_rounds = len(recent.REQUESTS.items())
             for i in range(args.rounds):
                 first, paraphrase = PAIRS[i % len(PAIRS)]
                 for text, expected in ((f"Write one word about the number {uuid.uuid4().int % 10**9}.", "miss"),
                                        (first, "hit-exact"), (paraphrase, "hit-semantic")):
+                    if expected == "hit-exact" and args.after_miss_ms:
+                        await asyncio.sleep(args.after_miss_ms / 1000)
                     ms, tier = await ask(client, model, text)
                     (results[tier] if tier == expected else wrong).append(ms if tier == expected else f"{expected}->{tier}")  # type: ignore[arg-type]
             spaced = await exact_hits_spaced(client, model, args.gaps_ms, args.gap_seconds) if args.gaps_ms else {}
@@ -167,18 +174,35 @@ async def measure(settings: Settings, args: argparse.Namespace) -> None:
     await asyncio.gather(*tasks)
     await producer.stop()
     print(f"\nprofile={settings.profile} entries in the tenant's index={len(cache.index)} rounds={args.rounds}"  # type: ignore[attr-defined]
-          f" warm-up={args.warmup_s:g} s ({warm} exact hits) client={args.client}\n")
+          f" warm-up={args.warmup_s:g} s ({warm} exact hits) client={args.client} after-miss={args.after_miss_ms:g} ms\n")
     print("| request (through the bridge, non-streamed) | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")
     for name, values in results.items():
         if values:
             print(row(name, values))
     if wrong:
         print(f"\nnot served as expected: {len(wrong)} ({', '.join(sorted(set(map(str, wrong))))})")
+    print_stage_timings(recent.REQUESTS.items(), in_rounds)
     if spaced:
         print(f"\nexact hits only, {args.gap_seconds:g} s per gap, in the order given\n")
         print("| idle gap before each hit | p50 ms | p99 ms | mean ms | n |\n| --- | --- | --- | --- | --- |")
         for name, values in spaced.items():
             print(row(name, values))
+
+
+def print_stage_timings(finished: list[dict[str, Any]], in_rounds: int) -> None:
+    """Where a hit's time goes, from the timings its terminal event carries (each stage's own handling, ms;
+    `total`: from the bridge's stamp to emit): the warm-up's last exact hits (back to back) against the
+    rounds' hits, each right after its miss. The bridge sees one request at a time, so its terminal events
+    come in the order asked: the warm-up's, then miss, exact, semantic per round."""
+    rounds = finished[in_rounds:]
+    groups = {"exact, back to back": finished[max(0, in_rounds - 200):in_rounds],
+              "exact, after a miss": rounds[1::3], "semantic, after an exact hit": rounds[2::3]}
+    stages = [k for k in ("ingest", "guard", "cache", "emit", "total") if any(k in item["timings"] for item in rounds)]
+    print("\n| hits (p50 of each stage's timing, ms) | " + " | ".join(stages) + " | n |")
+    print("| --- |" + " --- |" * (len(stages) + 1))
+    for name, items in groups.items():
+        cells = [f"{np.median([i['timings'][k] for i in items if k in i['timings']]):.2f}" for k in stages]
+        print(f"| {name} | " + " | ".join(cells) + f" | {len(items)} |")
 
 
 async def exact_hits_spaced(client: httpx.AsyncClient | Pool, model: str, gaps_ms: list[float], seconds: float) -> dict[str, list[float]]:
@@ -208,6 +232,7 @@ def main() -> None:
     parser.add_argument("--client", choices=("lean", "httpx"), default="lean", help="the HTTP client that asks (see above)")
     parser.add_argument("--gaps-ms", type=lambda v: [float(g) for g in v.split(",")], default=[],
                         help="after the rounds, exact hits with this idle time before each, e.g. 0,10,50,200,0")
+    parser.add_argument("--after-miss-ms", type=float, default=0.0, help="idle time between each round's miss and its exact hit")
     parser.add_argument("--gap-seconds", type=float, default=8.0, help="how long each gap of --gaps-ms runs")
     args = parser.parse_args()
     with own_services("bench-cache", 19292, 16579) as env:
