@@ -342,12 +342,12 @@ class EmitStage:
     def _usage_out(self, rid: str) -> Out:
         """The usage record this worker claimed for `rid`, forgotten once the broker acknowledged it."""
         billing = self._unbilled[rid]
-        billing.settled = asyncio.get_running_loop().create_future()
+        settled = billing.settled = asyncio.get_running_loop().create_future()  # this send's
 
         def settle(delivered: bool) -> None:
-            if not billing.settled.done():
-                billing.settled.set_result(delivered)
-            if delivered and self._unbilled.get(rid) is billing:
+            if not settled.done():
+                settled.set_result(delivered)
+            if delivered and self._unbilled.get(rid) is billing:  # whichever send it was, the broker has it
                 del self._unbilled[rid]
 
         record = billing.record
