@@ -20,6 +20,9 @@ Systems:
                     installs) shadowed by a module that fails to import, in every process of that system
     before-instant, before-openai   the same, from the commit --before (a git worktree under .cache/bench):
                     the figures before this benchmark's changes, measured in the same run
+    any of them#LABEL   a label tells two systems of one kind apart; `--redis-set LABEL:NAME=VALUE` sets NAME
+                    on that system's Redis (CONFIG SET) when it starts, so Redis settings compare side by side:
+                    --systems "sluice-instant,sluice-instant#aof400" --redis-set aof400:auto-aof-rewrite-percentage=400
 
 For every system, rate and repeat: requests sent and answered 200, errors, served/s (answers over the
 time from the first send to the last answer), latency p50/p99, and CPU milliseconds per served
@@ -129,6 +132,12 @@ model_list:
 litellm_settings:
   drop_params: true
 """
+
+
+def unlabelled(system: str) -> str:
+    """`sluice-instant#aof400` -> `sluice-instant`: a label only tells two systems of one kind apart (and
+    picks the `--redis-set` settings of its Redis)."""
+    return system.partition("#")[0]
 
 
 PY_REDIS = "+pyredis"
@@ -319,6 +328,10 @@ def print_table(results: list[Result]) -> None:
 
 async def run(args: argparse.Namespace) -> None:
     systems = args.systems.split(",")
+    redis_settings: dict[str, list[str]] = {}
+    for item in args.redis_set:
+        label, _, setting = item.partition(":")
+        redis_settings.setdefault(label, []).append(setting)
     rates = [float(r) for r in args.rates.split(",")]
     results: list[Result] = []
     with contextlib.ExitStack() as stack:
@@ -329,11 +342,16 @@ async def run(args: argparse.Namespace) -> None:
         redis_logs: dict[str, Path] = {}
         for i, system in enumerate(s for s in systems if s.startswith(("sluice-", "before-"))):
             name = f"bench-throughput-{i}"
-            service_envs[system] = stack.enter_context(own_services(name, KAFKA_PORT + 100 * i, REDIS_PORT + 100 * i))
+            redis_port = REDIS_PORT + 100 * i
+            service_envs[system] = stack.enter_context(own_services(name, KAFKA_PORT + 100 * i, redis_port))
             state = ROOT / ".state" / name
             redis_logs[system] = state / "redis.log"
             infra[system] = {"kafka": [psutil.Process(int((state / "kafka.pid").read_text()))],
                              "redis": [psutil.Process(int((state / "redis.pid").read_text()))]}
+            for setting in redis_settings.get(system.partition("#")[2], []):
+                name, _, value = setting.partition("=")
+                subprocess.run(["redis-cli", "-p", str(redis_port), "CONFIG", "SET", name, value], check=True,
+                               stdout=subprocess.DEVNULL)
         servers: dict[str, Started] = {}
         parts: dict[str, dict[str, Started]] = {}  # --guards: a system's worker processes by role
         upstream = Started("upstream", [sys.executable, "-m", "bench.fake_openai", "--port", str(UPSTREAM_PORT)], {}, UPSTREAM_PORT)
@@ -345,11 +363,12 @@ async def run(args: argparse.Namespace) -> None:
                 if system.startswith(("sluice-", "before-")):
                     port = SLUICE_PORT + 10 * len(servers)
                     path = Path(configs) / f"{system}.toml"
-                    variant, _, bound = system.split("-", 1)[1].removesuffix(PY_REDIS).removesuffix(FIRST_BRIDGE).partition(":")
+                    kind = unlabelled(system)
+                    variant, _, bound = kind.split("-", 1)[1].removesuffix(PY_REDIS).removesuffix(FIRST_BRIDGE).partition(":")
                     backend, _, linger = variant.partition("@")
                     config = sluice_config(backend, args.guards, args.processes, int(linger or args.linger_ms), int(bound or 0))
                     config = config.replace(f"port = {SLUICE_PORT}", f"port = {port}")
-                    if FIRST_BRIDGE in system:
+                    if FIRST_BRIDGE in kind:
                         config = config.replace("[run]", '[run]\nbridges = "first"')
                     service_env = service_envs[system]
                     config = config.replace(f"127.0.0.1:{KAFKA_PORT}", service_env["SLUICE_KAFKA_BOOTSTRAP"])
@@ -358,7 +377,7 @@ async def run(args: argparse.Namespace) -> None:
                     cwd = before_tree(args.before) if before else ROOT
                     path.write_text(before_config(config, cwd) if before else config)
                     env = {**service_env, "SLUICE_CONFIG": str(path)}
-                    if system.endswith(PY_REDIS):  # every process of it (the supervisor's too) finds no hiredis
+                    if kind.endswith(PY_REDIS):  # every process of it (the supervisor's too) finds no hiredis
                         env["PYTHONPATH"] = os.pathsep.join([str(no_hiredis()), str(ROOT)])
                     ports[system] = port
                     if not args.guards or not splits(cwd):
@@ -433,6 +452,9 @@ def main() -> None:
     parser.add_argument("--warmup-rate", type=float, default=60.0, help="requests per second of the warm-up")
     parser.add_argument("--idle-s", type=float, default=5.0, help="seconds of no load, to measure what idling costs")
     parser.add_argument("--out", default="", help="write every result here as JSON")
+    parser.add_argument("--redis-set", action="append", default=[], metavar="LABEL:NAME=VALUE",
+                        help="CONFIG SET on the Redis of the systems named with #LABEL (sluice-instant#LABEL), "
+                             "e.g. aof400:auto-aof-rewrite-percentage=400; repeatable")
     asyncio.run(run(parser.parse_args()))
 
 
