@@ -469,7 +469,7 @@ async def test_two_messages_of_a_request_that_restore_its_progress_at_once_share
     assert len(terminal) == 1 and isinstance(terminal[0], Done), terminal
 
 
-async def _answered_then_failed(stage: EmitStage, *, terminal_reached: bool) -> tuple[UsageRecord, object]:
+async def _answered_then_failed(stage: EmitStage, *, terminal_reached: bool) -> UsageRecord:
     """Chunks 0 and 1 recorded, then the request's terminal event and its usage record are produced and
     the usage record's produce fails (a broker outage); the terminal event reached the topic or not."""
     for message in (chunk(0), chunk(1)):
@@ -480,7 +480,7 @@ async def _answered_then_failed(stage: EmitStage, *, terminal_reached: bool) -> 
         await terminal.acked()
     usage.undelivered()
     await stage.reset(RID)  # handling.py, before it tries the message again
-    return usage.value, usage
+    return usage.value
 
 
 @pytest.mark.asyncio
@@ -489,7 +489,7 @@ async def test_a_usage_record_whose_produce_failed_is_sent_again_by_the_retry() 
     nothing, so a broker outage at the end of a request lost its usage record."""
     store = MemoryStateStore()
     stage = emit(store)
-    record, _ = await _answered_then_failed(stage, terminal_reached=True)
+    record = await _answered_then_failed(stage, terminal_reached=True)
     [again] = [o async for o in stage.handle(done())]  # the terminal event is recorded: only the usage record
     assert again.topic == registry.USAGE and again.value == record  # the record claimed, unchanged
     again.delivered()
@@ -500,7 +500,7 @@ async def test_a_usage_record_whose_produce_failed_is_sent_again_by_the_retry() 
 @pytest.mark.asyncio
 async def test_a_retry_after_both_produces_failed_sends_the_terminal_event_and_the_usage_record_once() -> None:
     stage = emit(MemoryStateStore())
-    record, _ = await _answered_then_failed(stage, terminal_reached=False)
+    record = await _answered_then_failed(stage, terminal_reached=False)
     outs = await run_handler(stage, done())
     assert [o.topic for o in outs] == [REPLY, registry.USAGE] and outs[1].value == record
 
