@@ -49,11 +49,12 @@ class Pool:
             writer.write(f"POST {path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
             try:
                 head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError as exc:
-                if not (reused and exc.partial == b""):
+            except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
+                if not (reused and getattr(exc, "partial", b"") == b""):
                     raise
                 # A kept-alive connection the server closed (idle past its timeout) as this request was
-                # written: it read nothing of it, so it is sent once more, on a new connection.
+                # written: it read nothing of it (a reset says the request was still unread in the
+                # server's socket when it closed), so it is sent once more, on a new connection.
                 writer.close()
                 return await self.exchange(path, body)
             status = int(head[9:12])
