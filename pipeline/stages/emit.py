@@ -346,11 +346,8 @@ class EmitStage:
         if (billing := self._unbilled.get(rid)) is not None:
             return self._usage_out(rid) if await billing.failed() else None
         mine = self._owner.encode()
-        if not await self._store.claim(rid, "usage", mine):
-            if (await self._store.read(rid)).get("usage") != mine:
-                return None
-            if rid in self._unbilled or rid in self._billed_ids:  # claimed meanwhile by another message of it here
-                return None
+        if not await self._store.claim(rid, "usage", mine) and (await self._store.read(rid)).get("usage") != mine:
+            return None
         self._unbilled[rid] = _Billing(self._usage(terminal()))
         if len(self._unbilled) > _CACHED:
             self._unbilled.popitem(last=False)
