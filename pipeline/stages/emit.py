@@ -11,11 +11,9 @@ is stored before its message is finished, since the broker will not deliver that
 Positions are written one at a time per request and never backwards. A worker that finds its record
 taken (it was paused past its session and replaced) stops forwarding that request and lets the runner
 try the message again: the worker that owns the partition then takes the record back and goes on from
-what it says. The usage record is claimed in the store (with this worker's id) before it is produced,
-so billing sees it at most once; the worker that claimed it sends it again when the message is retried
-after its produce failed (a broker outage) or after the claim's reply was lost, and a worker that takes a
-finished request over claims and sends it if no one had. A record is lost only with a worker that had
-claimed it and not sent it.
+what it says. The usage record is claimed in the store before it is produced, so billing sees it at
+most once; a record whose produce failed (a broker outage) is sent again by the worker that claimed it
+when the message is retried, and lost only with that worker.
 
 A finished answer (`Done`, stop or length, every chunk seen by this worker from the first) whose
 request carries a cache ticket is stored: in the exact tier (Redis) and, when the request had a semantic
@@ -157,10 +155,8 @@ class EmitStage:
         self._delivered: OrderedDict[str, None] = OrderedDict()
         # Usage records this worker claimed that the broker has not acknowledged yet: the store says
         # "claimed" to every later try, so a retried message (the produce failed in an outage) sends the
-        # kept record again instead of losing it; and those it acknowledged, so a claim of this worker's
-        # found in the store is not sent twice. Both bounded like `_sent`.
+        # kept record again instead of losing it. Bounded like `_sent`.
         self._unbilled: OrderedDict[str, _Billing] = OrderedDict()
-        self._billed_ids: OrderedDict[str, None] = OrderedDict()
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
         self._clock = clock  # monotonic: how long ago ownership was confirmed
 
@@ -196,8 +192,8 @@ class EmitStage:
         if sent.fenced:  # another worker took this request over: this message is tried again after a reset
             raise InfraUnavailable("taken over by another emit worker")
         if sent.finished and not isinstance(message, Chunk):  # a redelivery after the terminal event (the client has it)
-            if (usage := await self._bill(rid, lambda: self._final(message, sent, clock))) is not None:
-                yield usage  # the worker that sent the terminal event had not (a kill, a lost reply, a failed produce)
+            if rid in self._unbilled and await self._unbilled[rid].failed():  # this worker claimed its usage record
+                yield self._usage_out(rid)
             return
         # A chunk of a finished request goes out again unless its position was recorded: the terminal
         # event does not wait for the chunks' records, so it can overtake a chunk whose produce then
@@ -223,15 +219,22 @@ class EmitStage:
         # waits for it.
         sent.finished = True
         self._unsure.pop(rid, None)
-        terminal = self._final(message, sent, clock)
+        terminal = self._terminal(message, sent, clock)
+        terminal = costs.priced(terminal, self._prices, self._billed(terminal).usage)
         if rid in self._delivered:  # an earlier try's terminal event is on the reply topic: only record it
             await self._write(rid, sent, {"terminal": b"1"})()
         else:
             costs.observe(terminal, self._tenant_label(terminal.tenant), self._models)
             yield Out(message.reply_to, rid, terminal, acked=self._write(rid, sent, {"terminal": b"1"}),
                       delivered=lambda: self._note_delivered(rid))
-        if (usage := await self._bill(rid, lambda: terminal)) is not None:
-            yield usage
+        if rid in self._unbilled:  # this worker claimed it on an earlier try
+            if await self._unbilled[rid].failed():
+                yield self._usage_out(rid)
+        elif await self._store.claim(rid, "usage", b"1"):
+            self._unbilled[rid] = _Billing(self._usage(terminal))
+            if len(self._unbilled) > _CACHED:
+                self._unbilled.popitem(last=False)
+            yield self._usage_out(rid)
         if self._meter is not None:
             await self._meter.finish(self._billed(terminal))
         texts, sent.texts = sent.texts, None
@@ -336,30 +339,8 @@ class EmitStage:
             return msgspec.structs.replace(message, chunks=received, digest=sent.digest, timings=timings, ticket=None)
         return msgspec.structs.replace(message, chunks=received, timings=timings)
 
-    async def _bill(self, rid: str, terminal: Callable[[], Done | Failed]) -> Out | None:
-        """The usage record of `rid` to send now, or None. This worker sends it when it claims it in the
-        store, or when the claim there is its own (an earlier call whose reply was lost) and the broker has
-        not acknowledged it, or when its last send of it failed; a claim another worker holds is that
-        worker's to send."""
-        if rid in self._billed_ids:
-            return None
-        if (billing := self._unbilled.get(rid)) is not None:
-            return self._usage_out(rid) if await billing.failed() else None
-        mine = self._owner.encode()
-        if not await self._store.claim(rid, "usage", mine) and (await self._store.read(rid)).get("usage") != mine:
-            return None
-        self._unbilled[rid] = _Billing(self._usage(terminal()))
-        if len(self._unbilled) > _CACHED:
-            self._unbilled.popitem(last=False)
-        return self._usage_out(rid)
-
-    def _final(self, message: Done | Failed, sent: _Sent, clock: Stopwatch) -> Done | Failed:
-        """The terminal event the client gets, priced."""
-        terminal = self._terminal(message, sent, clock)
-        return costs.priced(terminal, self._prices, self._billed(terminal).usage)
-
     def _usage_out(self, rid: str) -> Out:
-        """The usage record this worker claimed for `rid`, remembered as billed once the broker acknowledged it."""
+        """The usage record this worker claimed for `rid`, forgotten once the broker acknowledged it."""
         billing = self._unbilled[rid]
         settled = billing.settled = asyncio.get_running_loop().create_future()  # this send's
 
@@ -368,9 +349,6 @@ class EmitStage:
                 settled.set_result(delivered)
             if delivered and self._unbilled.get(rid) is billing:  # whichever send it was, the broker has it
                 del self._unbilled[rid]
-                self._billed_ids[rid] = None
-                if len(self._billed_ids) > _CACHED:
-                    self._billed_ids.popitem(last=False)
 
         record = billing.record
         return Out(self.topics.usage, record.tenant or "anonymous", record,

@@ -2,13 +2,11 @@
 survives the worker (a successor with the same store repeats nothing)."""
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 
 from pipeline.errors import InfraUnavailable, Undeliverable
-from pipeline.stage import Out
 from pipeline.stages.emit import EmitStage
 from pipeline.state import MemoryStateStore
 from tests.unit.fakes import Clock, run_handler
@@ -497,61 +495,6 @@ async def test_a_usage_record_whose_produce_failed_is_sent_again_by_the_retry() 
     again.delivered()
     assert [o async for o in stage.handle(done())] == []  # the broker has it now: never a third time
     assert [o for o in await run_handler(emit(store), done()) if o.topic == registry.USAGE] == []  # nor from a successor
-
-
-class _ClaimReplyLost(MemoryStateStore):
-    """Applies the first usage claim and then raises, as a Redis connection dropped mid-call would."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lost = False
-
-    async def claim(self, key: str, field: str, value: bytes) -> bool:
-        claimed = await super().claim(key, field, value)
-        if field == "usage" and not self.lost:
-            self.lost = True
-            raise ConnectionError("connection closed before the reply")
-        return claimed
-
-
-async def _terminal_sent(stage: EmitStage) -> AsyncIterator[Out]:
-    """Chunks 0 and 1 and the terminal event reach the client and are recorded; returns the handler,
-    stopped just after it yielded the terminal event."""
-    for message in (chunk(0), chunk(1)):
-        await run_handler(stage, message)
-    handler = stage.handle(done())
-    terminal = await anext(handler)
-    assert terminal.topic == REPLY
-    terminal.delivered()
-    await terminal.acked()
-    return handler
-
-
-@pytest.mark.asyncio
-async def test_a_usage_claim_whose_reply_was_lost_is_sent_by_the_retry() -> None:
-    """The claim was applied and its reply lost: the retry found it taken and sent nothing. The claim
-    carries the worker's id, so the worker knows its own."""
-    store = _ClaimReplyLost()
-    stage = emit(store)
-    handler = await _terminal_sent(stage)
-    with pytest.raises(ConnectionError):
-        await anext(handler)
-    await stage.reset(RID)  # handling.py, before it tries the message again
-    [usage] = await run_handler(stage, done())
-    assert usage.topic == registry.USAGE and usage.value.outcome == "done"
-    assert await run_handler(stage, done()) == []  # acknowledged: never twice
-    assert await run_handler(emit(store), done()) == []  # the claim is another worker's
-
-
-@pytest.mark.asyncio
-async def test_a_worker_taking_over_a_finished_request_sends_the_usage_record_no_one_claimed() -> None:
-    """The worker that sent the terminal event was killed before it claimed the usage record; its
-    successor found the request finished and sent nothing."""
-    store = MemoryStateStore()
-    await (await _terminal_sent(emit(store))).aclose()  # killed: the handler goes no further
-    outs = await run_handler(emit(store), done())
-    assert [o.topic for o in outs] == [registry.USAGE] and outs[0].value.outcome == "done"
-    assert await run_handler(emit(store), done()) == []  # claimed by the successor now
 
 
 @pytest.mark.asyncio
