@@ -207,7 +207,7 @@ def check(
     missing = [r for r in results if r.outcome == "done" and usage[client_key(r.request_id)] == 0]
     for r in missing:
         if not any(_may_have_taken_usage(r, f) for f in faults):
-            flags.add("usage record missing without a kill of emit", f"{r.request_id} ({r.spec.key})")
+            flags.add("usage record missing without a kill of emit or a Redis restart", f"{r.request_id} ({r.spec.key})")
     redecoded_by_key = Counter[str]()
     for (key, _), n in decoded.items():
         redecoded_by_key[key] += n - 1
@@ -284,10 +284,15 @@ def _in_flight(r: ClientResult, fault: FaultEvent) -> bool:
 
 def _may_have_taken_usage(r: ClientResult, fault: FaultEvent) -> bool:
     """A killed emit (or whole process) loses the usage records it had claimed and not sent, which linger
-    up to `kafka.lingering_ms` after the terminal event (docs/reliability.md): at most once by design."""
+    up to `kafka.lingering_ms` after the terminal event; a Redis restart loses one whose claim Redis
+    applied and whose reply the connection lost (the retry finds it claimed): at most once by design
+    (docs/reliability.md)."""
+    end = (r.ended_at or time.monotonic()) + USAGE_LINGER_SLACK_S
+    if fault.kind == "redis_restart":
+        return fault.at <= end and r.sent_at <= fault.ended
     if fault.kind != "kill" or fault.stage not in ("emit", WHOLE):
         return False
-    return r.sent_at <= fault.at <= (r.ended_at or time.monotonic()) + USAGE_LINGER_SLACK_S
+    return r.sent_at <= fault.at <= end
 
 
 def _stalls(results: list[ClientResult], faults: list[FaultEvent]) -> tuple[list[float], dict[str, float]]:
