@@ -134,26 +134,20 @@ class Handling:
         """`process_group`'s and `take_group`'s common part: False when the messages must be handled one by
         one instead (the stage has forgotten what it cached of the request by then)."""
         earlier: list[Out] = []
-        sending = False  # from then on `_send_all` answers for `earlier`
         try:
             for message, span_of in zip(messages[:-1], spans[:-1], strict=True):
                 with span_of() as span:
                     earlier += [out async for out in self.stage.handle(message)]
                     span.set_attribute("outcome", "ok")
             with spans[-1]() as span:
-                sending = True
                 await self._send_all(messages[-1], handed_over, earlier)
                 span.set_attribute("outcome", "ok")
         except asyncio.CancelledError:
-            if not sending:
-                never_sent(earlier)
             raise
         except Exception as exc:
             address = address_of(messages[0])
             log.info("stage=%s request=%s handled again message by message (%s: %s)", self.stage.name,
                      address and address.request_id, type(exc).__name__, _reason(exc))
-            if not sending:
-                never_sent(earlier)
             await self._forget(messages[0])
             if isinstance(exc, INFRA):  # as the one-by-one path waits before it tries a message again
                 await asyncio.sleep(FIRST_BACKOFF_S)
@@ -284,11 +278,9 @@ class Handling:
         acks: list[asyncio.Future[Any]] = []
         last: asyncio.Task[None] | None = None
         held: list[Out] = list(earlier or ())
-        yielded = list(held)
-        attached = 0  # how many of `yielded` were handed to the producer (they go in order)
 
         async def send(outs: list[Out]) -> None:
-            nonlocal last, attached
+            nonlocal last
             if len(outs) > 1 and acks and any(isinstance(out.value, Done | Failed) for out in outs):
                 await asyncio.gather(*acks)  # a batch with a terminal event waits too (below)
             ack = await self._send_together(outs) if len(outs) > 1 else None
@@ -298,7 +290,6 @@ class Handling:
                     _on_delivery(ack, out)
                     if out.acked is not None:
                         last = asyncio.create_task(_after(ack, out.acked, last))
-                attached += len(outs)
                 return
             for out in outs:  # one at a time, as yielded
                 if isinstance(out.value, Done | Failed) and acks:
@@ -310,14 +301,12 @@ class Handling:
                 ack = await self.send(out)
                 acks.append(ack)
                 _on_delivery(ack, out)
-                attached += 1
                 if out.acked is not None:
                     last = asyncio.create_task(_after(ack, out.acked, last))
 
         try:
             async for out in self.stage.handle(message):
                 held.append(out)
-                yielded.append(out)
                 if not out.with_next:
                     outs, held = held, []
                     await send(outs)
@@ -329,7 +318,6 @@ class Handling:
             if last is not None:
                 await last
         finally:
-            never_sent(yielded[attached:])
             for ack in acks:  # on an early exit nobody awaits them: retrieve their errors quietly
                 ack.add_done_callback(quiet)
             if last is not None:
@@ -448,24 +436,9 @@ def _acknowledged() -> asyncio.Future[Any]:
 
 
 def _on_delivery(ack: asyncio.Future[Any], out: Out) -> None:
-    """Calls `out.delivered` once the broker acknowledged `out`, whatever the `acked` before it did, and
-    `out.undelivered` once its produce failed."""
-    if out.delivered is None and out.undelivered is None:
-        return
-
-    def settled(future: asyncio.Future[Any]) -> None:
-        callback = out.delivered if not future.cancelled() and future.exception() is None else out.undelivered
-        if callback is not None:
-            callback()
-
-    ack.add_done_callback(settled)
-
-
-def never_sent(outs: list[Out]) -> None:
-    """Tells outputs that a stage yielded and that were dropped before they reached the producer."""
-    for out in outs:
-        if out.undelivered is not None:
-            out.undelivered()
+    """Calls `out.delivered` once the broker acknowledged `out`, whatever the `acked` before it did."""
+    if (delivered := out.delivered) is not None:
+        ack.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None else delivered())
 
 
 def quiet(future: asyncio.Future[Any]) -> None:

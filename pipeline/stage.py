@@ -36,8 +36,7 @@ class Out:
     output at once (the last chunk of an answer, then its terminal event) and the two may travel as one
     record batch, which the broker appends whole or not at all: the runner holds this one until then.
     `delivered`, if set, is called as soon as the broker acknowledged this message, even when an `acked`
-    before it failed (which skips the ones after it): what reached the topic, whatever was recorded.
-    `undelivered`, if set, is called when the broker refused this message or its produce failed."""
+    before it failed (which skips the ones after it): what reached the topic, whatever was recorded."""
 
     topic: str
     key: str
@@ -45,7 +44,6 @@ class Out:
     acked: Callable[[], Awaitable[None]] | None = None
     with_next: bool = False
     delivered: Callable[[], None] | None = None
-    undelivered: Callable[[], None] | None = None
 
 
 class Stage(Protocol):

@@ -12,8 +12,7 @@ Positions are written one at a time per request and never backwards. A worker th
 taken (it was paused past its session and replaced) stops forwarding that request and lets the runner
 try the message again: the worker that owns the partition then takes the record back and goes on from
 what it says. The usage record is claimed in the store before it is produced, so billing sees it at
-most once; a record whose produce failed (a broker outage) is sent again by the worker that claimed it
-when the message is retried, and lost only with that worker.
+most once.
 
 A finished answer (`Done`, stop or length, every chunk seen by this worker from the first) whose
 request carries a cache ticket is stored: in the exact tier (Redis) and, when the request had a semantic
@@ -65,24 +64,6 @@ class Meter(Protocol):
     async def finish(self, event: Done | Failed) -> None: ...
 
     async def aclose(self) -> None: ...
-
-
-class _Billing:
-    """A usage record this worker claimed, and whether its last produce reached the broker."""
-
-    def __init__(self, record: UsageRecord) -> None:
-        self.record = record
-        self.settled: asyncio.Future[bool] | None = None  # True: acknowledged; False: the produce failed
-
-    async def failed(self) -> bool:
-        """Whether the record must be sent again: its produce failed or it was never sent (handling.py
-        says which), or it did not settle within ACK_ORDER_WAIT_S (a produce settles within its timeout)."""
-        if self.settled is None:
-            return True
-        try:
-            return not await asyncio.wait_for(asyncio.shield(self.settled), ACK_ORDER_WAIT_S)
-        except TimeoutError:
-            return True
 
 
 class _Sent:
@@ -153,10 +134,6 @@ class EmitStage:
         # instead of sending it again. What the broker has is not undone by a reset, so this outlives
         # resets; bounded like `_sent`.
         self._delivered: OrderedDict[str, None] = OrderedDict()
-        # Usage records this worker claimed that the broker has not acknowledged yet: the store says
-        # "claimed" to every later try, so a retried message (the produce failed in an outage) sends the
-        # kept record again instead of losing it. Bounded like `_sent`.
-        self._unbilled: OrderedDict[str, _Billing] = OrderedDict()
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
         self._clock = clock  # monotonic: how long ago ownership was confirmed
 
@@ -191,10 +168,8 @@ class EmitStage:
         sent = await self._progress(rid)
         if sent.fenced:  # another worker took this request over: this message is tried again after a reset
             raise InfraUnavailable("taken over by another emit worker")
-        if sent.finished and not isinstance(message, Chunk):  # a redelivery after the terminal event (the client has it)
-            if rid in self._unbilled and await self._unbilled[rid].failed():  # this worker claimed its usage record
-                yield self._usage_out(rid)
-            return
+        if sent.finished and not isinstance(message, Chunk):
+            return  # a redelivery after the terminal event (the client has it)
         # A chunk of a finished request goes out again unless its position was recorded: the terminal
         # event does not wait for the chunks' records, so it can overtake a chunk whose produce then
         # failed (pending on a producer that was replaced in a broker outage). The client waits for such
@@ -227,14 +202,8 @@ class EmitStage:
             costs.observe(terminal, self._tenant_label(terminal.tenant), self._models)
             yield Out(message.reply_to, rid, terminal, acked=self._write(rid, sent, {"terminal": b"1"}),
                       delivered=lambda: self._note_delivered(rid))
-        if rid in self._unbilled:  # this worker claimed it on an earlier try
-            if await self._unbilled[rid].failed():
-                yield self._usage_out(rid)
-        elif await self._store.claim(rid, "usage", b"1"):
-            self._unbilled[rid] = _Billing(self._usage(terminal))
-            if len(self._unbilled) > _CACHED:
-                self._unbilled.popitem(last=False)
-            yield self._usage_out(rid)
+        if await self._store.claim(rid, "usage", b"1"):
+            yield Out(self.topics.usage, terminal.tenant or "anonymous", self._usage(terminal))
         if self._meter is not None:
             await self._meter.finish(self._billed(terminal))
         texts, sent.texts = sent.texts, None
@@ -338,21 +307,6 @@ class EmitStage:
         if isinstance(message, Done):
             return msgspec.structs.replace(message, chunks=received, digest=sent.digest, timings=timings, ticket=None)
         return msgspec.structs.replace(message, chunks=received, timings=timings)
-
-    def _usage_out(self, rid: str) -> Out:
-        """The usage record this worker claimed for `rid`, forgotten once the broker acknowledged it."""
-        billing = self._unbilled[rid]
-        settled = billing.settled = asyncio.get_running_loop().create_future()  # this send's
-
-        def settle(delivered: bool) -> None:
-            if not settled.done():
-                settled.set_result(delivered)
-            if delivered and self._unbilled.get(rid) is billing:  # whichever send it was, the broker has it
-                del self._unbilled[rid]
-
-        record = billing.record
-        return Out(self.topics.usage, record.tenant or "anonymous", record,
-                   delivered=lambda: settle(True), undelivered=lambda: settle(False))
 
     def _usage(self, message: Done | Failed) -> UsageRecord:
         outcome = "done" if isinstance(message, Done) else message.code.value

@@ -69,12 +69,10 @@ class ScriptedBackend:
 
 async def run_handler(stage: Stage, message: Any) -> list[Out]:
     """The testing sink: every message the handler yields for `message`, in order, each acknowledged
-    (its `delivered` and `acked` run) as the runner would once the broker acknowledged it."""
+    (its `acked` run) as the runner would once the broker acknowledged it."""
     outs = []
     async for out in stage.handle(message):
         outs.append(out)
-        if out.delivered is not None:
-            out.delivered()
         if out.acked is not None:
             await out.acked()
     return outs

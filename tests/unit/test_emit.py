@@ -269,9 +269,8 @@ async def test_a_terminal_the_broker_acknowledged_is_recorded_not_sent_again_whe
     for message in (chunk(0), chunk(1)):
         for out in [o async for o in stage.handle(message)]:
             await out.acked()
-    [terminal, usage] = [o async for o in stage.handle(done())]
+    [terminal, _usage] = [o async for o in stage.handle(done())]
     terminal.delivered()  # handling.py: the broker acknowledged it
-    usage.delivered()
     store.fail = 1
     with pytest.raises(InfraUnavailable):
         await terminal.acked()
@@ -291,9 +290,8 @@ async def test_a_terminal_whose_record_never_ran_is_not_sent_again_either() -> N
     [c0] = [o async for o in stage.handle(chunk(0))]
     await c0.acked()
     [c1] = [o async for o in stage.handle(chunk(1))]
-    [terminal, usage] = [o async for o in stage.handle(done())]
+    [terminal, _usage] = [o async for o in stage.handle(done())]
     terminal.delivered()
-    usage.delivered()
     store.fail = 1
     with pytest.raises(InfraUnavailable):
         await c1.acked()  # its record failed: the terminal's `acked` is never called
@@ -467,68 +465,3 @@ async def test_two_messages_of_a_request_that_restore_its_progress_at_once_share
     outs = first + second + await run_handler(stage, chunk(2)) + await run_handler(stage, done(3))
     terminal = [o.value for o in outs if isinstance(o.value, Done | Failed)]
     assert len(terminal) == 1 and isinstance(terminal[0], Done), terminal
-
-
-async def _answered_then_failed(stage: EmitStage, *, terminal_reached: bool) -> UsageRecord:
-    """Chunks 0 and 1 recorded, then the request's terminal event and its usage record are produced and
-    the usage record's produce fails (a broker outage); the terminal event reached the topic or not."""
-    for message in (chunk(0), chunk(1)):
-        await run_handler(stage, message)
-    [terminal, usage] = [o async for o in stage.handle(done())]
-    if terminal_reached:  # else its produce failed too: nothing to call
-        terminal.delivered()
-        await terminal.acked()
-    usage.undelivered()
-    await stage.reset(RID)  # handling.py, before it tries the message again
-    return usage.value
-
-
-@pytest.mark.asyncio
-async def test_a_usage_record_whose_produce_failed_is_sent_again_by_the_retry() -> None:
-    """The record is claimed in the store before it is produced: the retry found the claim and sent
-    nothing, so a broker outage at the end of a request lost its usage record."""
-    store = MemoryStateStore()
-    stage = emit(store)
-    record = await _answered_then_failed(stage, terminal_reached=True)
-    [again] = [o async for o in stage.handle(done())]  # the terminal event is recorded: only the usage record
-    assert again.topic == registry.USAGE and again.value == record  # the record claimed, unchanged
-    again.delivered()
-    assert [o async for o in stage.handle(done())] == []  # the broker has it now: never a third time
-    assert [o for o in await run_handler(emit(store), done()) if o.topic == registry.USAGE] == []  # nor from a successor
-
-
-@pytest.mark.asyncio
-async def test_a_retry_after_both_produces_failed_sends_the_terminal_event_and_the_usage_record_once() -> None:
-    stage = emit(MemoryStateStore())
-    record = await _answered_then_failed(stage, terminal_reached=False)
-    outs = await run_handler(stage, done())
-    assert [o.topic for o in outs] == [REPLY, registry.USAGE] and outs[1].value == record
-
-
-@pytest.mark.asyncio
-async def test_a_retry_waits_for_a_usage_record_still_in_flight_and_sends_it_only_if_it_failed() -> None:
-    stage = emit(MemoryStateStore())
-    for message in (chunk(0), chunk(1)):
-        await run_handler(stage, message)
-    [terminal, usage] = [o async for o in stage.handle(done())]
-    del terminal  # its produce failed; the usage record's is still pending
-    await stage.reset(RID)
-    retry = asyncio.create_task(run_handler(stage, done()))
-    for _ in range(20):
-        await asyncio.sleep(0)
-    assert not retry.done()  # the terminal event went again; the usage record waits for its first produce
-    usage.delivered()
-    assert [o.topic for o in await retry] == [REPLY]
-
-
-@pytest.mark.asyncio
-async def test_a_usage_record_that_never_settles_is_sent_again_after_the_producer_s_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pipeline.stages.emit.ACK_ORDER_WAIT_S", 0.01)
-    stage = emit(MemoryStateStore())
-    for message in (chunk(0), chunk(1)):
-        await run_handler(stage, message)
-    [terminal, _never] = [o async for o in stage.handle(done())]
-    terminal.delivered()
-    await terminal.acked()
-    await stage.reset(RID)
-    assert [o.topic for o in await run_handler(stage, done())] == [registry.USAGE]

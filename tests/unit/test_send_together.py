@@ -116,6 +116,7 @@ async def test_an_output_marked_with_next_at_the_end_is_still_sent() -> None:
     assert await task == "ok" and recorded == ["chunk 0", "chunk 1"]
 
 
+
 @pytest.mark.asyncio
 async def test_delivered_is_called_once_acknowledged_even_when_an_acked_before_it_failed() -> None:
     """`acked` callbacks run in order and a failed one skips the rest, but what reached the topic is a
@@ -136,41 +137,3 @@ async def test_delivered_is_called_once_acknowledged_even_when_an_acked_before_i
     assert delivered == ["done"] and "done" not in recorded
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-
-
-@pytest.mark.asyncio
-async def test_undelivered_is_called_when_the_produce_fails_not_when_it_goes_through() -> None:
-    """emit keeps a usage record it claimed until the broker has it; it must learn of a failed produce to
-    send the record again on the retry."""
-    producer, settled = HeldAcks(fits=False), []
-    outs = [dataclasses.replace(out, delivered=lambda i=i: settled.append(("delivered", i)), undelivered=lambda i=i: settled.append(("undelivered", i)))
-            for i, out in enumerate(answer("r1", []))]
-    task = await run(producer, outs)
-    assert len(producer.pending) == 2 and settled == []  # the chunks; the terminal event waits for them
-    producer.pending[0].set_result(None)
-    producer.pending[1].set_exception(InfraUnavailable("broker unreachable"))
-    for _ in range(20):
-        await asyncio.sleep(0)
-    assert settled == [("delivered", 0), ("undelivered", 1), ("undelivered", 2)]  # the terminal event was never sent
-    task.cancel()  # it waits to try the message again
-    await asyncio.gather(task, return_exceptions=True)
-
-
-class Raises(Yields):
-    """Yields its outputs, then fails (a stage that found its record taken)."""
-
-    async def handle(self, message: object):  # type: ignore[no-untyped-def, override]
-        for out in self.outs:
-            yield out
-        raise InfraUnavailable("taken over by another worker")
-
-
-@pytest.mark.asyncio
-async def test_outputs_held_for_a_batch_that_never_went_are_told_so() -> None:
-    producer, dropped = HeldAcks(), []
-    outs = [dataclasses.replace(out, undelivered=lambda i=i: dropped.append(i)) for i, out in enumerate(answer("r1", []))]
-    handling = Handling(Raises(outs[:2]), Settings(), producer)  # type: ignore[arg-type]
-    task = asyncio.create_task(handling._send_all(helpers.admitted(helpers.request("r1")), None))
-    with pytest.raises(InfraUnavailable):
-        await task
-    assert producer.calls == [] and dropped == [0, 1]  # both marked `with_next`: held, then dropped
