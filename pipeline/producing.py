@@ -4,8 +4,10 @@ aiokafka's idempotent producer cannot recover from a broker outage longer than `
 its batches expired, its sequence numbers moved on, and from then on the broker refuses every batch
 with `OutOfOrderSequenceNumber` (or the sender stops for good and sends wait forever). Seen in the chaos
 suite: every stage looping on that error minutes after the broker was back. `Producer` watches every
-send's outcome and, once one fails that way or the sender has stopped, replaces the client with a fresh
-one (a new producer id) before the next send, so a stage recovers from an outage of any length. The messages that were in flight are retried by
+send's outcome and, once one fails that way, or a batch that was sent failed at all (a retriable error
+after the 30 s: its sequence numbers are spent, so the next batch would be refused), or the sender has
+stopped, replaces the client with a fresh one (a new producer id) before the next send, so a stage
+recovers from an outage of any length. The messages that were in flight are retried by
 the runner (their offsets were never committed).
 
 Records of the `lingering` topics (the stages' processes pass `registry.LINGERING`: records no request
@@ -18,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import InvalidProducerEpoch, OutOfOrderSequenceNumber, UnknownProducerId
+from aiokafka.errors import InvalidProducerEpoch, KafkaError, OutOfOrderSequenceNumber, UnknownProducerId
 
 from pipeline import kafka, metrics
 from pipeline.settings import Settings
@@ -72,9 +75,10 @@ class Producer:
             return await self._batching.send(topic, value, key=key, headers=headers, partition=partition)
         if self._unusable():
             await self._renew()
-        assert self._client is not None
-        ack = await self._client.send(topic, value, key=key, headers=headers, partition=partition)
-        ack.add_done_callback(self._watch)
+        client = self._client
+        assert client is not None
+        ack = await client.send(topic, value, key=key, headers=headers, partition=partition)
+        ack.add_done_callback(partial(self._watch, client))
         return ack
 
     async def send_together(
@@ -96,7 +100,7 @@ class Producer:
         await client.client._wait_on_metadata(topic)  # as `send` does; aiokafka is pinned below 0.15
         partition = client._partition(topic, None, None, None, key, None)  # by the key alone, as `send` does
         ack = await client.send_batch(batch, topic, partition=partition)
-        ack.add_done_callback(self._watch)
+        ack.add_done_callback(partial(self._watch, client))
         return ack
 
     async def send_and_wait(
@@ -105,8 +109,13 @@ class Producer:
         """Sends one message and waits for the broker's acknowledgement."""
         await (await self.send(topic, value, key=key, headers=headers or [], partition=partition))
 
-    def _watch(self, ack: asyncio.Future[Any]) -> None:
-        if not ack.cancelled() and isinstance(ack.exception(), POISONED):
+    def _watch(self, client: AIOKafkaProducer, ack: asyncio.Future[Any]) -> None:
+        """Marks the client for renewal once the broker refused its producer id or a batch it had sent
+        failed; an outcome of a client already replaced says nothing about the new one."""
+        if client is not self._client or ack.cancelled():
+            return
+        failure = ack.exception()
+        if isinstance(failure, POISONED) or (isinstance(failure, KafkaError) and failure.retriable):
             self._poisoned = True
 
     def _unusable(self) -> bool:
@@ -118,12 +127,12 @@ class Producer:
         async with self._lock:
             if not self._unusable():
                 return  # another task renewed it meanwhile
-            self._poisoned = False
             old = self._client
             self.renewals += 1
             metrics.PRODUCER_RENEWALS.inc()
             log.warning("producer %s stopped delivering; starting a new one (renewal %d)", self._client_id, self.renewals)
             self._client = await kafka.started(self._new, asyncio.Event(), self._client_id)
+            self._poisoned = False  # only now: a renewal cancelled half way leaves the old client marked
             if old is not None:
                 try:
                     await old.stop()

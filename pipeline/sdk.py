@@ -15,7 +15,9 @@ dropped by sequence number and early ones held until the gap fills, so each call
 and in order, then exactly one terminal event. A `Done` that arrives before some of its chunks waits
 for them up to `LATE_CHUNKS_S` (a chunk whose produce failed in a broker outage is sent again after the
 terminal event that overtook it); a stream still missing chunks then, or a `Failed` with a gap open,
-ends with `stream_incomplete` rather than a text with a hole. A sluice API key is never sent: each
+ends with `stream_incomplete` rather than a text with a hole. A request the broker did not take (an
+outage past the producer's 30 s, or a producer id it refused after one) is sent again, the same bytes,
+until its deadline: ingest takes the same bytes again as a redelivery. A sluice API key is never sent: each
 request is signed with a pair derived from it (pipeline/gateway/principal.py, docs/security.md).
 """
 
@@ -31,13 +33,13 @@ from dataclasses import dataclass
 
 import msgspec
 from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from pipeline import kafka
 from pipeline.gateway.keys import well_formed
 from pipeline.gateway.principal import sign_with_key
 from pipeline.observability.watch import RequestWatch
-from pipeline.producing import Producer
+from pipeline.producing import POISONED, Producer
 from pipeline.sequencing import Sequencer
 from pipeline.settings import Settings
 from pipeline.stage import address_of
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 GRACE_S = 10.0  # how long past its deadline a request may take before the client gives up
 LATE_CHUNKS_S = 45.0  # how long a Done waits for chunks it counts but that have not arrived: past the
 # producer's request timeout (30 s), by which a produce that failed has been retried (pipeline/handling.py)
+RESEND_AFTER_S = 1.0  # the pause before a request the broker did not take is sent again
 
 
 class RequestFailed(Exception):
@@ -173,6 +176,12 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+def _outage(exc: KafkaError) -> bool:
+    """A send failure that sending again can cure: the broker away or moving leaders (retriable), the
+    batch expired waiting for it, or the producer id refused after it (the producer renews itself)."""
+    return exc.retriable or isinstance(exc, (KafkaTimeoutError, *POISONED))
+
+
 def _incomplete(event: Done | Failed, received: int) -> Failed:
     address = address_of(event)
     assert address is not None
@@ -289,12 +298,24 @@ class Client:
         await self._producer.send_and_wait(registry.CONTROL, codec.encode(cancel), key=request_id.encode())
 
     async def _produce(self, request: Request, headers: list[tuple[str, bytes]] | None = None) -> None:
+        """Sends `request` and waits for the broker to take it, sending it again after a failure that an
+        outage explains until the request's deadline; the last failure is raised after that."""
         assert self._producer is not None, "start() the client first"
+        value = codec.encode(request)
+        deadline = request.created_at + request.deadline_s
         here = self._partitions() if self._partitions is not None else ()
-        partition = here[self._turn % len(here)] if here else None
+        partition = here[self._turn % len(here)] if here else None  # a copy sent again goes where the first went
         self._turn += 1
-        await self._producer.send_and_wait(registry.REQUESTS, codec.encode(request), key=request.id.encode(), headers=headers,
-                                           partition=partition)
+        while True:
+            try:
+                await self._producer.send_and_wait(registry.REQUESTS, value, key=request.id.encode(), headers=headers,
+                                                   partition=partition)
+                return
+            except KafkaError as exc:
+                if not _outage(exc) or time.time() + RESEND_AFTER_S >= deadline:
+                    raise
+                log.warning("the broker did not take request %s (%s); sending it again", request.id, type(exc).__name__)
+            await asyncio.sleep(RESEND_AFTER_S)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aiokafka.errors import KafkaTimeoutError, OutOfOrderSequenceNumber
+from aiokafka.errors import KafkaTimeoutError, LeaderNotAvailableError, MessageSizeTooLargeError, OutOfOrderSequenceNumber
 
 from pipeline.producing import Producer
 from pipeline.settings import KafkaSettings, Settings
@@ -32,7 +32,12 @@ class FakeClient:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("failure", "renewed"), [(OutOfOrderSequenceNumber(), True), (KafkaTimeoutError(), False)])
+@pytest.mark.parametrize(("failure", "renewed"), [
+    (OutOfOrderSequenceNumber(), True),
+    (LeaderNotAvailableError(), True),  # a sent batch failed after the 30 s: its sequence numbers are spent
+    (KafkaTimeoutError(), False),  # expired before it was sent: nothing spent
+    (MessageSizeTooLargeError(), False),
+])
 async def test_a_refused_producer_id_makes_the_next_send_use_a_new_client(
     monkeypatch: pytest.MonkeyPatch, failure: BaseException, renewed: bool
 ) -> None:
@@ -51,6 +56,19 @@ async def test_a_refused_producer_id_makes_the_next_send_use_a_new_client(
     await asyncio.sleep(0)  # the outcome's callbacks run
     await producer.send("t", b"v", key=b"k", headers=[])
     assert (producer._client is fresh) is renewed and broken.stopped is renewed and producer.renewals == int(renewed)
+
+
+@pytest.mark.asyncio
+async def test_a_failure_of_a_replaced_client_does_not_renew_its_successor(monkeypatch: pytest.MonkeyPatch) -> None:
+    producer = Producer(Settings(), "test")
+    old, current = FakeClient(OutOfOrderSequenceNumber()), FakeClient(None)
+    producer._client = old  # type: ignore[assignment]
+    late = await producer.send("t", b"v", key=b"k", headers=[])
+    producer._client = current  # type: ignore[assignment]  # renewed meanwhile
+    with pytest.raises(OutOfOrderSequenceNumber):
+        await late
+    await asyncio.sleep(0)
+    assert not producer._unusable()
 
 
 class RecordingClient(FakeClient):
