@@ -6,7 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aiokafka.errors import KafkaTimeoutError, LeaderNotAvailableError, MessageSizeTooLargeError, OutOfOrderSequenceNumber
+from aiokafka.errors import (
+    KafkaTimeoutError,
+    LeaderNotAvailableError,
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+)
 
 from pipeline.producing import Producer
 from pipeline.settings import KafkaSettings, Settings

@@ -6,7 +6,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from aiokafka.errors import KafkaTimeoutError, LeaderNotAvailableError, MessageSizeTooLargeError, OutOfOrderSequenceNumber
+from aiokafka.errors import (
+    KafkaTimeoutError,
+    LeaderNotAvailableError,
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+)
 
 from pipeline import sdk
 from pipeline.sdk import Client
