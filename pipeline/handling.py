@@ -7,6 +7,8 @@
     Undeliverable                     -> llm.dlq, no terminal event (there is nowhere safe to send it)
     the broker or Redis is away       -> the whole message again with backoff until its deadline, then
                                          deadline_exceeded; never dead-lettered as if it were a bug
+    an output too big for the broker  -> llm.dlq and an `internal` terminal event: no retry can cure it,
+                                         and retrying would hold the partition until the deadline
     anything else (a bug)             -> llm.dlq and an `internal` terminal event
 
 A record's fate is decided here and nothing escapes but cancellation, so no record stops a stage.
@@ -39,7 +41,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
 
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
 INFRA = (KafkaError, InfraUnavailable, ConnectionError, TimeoutError)
+TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)  # KafkaErrors that one message causes, not an outage
 FIRST_BACKOFF_S = 0.1  # before a message is tried again after the infrastructure failed it; doubled each time
 MAX_BACKOFF_S = 5.0
 
@@ -243,6 +246,10 @@ class Handling:
                 if address is not None:
                     await self.terminal(address, exc.code, exc.message, retry_after_s=exc.retry_after_s, rate_limit=exc.rate_limit)
                 return exc.code.value
+            except TOO_LARGE as exc:
+                log.error("stage=%s request=%s: an output is larger than the broker accepts", self.stage.name, address and address.request_id)
+                await self.dead_letter(record, type(exc).__name__, "an output is larger than the broker accepts", address, None, ErrorCode.internal)
+                return "dead_letter"
             except INFRA as exc:
                 if address is not None and time.time() > address.deadline:
                     await self.terminal(address, ErrorCode.deadline_exceeded, "the request's deadline passed while the pipeline waited for its broker or store")

@@ -4,9 +4,9 @@ aiokafka's idempotent producer cannot recover from a broker outage longer than `
 its batches expired, its sequence numbers moved on, and from then on the broker refuses every batch
 with `OutOfOrderSequenceNumber` (or the sender stops for good and sends wait forever). Seen in the chaos
 suite: every stage looping on that error minutes after the broker was back. `Producer` watches every
-send's outcome and, once one fails that way, or a batch that was sent failed at all (a retriable error
-after the 30 s: its sequence numbers are spent, so the next batch would be refused), or the sender has
-stopped, replaces the client with a fresh one (a new producer id) before the next send, so a stage
+send's outcome and, once a batch failed at all (aiokafka numbers a batch as it leaves the accumulator,
+even to fail it for want of a leader after the 30 s, so the broker would refuse the next one), or the
+sender has stopped, replaces the client with a fresh one (a new producer id) before the next send, so a stage
 recovers from an outage of any length. The messages that were in flight are retried by
 the runner (their offsets were never committed).
 
@@ -110,12 +110,9 @@ class Producer:
         await (await self.send(topic, value, key=key, headers=headers or [], partition=partition))
 
     def _watch(self, client: AIOKafkaProducer, ack: asyncio.Future[Any]) -> None:
-        """Marks the client for renewal once the broker refused its producer id or a batch it had sent
-        failed; an outcome of a client already replaced says nothing about the new one."""
-        if client is not self._client or ack.cancelled():
-            return
-        failure = ack.exception()
-        if isinstance(failure, POISONED) or (isinstance(failure, KafkaError) and failure.retriable):
+        """Marks the client for renewal once a batch of it failed; an outcome of a client already
+        replaced says nothing about the new one."""
+        if client is self._client and not ack.cancelled() and isinstance(ack.exception(), KafkaError):
             self._poisoned = True
 
     def _unusable(self) -> bool:

@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 from aiokafka.errors import (
-    KafkaTimeoutError,
     LeaderNotAvailableError,
     MessageSizeTooLargeError,
     OutOfOrderSequenceNumber,
@@ -39,9 +38,9 @@ class FakeClient:
 @pytest.mark.asyncio
 @pytest.mark.parametrize(("failure", "renewed"), [
     (OutOfOrderSequenceNumber(), True),
-    (LeaderNotAvailableError(), True),  # a sent batch failed after the 30 s: its sequence numbers are spent
-    (KafkaTimeoutError(), False),  # expired before it was sent: nothing spent
-    (MessageSizeTooLargeError(), False),
+    (LeaderNotAvailableError(), True),  # expired for want of a leader: its sequence numbers are spent
+    (MessageSizeTooLargeError(), True),  # refused by the broker: spent too
+    (RuntimeError(), False),  # not the broker's answer
 ])
 async def test_a_refused_producer_id_makes_the_next_send_use_a_new_client(
     monkeypatch: pytest.MonkeyPatch, failure: BaseException, renewed: bool

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import pytest
+from aiokafka.errors import MessageSizeTooLargeError
 
 from pipeline.errors import InfraUnavailable
 from pipeline.handling import Handling
@@ -17,7 +19,8 @@ from pipeline.stage import Out, address_of
 from tests.unit import helpers
 from tests.unit.fakes import HeldAcks, Yields, record_of
 from topics import codec, registry
-from topics.stream import Done, FinishReason, StreamEvent, Usage
+from topics.errors import ErrorCode
+from topics.stream import Done, Failed, FinishReason, StreamEvent, Usage
 
 STREAM = "t.stream"
 
@@ -137,3 +140,36 @@ async def test_delivered_is_called_once_acknowledged_even_when_an_acked_before_i
     assert delivered == ["done"] and "done" not in recorded
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+class TooLarge(HeldAcks):
+    """A producer that refuses one topic's messages as larger than the broker accepts."""
+
+    def __init__(self, topic: str) -> None:
+        super().__init__(fits=False)
+        self.topic = topic
+        self.topics: list[str] = []
+
+    async def send(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
+        self.topics.append(topic)
+        self.calls.append(("one", [value]))
+        if topic == self.topic:
+            raise MessageSizeTooLargeError()
+        ack = self._ack()
+        ack.set_result(None)
+        return ack
+
+
+@pytest.mark.asyncio
+async def test_an_output_too_large_for_the_broker_ends_the_request_at_once() -> None:
+    """No retry cures it: the record is dead-lettered and the request ends `internal`, instead of the
+    message being tried until the request's deadline with its partition held."""
+    producer = TooLarge("t.big")
+    address = address_of(helpers.admitted(helpers.request("r1")))
+    assert address is not None
+    outs = [Out("t.big", "r1", address.chunk(0, "x"))]
+    task = await run(producer, outs)
+    assert await asyncio.wait_for(task, 1.0) == "dead_letter"
+    assert producer.topics == ["t.big", registry.DLQ, STREAM]
+    failed = codec.decode(producer.calls[-1][1][0], StreamEvent)
+    assert isinstance(failed, Failed) and failed.code is ErrorCode.internal
