@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
@@ -34,7 +33,7 @@ from pipeline.runner import Runner
 from pipeline.sdk import Client
 from pipeline.settings import Settings
 from pipeline.stages.ingest import IngestStage
-from tests.integration.conftest import KAFKA_PORT
+from tests.integration.conftest import KAFKA_PORT, free_ports
 from tests.unit.helpers import node
 from topics import codec
 from topics.requests import Request
@@ -49,10 +48,7 @@ def with_gateway(settings: Settings, **overrides: Any) -> Settings:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1)[0]  # below the ephemeral range: see tests/integration/conftest.py
 
 
 class SecureClient(Client):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -29,6 +28,7 @@ from pipeline.backends.base import Delta, GenerationRequest, Message
 from pipeline.backends.errors import Cancelled, InvalidRequest, ModelError
 from pipeline.backends.triton import TritonBackend
 from pipeline.models import MODEL_DIRNAME
+from tests.integration.conftest import _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "infra" / "triton" / "triton.sh"
@@ -41,12 +41,6 @@ pytestmark = [
     ),
     pytest.mark.skipif(not MODEL.exists(), reason=f"{MODEL} is missing: run `make setup`"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
