@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import gc
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -30,6 +29,7 @@ from pipeline.producing import Producer
 from pipeline.sdk import Client
 from pipeline.serve import runners_for
 from pipeline.settings import Settings
+from tests.ports import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 # Two checkouts (or two engineers) testing at once give each run its own ports: SLUICE_TEST_PORTS=K,R
@@ -116,39 +116,9 @@ class Bridge:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _free_port() -> int:
-    """A bindable port below the ephemeral range (`free_ports`): a port the kernel picked (bind to 0) can
-    be taken by an outgoing connection before the server binds it, which failed a CI run (session 38)."""
-    return free_ports(1)[0]
-
-
 def free_kafka_port() -> int:
     """A free port whose next one is free too: Kafka's controller listens on port + 1 (infra/kafka/start.sh)."""
     return free_ports(2)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """n bindable ports in a row, below the ephemeral range (32768+), where the outgoing connections of a
-    busy test run could take one between this check and the service's start."""
-    for _ in range(500):
-        base = random.randrange(20_000, 32_000 - n)
-        ports = [base + i for i in range(n)]
-        if not _HANDED_OUT.intersection(ports) and all(bindable(p) for p in ports):
-            _HANDED_OUT.update(ports)  # two calls before either binds must not get the same port
-            return ports
-    raise RuntimeError(f"no {n} free ports in a row")
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -161,7 +131,7 @@ async def bridge(stack: Settings) -> AsyncIterator[Bridge]:
 @contextlib.asynccontextmanager
 async def serving_bridge(stack: Settings) -> AsyncIterator[Bridge]:
     """A bridge with `stack`'s settings (on a free port) until the block ends."""
-    settings = replace(stack, bridge=replace(stack.bridge, port=_free_port()))
+    settings = replace(stack, bridge=replace(stack.bridge, port=free_port()))
     url = f"http://127.0.0.1:{settings.bridge.port}"
     stop = asyncio.Event()
     async with Client(settings, reply_name=settings.bridge.reply_name) as client:

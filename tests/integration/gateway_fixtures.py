@@ -33,7 +33,8 @@ from pipeline.runner import Runner
 from pipeline.sdk import Client
 from pipeline.settings import Settings
 from pipeline.stages.ingest import IngestStage
-from tests.integration.conftest import KAFKA_PORT, free_ports
+from tests.integration.conftest import KAFKA_PORT
+from tests.ports import free_port
 from tests.unit.helpers import node
 from topics import codec
 from topics.requests import Request
@@ -45,10 +46,6 @@ CLIENT_SECRET = "test-client-info-secret"
 
 def with_gateway(settings: Settings, **overrides: Any) -> Settings:
     return replace(settings, gateway=replace(settings.gateway, **overrides))
-
-
-def free_port() -> int:
-    return free_ports(1)[0]  # below the ephemeral range: see tests/integration/conftest.py
 
 
 class SecureClient(Client):

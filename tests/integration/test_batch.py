@@ -32,7 +32,8 @@ from pipeline.gateway.redis_keys import RedisKeyStore
 from pipeline.runner import Runner
 from pipeline.sdk import Client
 from pipeline.settings import BackendSettings, Settings
-from tests.integration.conftest import ROOT, _free_port, free_kafka_port
+from tests.integration.conftest import ROOT, free_kafka_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "instant"
@@ -59,7 +60,7 @@ def jsonl(n: int, *, max_tokens: int = 4, prefix: str = "req") -> bytes:
 @pytest.fixture(scope="module")
 def own_services() -> Iterator[Settings]:
     """Kafka and Redis of this module's own: its stages share the session stack's consumer group names."""
-    kafka_port, redis_port = free_kafka_port(), _free_port()
+    kafka_port, redis_port = free_kafka_port(), free_port()
     state = ROOT / ".state" / f"test-batch-{kafka_port}"
     shutil.rmtree(state, ignore_errors=True)
     subprocess.run([ROOT / "infra" / "services.sh", "start", state, str(kafka_port), str(redis_port)], check=True)
@@ -80,7 +81,7 @@ async def stack(own_services: Settings, tmp_path_factory: pytest.TempPathFactory
         cache=dataclasses.replace(base.cache, enabled=False),
         gateway=dataclasses.replace(base.gateway, auth_required=True, client_info_secret="batch-test-secret"),
         batch=dataclasses.replace(base.batch, dir=str(tmp_path_factory.mktemp("batch")), lease_s=2.0),
-        bridge=dataclasses.replace(base.bridge, port=_free_port()),
+        bridge=dataclasses.replace(base.bridge, port=free_port()),
     )
     await kafka.create_topics(settings)
     redis = redis_client(settings)

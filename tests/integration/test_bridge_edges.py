@@ -16,9 +16,9 @@ import pytest
 import pytest_asyncio
 import websockets
 
-from tests.integration.gateway_fixtures import CLIENT_SECRET, SecureBridge, front_door, with_gateway
 from pipeline.gateway.config import NetworkSettings
 from pipeline.settings import Settings
+from tests.integration.gateway_fixtures import CLIENT_SECRET, SecureBridge, front_door, with_gateway
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 METRICS_TOKEN = "edge-metrics-token-0123456789"

@@ -22,7 +22,8 @@ from pipeline.bridge import serve
 from pipeline.gateway.config import TlsSettings
 from pipeline.sdk import Client
 from pipeline.settings import Settings
-from tests.integration.gateway_fixtures import free_port, wait_healthy, with_gateway
+from tests.integration.gateway_fixtures import wait_healthy, with_gateway
+from tests.ports import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -21,7 +21,8 @@ from pipeline.cache.exact import RedisExactTier
 from pipeline.cache.purge_cli import run as purge
 from pipeline.gateway.build import stage_redis
 from pipeline.settings import RedisSettings, Settings
-from tests.integration.conftest import Bridge, _free_port
+from tests.integration.conftest import Bridge
+from tests.ports import free_port
 from topics.cache import Entry
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -100,7 +101,7 @@ def _redis(port: int, state: Path) -> subprocess.Popen[bytes]:
 
 
 async def test_the_exact_tier_loses_its_entries_with_redis_but_never_fails(stack: Settings, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     settings = Settings(redis=RedisSettings(url=f"redis://127.0.0.1:{port}/0"))
     entry = Entry(key=keys.scope("t") + "k", tenant="t", model="m", context="c", chunks=("a", "b"), finish_reason="stop",
                   prompt_tokens=3, completion_tokens=2, stored_at=time.time(), expires_at=time.time() + 60)

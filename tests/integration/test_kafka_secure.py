@@ -5,9 +5,9 @@ sluice's own clients connect with the settings' credentials."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition

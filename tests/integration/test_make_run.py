@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import free_ports
+from tests.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration

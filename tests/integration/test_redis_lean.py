@@ -24,7 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.redis_lean import LeanRedis, pack
 from pipeline.settings import Settings
-from tests.integration.gateway_fixtures import free_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -24,7 +24,7 @@ from pipeline.gateway.build import redis_client, redis_gateway
 from pipeline.stages.ingest import IngestStage
 from pipeline.state import RedisStateStore
 from pipeline.strict import masked
-from tests.integration.gateway_fixtures import free_port
+from tests.ports import free_port
 from tests.unit.fakes import run_handler
 from tests.unit.helpers import node
 from topics.requests import ChatMessage, Request, Sampling

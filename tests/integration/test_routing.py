@@ -21,7 +21,8 @@ from pipeline import settings as settings_module
 from pipeline.runner import Runner
 from pipeline.sdk import Client, RequestFailed
 from pipeline.settings import BackendSettings, Settings
-from tests.integration.conftest import ROOT, _free_port, free_kafka_port
+from tests.integration.conftest import ROOT, free_kafka_port
+from tests.ports import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 MODEL = "fake-model"
@@ -31,7 +32,7 @@ MODEL = "fake-model"
 def own_services() -> Iterator[Settings]:
     """Kafka and Redis of this module's own: its stages are named like the session stack's (route, emit...),
     and two deployments with the same consumer groups on one broker would share their partitions."""
-    kafka_port, redis_port = free_kafka_port(), _free_port()
+    kafka_port, redis_port = free_kafka_port(), free_port()
     state = ROOT / ".state" / f"test-routing-{kafka_port}"
     shutil.rmtree(state, ignore_errors=True)
     subprocess.run([ROOT / "infra" / "services.sh", "start", state, str(kafka_port), str(redis_port)], check=True)
@@ -45,7 +46,7 @@ def own_services() -> Iterator[Settings]:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def upstreams(own_services: Settings) -> AsyncIterator[tuple[Settings, list[FakeUpstream]]]:
     settings = own_services
-    fakes = [FakeUpstream(_free_port()) for _ in range(3)]
+    fakes = [FakeUpstream(free_port()) for _ in range(3)]
     for fake in fakes:
         await fake.__aenter__()
     backends = tuple(

@@ -23,8 +23,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.services import own_services
-from tests.integration.conftest import free_ports
 from tests.integration.test_make_run import cmdline, descendants
+from tests.ports import free_ports
 from tests.unit.observability.test_otlp import sink  # noqa: F401 (a fixture: an OTLP/HTTP receiver)
 
 ROOT = Path(__file__).resolve().parents[2]

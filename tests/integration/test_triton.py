@@ -20,15 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import pytest_asyncio
-from tritonclient.grpc import InferInput
 from transformers import AutoTokenizer
+from tritonclient.grpc import InferInput
 from tritonclient.grpc.aio import InferenceServerClient
 
 from pipeline.backends.base import Delta, GenerationRequest, Message
 from pipeline.backends.errors import Cancelled, InvalidRequest, ModelError
 from pipeline.backends.triton import TritonBackend
 from pipeline.models import MODEL_DIRNAME
-from tests.integration.conftest import _free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "infra" / "triton" / "triton.sh"
@@ -70,7 +70,7 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         text = (ROOT / "triton_models" / name / "config.pbtxt").read_text()
         text = re.sub(r'(key: "tokenizer_dir"\s*value \{\s*string_value: )"[^"]*"', rf'\1"{MODEL}"', text)
         (repo / name / "config.pbtxt").write_text(text)
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     models = ["sluice_llm", "sluice_llm_faulty", "preprocessing", "postprocessing"]
     start = [SCRIPT, "start", state, str(grpc_port), str(http_port), repo, *models]
     try:

@@ -5,7 +5,6 @@ requests are not mistaken for either. A real uvicorn server on 127.0.0.1, nothin
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -17,6 +16,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from pipeline.bridge.edges import head_limited_protocol
+from tests.ports import free_port
 
 TIMEOUT_S = 0.4
 MAX_HEAD = 1024
@@ -31,9 +31,7 @@ async def echo(request: Request) -> PlainTextResponse:
 
 @pytest_asyncio.fixture
 async def port() -> AsyncIterator[int]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        free = probe.getsockname()[1]
+    free = free_port()
     app = Starlette(routes=[Route(p, echo, methods=["GET", "POST"]) for p in ("/fast", "/slow")])
     config = uvicorn.Config(app, host="127.0.0.1", port=free, http=head_limited_protocol(TIMEOUT_S, MAX_HEAD),
                             log_level="error", lifespan="off", timeout_keep_alive=30)

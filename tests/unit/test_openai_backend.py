@@ -4,7 +4,6 @@ the generation stage that serves a pool of such backends."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
@@ -14,6 +13,7 @@ from pipeline.backends.errors import Cancelled, InvalidRequest, ModelError, Over
 from pipeline.backends.openai_compat import OpenAIBackend
 from pipeline.stages.generate import GenerateStage
 from pipeline.state import MemoryStateStore
+from tests.ports import free_port
 from tests.unit.fakes import run_handler
 from tests.unit.helpers import admitted, request
 from topics.errors import ErrorCode
@@ -21,12 +21,6 @@ from topics.hops import Route, Routed, forward
 from topics.stream import Chunk, Done, Failed
 
 pytestmark = pytest.mark.asyncio
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ask(n: int = 5, rid: str = "r1", prompt: str | None = None) -> GenerationRequest:
@@ -39,7 +33,7 @@ async def collect(backend: OpenAIBackend, req: GenerationRequest) -> list:  # ty
 
 
 async def test_streams_chat_and_completions_with_the_upstreams_usage() -> None:
-    async with FakeUpstream(_port()) as fake:
+    async with FakeUpstream(free_port()) as fake:
         backend = OpenAIBackend("up", fake.base_url, "m")
         assert isinstance(backend, Backend) and not isinstance(backend, SplitBackend)
         for req in (ask(5), ask(3, prompt="once upon")):
@@ -51,7 +45,7 @@ async def test_streams_chat_and_completions_with_the_upstreams_usage() -> None:
 
 
 async def test_a_non_streaming_request_is_asked_for_in_one_piece() -> None:
-    async with FakeUpstream(_port()) as fake:
+    async with FakeUpstream(free_port()) as fake:
         backend = OpenAIBackend("up", fake.base_url, "m")
         for req in (ask(6), ask(4, prompt="once upon")):
             [whole] = await collect(backend, GenerationRequest(**{**req.__dict__, "stream": False}))
@@ -62,7 +56,7 @@ async def test_a_non_streaming_request_is_asked_for_in_one_piece() -> None:
 
 
 async def test_upstream_errors_map_to_sluice_codes() -> None:
-    async with FakeUpstream(_port()) as fake:
+    async with FakeUpstream(free_port()) as fake:
         backend = OpenAIBackend("up", fake.base_url, "m")
         fake.state.mode = "busy"
         with pytest.raises(Overloaded) as busy:
@@ -73,14 +67,14 @@ async def test_upstream_errors_map_to_sluice_codes() -> None:
             await collect(backend, ask())
         await backend.aclose()
     with pytest.raises(ModelError):  # nobody listening
-        await collect(OpenAIBackend("gone", f"http://127.0.0.1:{_port()}/v1", "m", timeout_s=2), ask())
+        await collect(OpenAIBackend("gone", f"http://127.0.0.1:{free_port()}/v1", "m", timeout_s=2), ask())
     with pytest.raises(ValueError):
         OpenAIBackend("bad", "file:///etc/passwd", "m")
     assert InvalidRequest.code is ErrorCode.invalid_request
 
 
 async def test_a_stalled_upstream_times_out_and_cancel_closes_the_stream() -> None:
-    async with FakeUpstream(_port()) as fake:
+    async with FakeUpstream(free_port()) as fake:
         fake.state.mode, fake.state.stall_s = "stall", 3.0
         with pytest.raises(ModelError):
             await collect(OpenAIBackend("up", fake.base_url, "m", timeout_s=0.5), ask())
@@ -112,7 +106,7 @@ def routed(rid: str) -> Routed:
 
 
 async def test_the_generation_stage_streams_and_a_successor_resumes_without_repeating() -> None:
-    async with FakeUpstream(_port()) as fake:
+    async with FakeUpstream(free_port()) as fake:
         backend = OpenAIBackend("up", fake.base_url, "m")
         store = MemoryStateStore()
         stage = GenerateStage(backend, _topics(), store)
