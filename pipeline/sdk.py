@@ -130,11 +130,15 @@ class Stream:
     async def _iterate(self) -> AsyncGenerator[Chunk, None]:
         order = Sequencer()
         deadline = time.monotonic() + self.request.deadline_s + GRACE_S
-        finished = False
+        settled = False  # nothing to cancel: its terminal event came, or the broker never took it
         watch = RequestWatch(self.request)  # the trace's root span; time to first token and between chunks
         ended: Done | None = None  # a Done that came before some of its chunks
         try:
-            await self._client._produce(self.request, watch.headers())
+            try:
+                await self._client._produce(self.request, watch.headers())
+            except KafkaError:
+                settled = True  # a cancel would wait out the same outage, for a request never taken
+                raise
             while True:
                 timeout = deadline - time.monotonic()
                 if timeout <= 0:
@@ -152,7 +156,7 @@ class Stream:
                     event = ended  # the last late chunk came
                 elif ended is not None:
                     continue  # the terminal event again
-                finished = True
+                settled = True
                 if isinstance(event, Done) and (order.gap() or event.chunks > order.next_seq):
                     ended = event
                     deadline = min(deadline, time.monotonic() + LATE_CHUNKS_S)
@@ -167,7 +171,7 @@ class Stream:
         finally:
             watch.finish(None)
             self._client._forget(self.id)
-            if not finished:  # the caller stopped early: let decode stop too
+            if not settled:  # the caller stopped early: let decode stop too
                 await self._client.cancel(self.pipeline_id or self.id)
 
 

@@ -66,3 +66,19 @@ async def test_sending_again_stops_at_the_deadline(monkeypatch: pytest.MonkeyPat
     with pytest.raises(LeaderNotAvailableError):
         await client._produce(client.request(prompt="hi", deadline_s=0.2))
     assert time.monotonic() - started < 1.0 and 2 <= len(producer.sent) < 1000
+
+
+@pytest.mark.asyncio
+async def test_a_request_never_taken_is_not_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its cancel would wait out the same outage, for nothing: the caller hears the failure at once."""
+    client = client_with(Refusing(MessageSizeTooLargeError()), monkeypatch)
+    cancelled: list[str] = []
+
+    async def cancel(request_id: str, reason: object = None) -> None:
+        cancelled.append(request_id)
+
+    client.cancel = cancel  # type: ignore[method-assign]
+    with pytest.raises(MessageSizeTooLargeError):
+        async for _ in client.stream(prompt="hi", deadline_s=30):
+            pass
+    assert cancelled == []
