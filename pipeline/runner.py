@@ -120,11 +120,12 @@ class Runner:
         have drained, waiting at most `grace_s` for them."""
         if not isinstance(self.stage, Closable):
             return
-        waits = [asyncio.ensure_future(event.wait()) for event in self.close_after if not event.is_set()]
-        if waits:
-            _, late = await asyncio.wait(waits, timeout=self.grace_s)
-            for wait in late:
-                wait.cancel()
+        try:  # no task per event: one cancelled before it ever ran warned "never awaited" when a loop closed
+            async with asyncio.timeout(self.grace_s):
+                for event in self.close_after:
+                    await event.wait()
+        except TimeoutError:
+            pass
         await self.stage.aclose()
 
     async def _poll_loop(self, stop: asyncio.Event, handling: Handling) -> None:
