@@ -247,7 +247,6 @@ class Handling:
                     await self.terminal(address, exc.code, exc.message, retry_after_s=exc.retry_after_s, rate_limit=exc.rate_limit)
                 return exc.code.value
             except TOO_LARGE as exc:
-                log.error("stage=%s request=%s: an output is larger than the broker accepts", self.stage.name, address and address.request_id)
                 await self.dead_letter(record, type(exc).__name__, "an output is larger than the broker accepts", address, None, ErrorCode.internal)
                 return "dead_letter"
             except INFRA as exc:
