@@ -59,6 +59,12 @@ class RedisSettings:
     password: str = field(default="", repr=False)
 
 
+# A request crosses every hop as one Kafka record, and the broker's and producer's record limit is 1 MiB by
+# default: a prompt past half of it (the rest for the request's other fields and envelope) could be
+# accepted by the bridge and then never be produced.
+MAX_PROMPT_BYTES = 512 * 1024
+
+
 @dataclass(frozen=True)
 class LimitSettings:
     max_prompt_bytes: int = 32768
@@ -235,6 +241,9 @@ class Settings:
                             ("runtime.max_in_flight", self.runtime.max_in_flight)):
             if value < 1:
                 raise SettingsError(f"{name} must be at least 1, got {value}")
+        if self.limits.max_prompt_bytes > MAX_PROMPT_BYTES:
+            raise SettingsError(f"limits.max_prompt_bytes may be at most {MAX_PROMPT_BYTES} (a request travels as one "
+                                f"Kafka record, 1 MiB at most by default), got {self.limits.max_prompt_bytes}")
         if self.profile not in self.profiles:
             raise SettingsError(f"profile {self.profile!r} is not in [profiles] ({', '.join(self.profiles)})")
         for b in self.backends:

@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 from pipeline import cli
 from pipeline.bridge.edges import AllowedHosts
 from pipeline.gateway.hosts import allowed, parse_entry
-from pipeline.settings import DEFAULT_CONFIG, SettingsError, load
+from pipeline.settings import DEFAULT_CONFIG, MAX_PROMPT_BYTES, SettingsError, load
 
 
 def load_text(tmp_path: Path, text: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
@@ -123,6 +123,12 @@ def test_speculative_decoding_settings_are_checked(tmp_path: Path, entry: str, e
     with pytest.raises(SettingsError) as caught:
         load_text(tmp_path, f'[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\n{entry}')
     assert expected in str(caught.value)
+
+
+def test_a_prompt_limit_past_what_one_kafka_record_carries_is_refused(tmp_path: Path) -> None:
+    assert load_text(tmp_path, f"[limits]\nmax_prompt_bytes = {MAX_PROMPT_BYTES}\n").limits.max_prompt_bytes == MAX_PROMPT_BYTES
+    with pytest.raises(SettingsError, match="limits.max_prompt_bytes may be at most 524288"):
+        load_text(tmp_path, f"[limits]\nmax_prompt_bytes = {MAX_PROMPT_BYTES + 1}\n")
 
 
 def test_engine_dtype_is_float32_by_default_read_when_set_and_local_only(tmp_path: Path) -> None:
