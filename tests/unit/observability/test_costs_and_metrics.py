@@ -16,6 +16,7 @@ from pipeline.gateway.config import ModelPrice
 from pipeline.observability import collectors, costs, setup
 from pipeline.observability.config import ObservabilitySettings
 from pipeline.observability.lag import LagWatch
+from tests.ports import free_port
 from topics.errors import ErrorCode
 from topics.stream import Done, Failed, FinishReason, RateLimit, Usage
 
@@ -134,10 +135,7 @@ def test_probe_and_addresses() -> None:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         assert setup.probe(listening.getsockname())
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        address = closed.getsockname()
-    assert not setup.probe(address, timeout_s=0.2)
+    assert not setup.probe(("127.0.0.1", free_port()), timeout_s=0.2)  # a port nothing listens on
 
 
 @pytest.mark.parametrize(("changes", "problem"), [

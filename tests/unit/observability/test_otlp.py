@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from pipeline.observability.otlp import Encoder, OtlpHttpExporter
+from tests.ports import free_port
 
 
 def sdk_spans() -> list:
@@ -119,11 +120,7 @@ class socket_closed_port:
     """A port nothing listens on (bound, then closed)."""
 
     def __enter__(self) -> int:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        return free_port()  # below the ephemeral range: no outgoing connection takes it meanwhile
 
     def __exit__(self, *exc: object) -> None:
         pass
