@@ -77,9 +77,11 @@ def backends(settings: Settings) -> dict[str, Backend]:
     return backend_registry.load(settings)
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
+@pytest_asyncio.fixture(scope="package", loop_scope="session")
 async def stack(settings: Settings, backends: dict[str, Backend]) -> AsyncIterator[Settings]:
-    """Every stage running against the real broker; yields the settings clients should use."""
+    """Every stage running against the real broker; yields the settings clients should use. Stopped after
+    the last integration test: the unit tests after it share the session's event loop, and its consumers
+    and their timers should not run under them (nor its teardown be reported against one of them)."""
     await kafka.create_topics(settings)
     stop = asyncio.Event()
     # As `sluice run` wires them: one producer, and guard, cache and route handed their input in memory
