@@ -122,6 +122,17 @@ class Services:
         await self.start_kafka()
         return f"kafka {note}"
 
+    async def hang(self, service: str, seconds: float) -> str:
+        """SIGSTOP `service` ("kafka" or "redis") for `seconds`, then SIGCONT: its sockets stay open and
+        nothing answers, so clients learn of it only by their timeouts (a stop closes them at once)."""
+        pid = int((self.state / f"{service}.pid").read_text().strip())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return f"{service} {pid} stopped {seconds:.0f} s"
+
     async def restart_redis(self) -> str:
         note = await self.stop_redis()
         await self.start_redis()

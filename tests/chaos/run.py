@@ -241,6 +241,10 @@ async def _inject(fault: Fault, t0: float, supervisor: Supervisor, services: Ser
                 note = await services.restart_kafka(outage_s=fault.seconds)
             case "redis_restart":
                 note = await services.restart_redis()
+            case "broker_hang":
+                note = await services.hang("kafka", fault.seconds)
+            case "redis_hang":
+                note = await services.hang("redis", fault.seconds)
     except Exception as exc:  # reported as a harness failure of this scenario; the run goes on
         say(f"fault {fault.kind} {stage} failed: {exc}")
         return FaultEvent(fault.kind, fault.stage, pid, at, time.monotonic(), note, f"{type(exc).__name__}: {exc}")

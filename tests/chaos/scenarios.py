@@ -14,7 +14,8 @@ from a `RequestSpec` (its length and deadline); request j of a scenario uses spe
             its verdict memo in Redis): SIGKILL of guard twice and of every other stage once, SIGSTOP of
             guard past the session timeout, a Redis restart
     full    >= 50 SIGKILLs over every stage (one every 4 s), SIGSTOP of decode and of emit, a broker restart, a 60 s
-            broker outage under long streams, a Redis restart, a decode worker added then removed
+            broker outage under long streams, a Redis restart, Redis and the broker each hung (SIGSTOP) 20 s,
+            a decode worker added then removed
     full-guarded  the full profile's plan with both guards in the path (the default `make run` profile's
             stages, one worker per guard), in `make chaos`
     processes  two processes that each run every stage (`sluice worker`, as `sluice run` does), so the
@@ -31,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-FaultKind = Literal["kill", "pause", "broker_restart", "broker_outage", "redis_restart", "add", "remove"]
+FaultKind = Literal["kill", "pause", "broker_restart", "broker_outage", "broker_hang", "redis_restart", "redis_hang", "add", "remove"]
 BARE = ("ingest", "route", "prefill", "decode", "emit")  # the profile without guards
 CACHED = ("ingest", "cache", "route", "prefill", "decode", "emit")  # the same with the cache (exact tier)
 OUTPUT_GUARDED = ("ingest", "route", "prefill", "decode", "postguard", "emit")
@@ -41,6 +42,7 @@ GUARDED_CACHED = ("ingest", "guard", "cache", "route", "prefill", "decode", "pos
 WHOLE = "all"  # the worker of a profile whose processes each run every stage (`Profile.whole`)
 PAUSE_S = 8.0  # SIGSTOP this long: past the consumer session timeout (3 s)
 OUTAGE_S = 60.0
+HANG_S = 20.0  # a service SIGSTOPped this long: past every client's one-call timeout but Kafka's 30 s requests
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class Fault:
     at_s: float  # after the scenario's first request
     kind: FaultKind
     stage: str | None = None  # kill, pause, add, remove
-    seconds: float = 0.0  # pause: how long stopped; broker_outage: how long down
+    seconds: float = 0.0  # pause, broker_hang, redis_hang: how long stopped; broker_outage: how long down
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,9 @@ def _full() -> Profile:
             Scenario("scale-decode", 80, (Fault(3.0, "add", "decode"), Fault(12.0, "remove", "decode"))),
             Scenario("redis-restart", 60, (Fault(5.0, "redis_restart"),)),
             Scenario("broker-restart", 60, (Fault(5.0, "broker_restart"),)),
+            # A hung service (SIGSTOP: connections open, no answers) is found only by timeouts.
+            Scenario("redis-hang", 60, (Fault(5.0, "redis_hang", seconds=HANG_S),)),
+            Scenario("broker-hang", 60, (Fault(5.0, "broker_hang", seconds=HANG_S),)),
             # Last: if the pipeline does not recover from it, every scenario before it still has its report.
             # The long streams are mid-flight when the broker goes; the normal requests after them are sent
             # while it is away (the SDK's batches expire after 30 s and it sends them again).
