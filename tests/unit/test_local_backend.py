@@ -217,6 +217,12 @@ async def test_completion_form_and_invalid_requests(backend: LocalBackend) -> No
         await backend.prefill(replace(completion, resume_token_ids=(1, 2, 3)))
 
 
+def test_the_tenant_salts_the_prefix_cache(backend: LocalBackend) -> None:
+    """Prefix-cache blocks are keyed by the salt, so one tenant's prompt never serves another's."""
+    salts = {t: backend._engine_request(chat("s", "hi", tenant=t), [1, 2, 3]).salt for t in ("acme", "globex")}
+    assert salts == {"acme": "acme", "globex": "globex"}
+
+
 def test_text_stream_never_splits_a_character(loaded: Loaded) -> None:
     _, tokenizer = loaded
     text = "héllo 日本語 😀 done"
