@@ -7,7 +7,9 @@ and usage records per request id (duplicates are violations), chunks per (id, se
 (duplicates reported: the SDK hides them) and on decode's output (re-decoded tokens), dead letters.
 
 Numbers: the takeover stall (for streams in flight at a fault, the largest gap between two
-consecutive events of the stream after it: sent, chunks, terminal), re-decoded chunks per kill.
+consecutive events of the stream after it: sent, chunks, terminal), the recovery (for streams not ended
+when a fault was over, a broker back or a process resumed or killed: the time from then to the stream's
+next event), re-decoded chunks per kill.
 Request ids on the topics may be namespaced (`<tenant>/<client id>`): matched on the part after "/".
 """
 
@@ -135,6 +137,8 @@ class ScenarioReport:
     stall_p99_s: float | None
     stall_max_s: float | None
     stall_by_fault: dict[str, float]  # "kill decode" -> the largest stall it caused
+    recovery_p50_s: float | None
+    recovery_p99_s: float | None
     kills: int
     redecoded_chunks: int
     redecoded_per_kill: float | None
@@ -213,6 +217,7 @@ def check(
         flags.add("worker exited on its own" if w.fate == "exited" else "worker failed its graceful stop",
                   f"{w.stage} pid {w.pid} exit {w.exit_code} ({w.log})")
     stalls, by_fault = _stalls(results, faults)
+    recoveries = _recoveries(results, faults)
     kills = sum(1 for f in faults if f.kind == "kill")
     redecoded = sum(redecoded_by_key.values())
     return ScenarioReport(
@@ -224,6 +229,7 @@ def check(
         affected_streams=len(stalls),
         stall_p50_s=_round(percentile(stalls, 0.50)), stall_p99_s=_round(percentile(stalls, 0.99)),
         stall_max_s=_round(max(stalls, default=None)), stall_by_fault=by_fault,
+        recovery_p50_s=_round(percentile(recoveries, 0.50)), recovery_p99_s=_round(percentile(recoveries, 0.99)),
         kills=kills, redecoded_chunks=redecoded, redecoded_per_kill=round(redecoded / kills, 1) if kills else None,
         reply_duplicate_terminals=sum(n - 1 for n in reply_terms.values() if n > 1),
         reply_duplicate_chunks=sum(n - 1 for n in reply_chunks.values() if n > 1),
@@ -295,6 +301,18 @@ def _stalls(results: list[ClientResult], faults: list[FaultEvent]) -> tuple[list
     return stalls, by_fault
 
 
+def _recoveries(results: list[ClientResult], faults: list[FaultEvent]) -> list[float]:
+    """Per fault and stream still open when the fault was over: seconds from then to the stream's next event."""
+    out = []
+    for f in faults:
+        for r in results:
+            if r.sent_at <= f.ended and (r.ended_at is None or r.ended_at > f.ended):
+                after = [t for t in (*(t for _, _, t in r.chunks), r.ended_at) if t is not None and t > f.ended]
+                if after:
+                    out.append(min(after) - f.ended)
+    return out
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
@@ -309,16 +327,18 @@ def markdown(
         "",
         f"stages {' '.join(stages) or '-'}; seed {seed}; {wall_s:.0f} s in all",
         "",
-        "| scenario | requests | done | faults | violations | stall p50 / p99 / max (s) | re-decoded (per kill) "
-        "| dup terminals on reply | dup chunks on reply | dup usage | dead letters | worker exits | cache hits | s |",
-        "| --- | ---: | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| scenario | requests | done | faults | violations | stall p50 / p99 / max (s) | recovery p50 / p99 (s) "
+        "| re-decoded (per kill) | dup terminals on reply | dup chunks on reply | dup usage | dead letters | worker exits "
+        "| cache hits | s |",
+        "| --- | ---: | ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in reports:
         faults = ", ".join(f"{n} {kind}" for kind, n in r.faults.items()) or "none"
         stall = " / ".join("-" if v is None else f"{v:.2f}" for v in (r.stall_p50_s, r.stall_p99_s, r.stall_max_s))
+        recovery = " / ".join("-" if v is None else f"{v:.2f}" for v in (r.recovery_p50_s, r.recovery_p99_s))
         per_kill = f" ({r.redecoded_per_kill})" if r.redecoded_per_kill is not None else ""
         lines.append(
-            f"| {r.name} | {r.requests} | {r.done} | {faults} | {sum(r.violations.values())} | {stall} "
+            f"| {r.name} | {r.requests} | {r.done} | {faults} | {sum(r.violations.values())} | {stall} | {recovery} "
             f"| {r.redecoded_chunks}{per_kill} | {r.reply_duplicate_terminals} | {r.reply_duplicate_chunks} "
             f"| {r.usage_duplicates} | {r.dead_letters} | {len(r.worker_exits)} | {r.cache_hits} | {r.wall_s:.0f} |"
         )
