@@ -272,7 +272,7 @@ class Handling:
 
     async def _send_all(self, message: Any, handed_over: asyncio.Future[None] | None, earlier: list[Out] | None = None) -> None:
         """Produces each output as soon as it is yielded (a stream reaches the client token by token),
-        a terminal event only after the outputs before it are acknowledged, runs each output's `acked`
+        a terminal event (and an output marked `after_acks`) only after the outputs before it are acknowledged, runs each output's `acked`
         in order once the broker acknowledged it, then waits for all of it. Outputs the stage marks
         `with_next` are held until the next one comes and go with it as one record batch, which needs
         no wait for its own records: the broker appends a batch whole or not at all (a cache hit's
@@ -287,7 +287,7 @@ class Handling:
 
         async def send(outs: list[Out]) -> None:
             nonlocal last
-            if len(outs) > 1 and acks and any(isinstance(out.value, Done | Failed) for out in outs):
+            if len(outs) > 1 and acks and any(_waits(out) for out in outs):
                 await asyncio.gather(*acks)  # a batch with a terminal event waits too (below)
             ack = await self._send_together(outs) if len(outs) > 1 else None
             if ack is not None:
@@ -298,7 +298,7 @@ class Handling:
                         last = asyncio.create_task(_after(ack, out.acked, last))
                 return
             for out in outs:  # one at a time, as yielded
-                if isinstance(out.value, Done | Failed) and acks:
+                if _waits(out) and acks:
                     # A terminal event goes out only once every chunk sent before it is acknowledged,
                     # alone or in a batch with the last chunks: after a broker outage, batches that
                     # expired are refused while later ones are accepted (or the producer is renewed), and
@@ -450,6 +450,11 @@ def _on_delivery(ack: asyncio.Future[Any], out: Out) -> None:
 def quiet(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _waits(out: Out) -> bool:
+    """Whether `out` goes only once the outputs before it are acknowledged (see `_send_all`)."""
+    return out.after_acks or isinstance(out.value, Done | Failed)
 
 
 def _reason(exc: BaseException) -> str:

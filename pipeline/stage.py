@@ -36,7 +36,9 @@ class Out:
     output at once (the last chunk of an answer, then its terminal event) and the two may travel as one
     record batch, which the broker appends whole or not at all: the runner holds this one until then.
     `delivered`, if set, is called as soon as the broker acknowledged this message, even when an `acked`
-    before it failed (which skips the ones after it): what reached the topic, whatever was recorded."""
+    before it failed (which skips the ones after it): what reached the topic, whatever was recorded.
+    `after_acks`: produced only once every output yielded before it is acknowledged, as a terminal event
+    always is, so what its reader produces next cannot overtake them (prefill's hand-off to decode)."""
 
     topic: str
     key: str
@@ -44,6 +46,7 @@ class Out:
     acked: Callable[[], Awaitable[None]] | None = None
     with_next: bool = False
     delivered: Callable[[], None] | None = None
+    after_acks: bool = False
 
 
 class Stage(Protocol):

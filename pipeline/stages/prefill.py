@@ -109,4 +109,8 @@ class PrefillStage:
             yield Out(stream, message.id, done)
             return
         handed = forward(message, Prefilled, prefill=to_wire(prefilled, self._worker), timings=timings)
-        yield Out(self.topics.forward or "", message.id, handed)
+        # Decode's chunks 1.. go to the stream topic once it reads this: sent after chunk 0 is acknowledged,
+        # so chunk 0 is on the topic first. Sent at once, chunk 0's produce, retried across a broker restart,
+        # landed after decode's chunk 1, and postguard took that for a stream whose state it had lost
+        # (a fresh-clone CI run's output-guard chaos profile, session 39).
+        yield Out(self.topics.forward or "", message.id, handed, after_acks=True)

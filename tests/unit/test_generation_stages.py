@@ -60,6 +60,7 @@ async def test_prefill_sends_the_first_token_and_a_handle() -> None:
     assert outs[0].value == Chunk(id="default/r1", reply_to="llm.responses.sdk", seq=0, text="Hello", tenant="default", token_ids=(0,), model=MODEL)
     handed = outs[1].value
     assert isinstance(handed, Prefilled) and handed.prefill.handle == "h-default/r1" and "prefill" in handed.timings
+    assert outs[1].after_acks  # decode's chunks, which it starts, never land before chunk 0
 
 
 @pytest.mark.asyncio

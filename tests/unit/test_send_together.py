@@ -110,6 +110,24 @@ async def test_an_output_for_another_topic_in_between_breaks_the_group() -> None
 
 
 @pytest.mark.asyncio
+async def test_an_output_marked_after_acks_waits_for_the_outputs_before_it() -> None:
+    """Prefill's hand-off to decode goes only once its chunk 0 is on the topic: decode's chunk 1 overtook a
+    chunk 0 whose produce was retried across a broker restart (session 39's CI, output-guard profile)."""
+    producer = HeldAcks()
+    address = address_of(helpers.admitted(helpers.request("r1")))
+    assert address is not None
+    outs = [Out(STREAM, "r1", address.chunk(0, "w0")), Out("t.handoff", "r1", address.chunk(1, "w1"), after_acks=True)]
+    task = await run(producer, outs)
+    assert kinds(producer) == [("one", ["chunk"])]  # the hand-off waits for chunk 0's acknowledgement
+    producer.release()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert kinds(producer) == [("one", ["chunk"]), ("one", ["chunk"])]
+    producer.release()
+    assert await task == "ok"
+
+
+@pytest.mark.asyncio
 async def test_an_output_marked_with_next_at_the_end_is_still_sent() -> None:
     producer, recorded = HeldAcks(), []
     outs = answer("r1", recorded)[:-1]  # the stage stopped after the last chunk
