@@ -161,8 +161,12 @@ async def _run_profile(profile: Profile, seed: int, ports: harness.Ports, state:
 def _dump(state: Path, runs: list[_Run], topics: Topics) -> None:
     """What the checker read, for a post-mortem: the clients' view and every topic record."""
     (state / "topics.json").write_text(json.dumps(asdict(topics)))
-    clients = [{**r.as_dict(), "seqs": [seq for seq, _, _ in r.chunks], "text": r.text} for run in runs for r in run.results]
+    clients = [{**r.as_dict(), "seqs": [seq for seq, _, _ in r.chunks], "text": r.text,
+                "sent_at": r.sent_at, "arrivals": [at for _, _, at in r.chunks], "ended_at": r.ended_at}
+               for run in runs for r in run.results]
     (state / "clients.json").write_text(json.dumps(clients))
+    faults = [{**f.as_dict(), "scenario": run.scenario.name, "at": f.at, "ended": f.ended} for run in runs for f in run.faults]
+    (state / "faults.json").write_text(json.dumps(faults))  # times: time.monotonic(), as in clients.json
 
 
 def _check_all(runs: list[_Run], topics: Topics, supervisor: Supervisor) -> list[ScenarioReport]:
