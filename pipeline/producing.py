@@ -7,7 +7,8 @@ suite: every stage looping on that error minutes after the broker was back. `Pro
 send's outcome and, once a batch failed at all (aiokafka numbers a batch as it leaves the accumulator,
 even to fail it for want of a leader after the 30 s, so the broker would refuse the next one), or the
 sender has stopped, replaces the client with a fresh one (a new producer id) before the next send, so a stage
-recovers from an outage of any length. The messages that were in flight are retried by
+recovers from an outage of any length. The old client stops in the background: aiokafka's stop waits for
+its pending batches to be delivered or to expire (30 s), and the send that renewed it waited that long. The messages that were in flight are retried by
 the runner (their offsets were never committed).
 
 Records of the `lingering` topics (the stages' processes pass `registry.LINGERING`: records no request
@@ -44,6 +45,7 @@ class Producer:
         self._lock = asyncio.Lock()
         self._poisoned = False
         self.renewals = 0
+        self._retiring: set[asyncio.Task[None]] = set()  # replaced clients, stopping
         self._lingering = lingering
         lingers = bool(lingering) and settings.kafka.lingering_ms > self._linger_ms
         self._batching = Producer(settings, f"{client_id}-lingering", linger_ms=settings.kafka.lingering_ms) if lingers else None
@@ -65,6 +67,8 @@ class Producer:
             await self._batching.stop()
         if self._client is not None:
             await self._client.stop()
+        if self._retiring:
+            await asyncio.gather(*self._retiring)
 
     async def send(
         self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]], partition: int | None = None,
@@ -131,7 +135,15 @@ class Producer:
             self._client = await kafka.started(self._new, asyncio.Event(), self._client_id)
             self._poisoned = False  # only now: a renewal cancelled half way leaves the old client marked
             if old is not None:
-                try:
-                    await old.stop()
-                except Exception as exc:  # the dead client's own failure is not ours to handle
-                    log.info("stopping the old producer failed: %s", type(exc).__name__)
+                # Stopping flushes: it waits until the old client's batches are delivered or expire
+                # (`request_timeout_ms`, 30 s, in an outage). The send that renewed goes on meanwhile.
+                retiring = asyncio.create_task(_retire(old))
+                self._retiring.add(retiring)
+                retiring.add_done_callback(self._retiring.discard)
+
+
+async def _retire(client: AIOKafkaProducer) -> None:
+    try:
+        await client.stop()
+    except Exception as exc:  # the dead client's own failure is not ours to handle
+        log.info("stopping the old producer failed: %s", type(exc).__name__)

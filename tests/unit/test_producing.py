@@ -59,7 +59,44 @@ async def test_a_refused_producer_id_makes_the_next_send_use_a_new_client(
         await ack
     await asyncio.sleep(0)  # the outcome's callbacks run
     await producer.send("t", b"v", key=b"k", headers=[])
+    await asyncio.sleep(0)  # the old client is stopped in the background
     assert (producer._client is fresh) is renewed and broken.stopped is renewed and producer.renewals == int(renewed)
+
+
+class Flushing(FakeClient):
+    """A client whose stop waits for its pending batches, as aiokafka's does (up to 30 s in an outage)."""
+
+    def __init__(self) -> None:
+        super().__init__(OutOfOrderSequenceNumber())
+        self.flushed = asyncio.Event()
+
+    async def stop(self) -> None:
+        await self.flushed.wait()
+        self.stopped = True
+
+
+@pytest.mark.asyncio
+async def test_the_send_that_renews_does_not_wait_for_the_old_client_to_flush(monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh = FakeClient(None)
+
+    async def started(*args: object, **kwargs: object) -> FakeClient:
+        return fresh
+
+    monkeypatch.setattr("pipeline.producing.kafka.started", started)
+    producer = Producer(Settings(), "test")
+    old = Flushing()
+    producer._client = old  # type: ignore[assignment]
+    with pytest.raises(OutOfOrderSequenceNumber):
+        await (await producer.send("t", b"v", key=b"k", headers=[]))
+    await asyncio.sleep(0)
+    ack = await asyncio.wait_for(producer.send("t", b"v", key=b"k", headers=[]), 1.0)  # not after the flush
+    assert producer._client is fresh and await ack is None and not old.stopped
+    stopping = asyncio.create_task(producer.stop())  # waits for the old client too
+    await asyncio.sleep(0.01)
+    assert not stopping.done()
+    old.flushed.set()
+    await stopping
+    assert old.stopped and fresh.stopped
 
 
 @pytest.mark.asyncio
