@@ -272,15 +272,16 @@ class Handling:
 
     async def _send_all(self, message: Any, handed_over: asyncio.Future[None] | None, earlier: list[Out] | None = None) -> None:
         """Produces each output as soon as it is yielded (a stream reaches the client token by token),
-        a terminal event (and an output marked `after_acks`) only after the outputs before it are acknowledged, runs each output's `acked`
-        in order once the broker acknowledged it, then waits for all of it. Outputs the stage marks
-        `with_next` are held until the next one comes and go with it as one record batch, which needs
-        no wait for its own records: the broker appends a batch whole or not at all (a cache hit's
-        chunks and `Done`, an answer's last chunk and its terminal event: about a millisecond less per
-        request). A terminal event in a batch still waits for the outputs sent before the batch.
-        The next message of an ordered partition may start once this one's outputs are queued in the
-        producer, before they are acknowledged. `earlier`: outputs of the records before this one in
-        its group (`process_group`), held as if marked `with_next`."""
+        a terminal event (and an output marked `after_acks`) only after the outputs before it are
+        acknowledged, runs each output's `acked` in order once the broker acknowledged it, then waits
+        for all of it. Outputs the stage marks `with_next` are held until the next one comes and go
+        with it as one record batch, which needs no wait for its own records: the broker appends a
+        batch whole or not at all (a cache hit's chunks and `Done`, an answer's last chunk and its
+        terminal event: about a millisecond less per request). A terminal event in a batch still
+        waits for the outputs sent before the batch. The next message of an ordered partition may
+        start once this one's outputs are queued in the producer, before they are acknowledged.
+        `earlier`: outputs of the records before this one in its group (`process_group`), held as if
+        marked `with_next`."""
         acks: list[asyncio.Future[Any]] = []
         last: asyncio.Task[None] | None = None
         held: list[Out] = list(earlier or ())

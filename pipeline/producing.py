@@ -8,8 +8,8 @@ send's outcome and, once a batch failed at all (aiokafka numbers a batch as it l
 even to fail it for want of a leader after the 30 s, so the broker would refuse the next one), or the
 sender has stopped, replaces the client with a fresh one (a new producer id) before the next send, so a stage
 recovers from an outage of any length. The old client stops in the background: aiokafka's stop waits for
-its pending batches to be delivered or to expire (30 s), and the send that renewed it waited that long. The messages that were in flight are retried by
-the runner (their offsets were never committed).
+its pending batches to be delivered or to expire (30 s), and the send that renewed it waited that long.
+The messages that were in flight are retried by the runner (their offsets were never committed).
 
 Records of the `lingering` topics (the stages' processes pass `registry.LINGERING`: records no request
 waits for) go through a second `Producer` that waits `kafka.lingering_ms` to batch them, so a usage
