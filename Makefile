@@ -73,7 +73,7 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -m ""
 
-# The full chaos profile and the same plan with both guards in the path (about 9 minutes each), the processes
+# The full chaos profile and the same plan with both guards in the path (about 10 minutes each), the processes
 # profile with both guards in each process (about 2 minutes; the short, guard and processes profiles run in
 # `make test`) and the 10,000-line batch job under kills and a broker restart (about 5 minutes). A report without pytest:
 # `.venv/bin/python -m tests.chaos.run --profile full --report chaos.json`.
