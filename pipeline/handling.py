@@ -443,9 +443,20 @@ def _acknowledged() -> asyncio.Future[Any]:
 
 
 def _on_delivery(ack: asyncio.Future[Any], out: Out) -> None:
-    """Calls `out.delivered` once the broker acknowledged `out`, whatever the `acked` before it did."""
-    if (delivered := out.delivered) is not None:
-        ack.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None else delivered())
+    """Calls `out.delivered` once the broker acknowledged `out` (whatever the `acked` before it did),
+    `out.refused` once it failed to."""
+    delivered, refused = out.delivered, out.refused
+    if delivered is None and refused is None:
+        return
+
+    def outcome(ack: asyncio.Future[Any]) -> None:
+        if not ack.cancelled() and ack.exception() is None:
+            if delivered is not None:
+                delivered()
+        elif refused is not None:
+            refused()
+
+    ack.add_done_callback(outcome)
 
 
 def quiet(future: asyncio.Future[Any]) -> None:

@@ -37,6 +37,8 @@ class Out:
     record batch, which the broker appends whole or not at all: the runner holds this one until then.
     `delivered`, if set, is called as soon as the broker acknowledged this message, even when an `acked`
     before it failed (which skips the ones after it): what reached the topic, whatever was recorded.
+    `refused`, if set, is called as soon as the broker failed to take it (the runner tries the message
+    again later): a stage holding its stream back on acknowledgements stops at once, not at its timeout.
     `after_acks`: produced only once every output yielded before it is acknowledged, as a terminal event
     always is, so what its reader produces next cannot overtake them (prefill's hand-off to decode)."""
 
@@ -47,6 +49,7 @@ class Out:
     with_next: bool = False
     delivered: Callable[[], None] | None = None
     after_acks: bool = False
+    refused: Callable[[], None] | None = None
 
 
 class Stage(Protocol):

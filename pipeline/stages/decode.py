@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
+from functools import partial
 
 import msgspec
 
@@ -50,7 +51,7 @@ from topics.stream import EMPTY_DIGEST, Done, Failed, FinishReason, StreamEvent,
 log = logging.getLogger(__name__)
 AHEAD = 16  # chunks a stream may run ahead of its last acknowledged one: a broker that stops acknowledging
 # stops generation there, instead of the rest of the answer being generated into a void and again later
-AHEAD_WAIT_S = 40.0  # longer than the producer's request timeout (30 s), after which an ack has failed
+AHEAD_WAIT_S = 40.0  # a backstop for acknowledgements that neither come nor fail (a refused chunk: `_refuse`)
 
 
 class Progress(msgspec.Struct, frozen=True):
@@ -89,6 +90,7 @@ class DecodeStage:
         self._active: set[str] = set()
         self._fenced: set[str] = set()
         self._unrecorded: set[str] = set()  # progress could not be written (Redis away): stop, retry later
+        self._refused: set[str] = set()  # the broker failed to take a chunk: stop, the runner retries later
         self._acked: dict[str, tuple[int, asyncio.Event]] = {}  # rid -> (next seq recorded, set on each record)
         self._counting: set[str] = set()  # requests counted as started in `stats`, not yet as ended
 
@@ -128,6 +130,7 @@ class DecodeStage:
             self._active.discard(rid)
             self._fenced.discard(rid)
             self._unrecorded.discard(rid)
+            self._refused.discard(rid)
             self._acked.pop(rid, None)
 
     def _first(self, message: Prefilled) -> Progress:
@@ -154,7 +157,9 @@ class DecodeStage:
         address = address_of(message)
         assert address is not None
         progress = _progress.decode(stored["progress"]) if "progress" in stored else self._first(message)
-        self._acked[rid] = (progress.next_seq, asyncio.Event())
+        held = asyncio.Event()  # this try's: set on each recorded acknowledgement and on a refusal
+        self._acked[rid] = (progress.next_seq, held)
+        refused = partial(self._refuse, rid, held)
         timings = lambda: {**message.timings, self.name: clock.ms()}  # noqa: E731
         last: Delta | None = None  # the backend's last delta (its token counts, when it reports them)
         usage = lambda p: self._usage(message, p, last)  # noqa: E731
@@ -187,7 +192,8 @@ class DecodeStage:
                         # the backend's last delta: its terminal event follows at once, in the same batch,
                         # and records this chunk's progress with the ending (one round trip fewer)
                         ends = delta.finish_reason is not None
-                        yield Out(self.topics.stream or "", rid, chunk, acked=None if ends else self._record(rid, progress), with_next=ends)
+                        yield Out(self.topics.stream or "", rid, chunk, acked=None if ends else self._record(rid, progress),
+                                  with_next=ends, refused=refused)
                         pending = ()
                     elif pending:
                         progress = msgspec.structs.replace(progress, tokens=progress.tokens + pending)
@@ -235,13 +241,14 @@ class DecodeStage:
         """Holds chunk `seq` back while AHEAD chunks before it wait for the broker."""
         recorded, event = self._acked.get(rid, (seq, asyncio.Event()))
         while seq - recorded >= AHEAD:
+            self._check_still_recording(rid)  # a refusal or a takeover wakes the wait: checked before each
             event.clear()
             try:
                 await asyncio.wait_for(event.wait(), AHEAD_WAIT_S)
             except TimeoutError:
                 raise InfraUnavailable("the broker has not acknowledged this stream's chunks") from None
-            self._check_still_recording(rid)
             recorded, event = self._acked.get(rid, (seq, event))
+        self._check_still_recording(rid)
 
     def _check_still_recording(self, rid: str) -> None:
         """Stops a stream whose progress another worker has taken over, or that cannot be recorded: the
@@ -250,6 +257,19 @@ class DecodeStage:
             raise InfraUnavailable("taken over by another decode worker")
         if rid in self._unrecorded:
             raise InfraUnavailable("decode progress cannot be recorded")
+        if rid in self._refused:
+            raise InfraUnavailable("the broker did not take this stream's chunks")
+
+    def _refuse(self, rid: str, held: asyncio.Event) -> None:
+        """A chunk of this try was not taken (its batch expired in an outage, or its producer was
+        refused). The runner records acknowledgements in order and none after a failed one, so this try
+        can record nothing more: the stream stops at its next chunk (the runner tries the message again,
+        resuming from what was recorded), not `AHEAD_WAIT_S` after it ran AHEAD chunks past the refusal
+        on a renewed producer (the 60 s broker outage's 41-43 s recovery tail). A refusal from an
+        earlier try of the request changes nothing."""
+        if (waiting := self._acked.get(rid)) is not None and waiting[1] is held:
+            self._refused.add(rid)
+            held.set()
 
     @staticmethod
     def _advance(progress: Progress, tokens: tuple[int, ...], delta: Delta) -> Progress:

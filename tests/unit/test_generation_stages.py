@@ -269,3 +269,42 @@ async def test_a_stream_waits_for_the_broker_instead_of_running_far_ahead_of_it(
         await out.acked()
     assert (await asyncio.wait_for(blocked, 1.0)).value.seq == AHEAD + 1
     await stream.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_refused_chunk_stops_a_stream_held_back_on_its_acks_at_once() -> None:
+    """A chunk the broker failed to take is never acknowledged: a stream held back on it stops at once
+    (the runner tries it again later), not after `AHEAD_WAIT_S`. Seen in the 60 s broker outage: streams
+    resumed together 42.9 s after the broker was back."""
+    from pipeline.stages.decode import AHEAD
+
+    backend = ScriptedBackend([f"w{i} " for i in range(AHEAD * 3)])
+    handed = await prefilled(backend, sampling=Sampling(max_tokens=AHEAD * 3))
+    stream = decode_stage(backend).handle(handed)
+    unacked = [await anext(stream) for _ in range(AHEAD)]
+    blocked = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()
+    assert unacked[3].refused is not None
+    unacked[3].refused()  # handling.py: its produce failed
+    with pytest.raises(InfraUnavailable, match="did not take"):
+        await asyncio.wait_for(blocked, 1.0)
+    await stream.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_from_an_earlier_try_does_not_stop_the_next() -> None:
+    """The retired producer of an earlier try may fail its batches long after the runner tried the
+    message again: the new try's stream goes on."""
+    backend = ScriptedBackend(WORDS)
+    handed = await prefilled(backend)
+    stage = decode_stage(backend)
+    first = stage.handle(handed)
+    old = await anext(first)
+    await first.aclose()  # the try ended (an infrastructure error); the runner retries
+    second = stage.handle(handed)
+    outs = [await anext(second)]
+    assert old.refused is not None
+    old.refused()
+    outs += [out async for out in second]
+    assert [getattr(o.value, "seq", "end") for o in outs] == [1, 2, 3, 4, "end"]

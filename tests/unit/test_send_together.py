@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 import pytest
-from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
 
 from pipeline.errors import InfraUnavailable
 from pipeline.handling import Handling
@@ -156,6 +156,23 @@ async def test_delivered_is_called_once_acknowledged_even_when_an_acked_before_i
     for _ in range(20):
         await asyncio.sleep(0)
     assert delivered == ["done"] and "done" not in recorded
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.asyncio
+async def test_refused_is_called_when_the_broker_fails_to_take_an_output() -> None:
+    producer, refused, delivered = HeldAcks(), [], []
+    address = address_of(helpers.admitted(helpers.request("r1")))
+    assert address is not None
+    outs = [Out(STREAM, "r1", address.chunk(i, f"w{i}"), refused=lambda i=i: refused.append(i),
+                delivered=lambda i=i: delivered.append(i)) for i in range(2)]
+    task = await run(producer, outs)
+    producer.pending[0].set_exception(KafkaTimeoutError())  # its batch expired in an outage
+    producer.pending[1].set_result(None)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert (refused, delivered) == ([0], [1])
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
 
