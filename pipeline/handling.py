@@ -6,7 +6,8 @@
     RetriableError                    -> tried MAX_ATTEMPTS times, then dead-lettered
     Undeliverable                     -> llm.dlq, no terminal event (there is nowhere safe to send it)
     the broker or Redis is away       -> the whole message again with backoff until its deadline, then
-                                         deadline_exceeded; never dead-lettered as if it were a bug
+                                         deadline_exceeded; never dead-lettered as if it were a bug (the
+                                         backoff ends early once another message gets through: `Backoff`)
     an output too big for the broker  -> llm.dlq and an `internal` terminal event: no retry can cure it,
                                          and retrying would hold the partition until the deadline
     anything else (a bug)             -> llm.dlq and an `internal` terminal event
@@ -61,6 +62,39 @@ INFRA = (KafkaError, InfraUnavailable, ConnectionError, TimeoutError)
 TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)  # KafkaErrors that one message causes, not an outage
 FIRST_BACKOFF_S = 0.1  # before a message is tried again after the infrastructure failed it; doubled each time
 MAX_BACKOFF_S = 5.0
+WOKEN_AFTER_S = 0.5  # a backoff another message's success cuts short lasts at least this (or its own length)
+
+
+class Backoff:
+    """The waits before messages of one stage are tried again after the infrastructure failed them:
+    `wait(seconds)` (FIRST_BACKOFF_S doubling to MAX_BACKOFF_S), cut short once another message of the
+    stage gets through (`through`): the broker or Redis answers again, so what waited goes at once
+    instead of up to MAX_BACKOFF_S later (a hung Redis cost up to 5.7 s after it answered). Never
+    shorter than WOKEN_AFTER_S: where only some messages fail (one store of two away) the others'
+    successes do not turn the backoff into a busy loop."""
+
+    def __init__(self) -> None:
+        self._waiting = 0
+        self._through = asyncio.Event()
+
+    def through(self) -> None:
+        if self._waiting:  # nobody waits on almost every success: nothing to do
+            self._through.set()
+            self._through = asyncio.Event()
+
+    async def wait(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        start, through = loop.time(), self._through
+        self._waiting += 1
+        try:
+            try:
+                await asyncio.wait_for(through.wait(), seconds)
+            except TimeoutError:
+                return
+            if (left := min(seconds, WOKEN_AFTER_S) - (loop.time() - start)) > 0:
+                await asyncio.sleep(left)
+        finally:
+            self._waiting -= 1
 
 
 class Handling:
@@ -79,6 +113,7 @@ class Handling:
         # The SDK client of this process's bridge, for emit (set by pipeline.serve with `runtime.handover`):
         # a reply one of its streams waits for is delivered to it in memory instead of produced.
         self.replies: LocalReplies | None = None
+        self._backoff = Backoff()
 
     async def process(
         self, record: ConsumerRecord[bytes, bytes], handed_over: asyncio.Future[None] | None,
@@ -127,6 +162,7 @@ class Handling:
             return await self._one_by_one(records, handed_over, before)
         spans = [functools.partial(tracing.consume_span, record, self.stage.name) for record in records]
         if await self._together(messages, spans, handed_over):
+            self._backoff.through()
             return ["ok"] * len(records)
         return await self._one_by_one(records, handed_over, before)
 
@@ -234,6 +270,7 @@ class Handling:
             attempt += 1
             try:
                 await self._send_all(message, handed_over)
+                self._backoff.through()
                 return "ok"
             except RetriableError as exc:
                 if attempt >= MAX_ATTEMPTS:
@@ -267,7 +304,7 @@ class Handling:
                 log.error("stage=%s request=%s failed: %s", self.stage.name, address and address.request_id, detail)
                 await self.dead_letter(record, type(exc).__name__, detail, address, None, ErrorCode.internal)
                 return "dead_letter"
-            await asyncio.sleep(backoff)
+            await self._backoff.wait(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     async def _send_all(self, message: Any, handed_over: asyncio.Future[None] | None, earlier: list[Out] | None = None) -> None:
