@@ -7,9 +7,14 @@ shares one socket and Redis answers in order (bench/redis_client.py).
 It speaks the part of `redis.asyncio.Redis` that the state store, the limiter, the key store and the exact
 cache call, with the same replies and the same exceptions (`redis.exceptions`, mapped by redis-py's own
 table), so a store runs on either client. Like `pipeline.gateway.build.redis_client` it fails fast: each
-call waits `timeout_s` at most and is sent once more on a fresh connection when the connection broke or
-timed out (every script is idempotent per request id, so a retry never counts twice). A timeout drops the
-connection: with replies in order, nothing after a lost reply could be matched to its command.
+call waits `timeout_s` at most, and is sent once more on a fresh connection when the connection broke
+(every script is idempotent per request id, so a retry never counts twice). A call that timed out is
+abandoned, not its connection: replies come in order, so its reply, if it comes, is read and dropped, and
+the calls after it keep their places. Only when an abandoned call has had no reply for `DEAD_AFTER_S`
+is the connection taken for dead and dropped (the next call connects afresh). Dropping the connection at
+every timeout, as this client did first, opened a connection per timed-out call: a Redis hung for 20 s
+(SIGSTOP, the chaos suite) had 510 of its 511 pending connections queued when it resumed, and the
+connections past that waited for the kernel's retransmissions, 1 to 3 s.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Arg = str | bytes | int | float
-_RETRIED = (RedisConnectionError, RedisTimeoutError)  # BusyLoadingError (LOADING) is a ConnectionError too
+_RETRIED = RedisConnectionError  # BusyLoadingError (LOADING) is a ConnectionError too
+DEAD_AFTER_S = 3.0  # an abandoned call without a reply this long: the connection is dropped
 
 
 def pack(args: Sequence[Arg]) -> bytes:
@@ -75,7 +81,8 @@ class _Connection(asyncio.Protocol):
       write waits only for the callbacks already due).
     - One timer watches the oldest waiting call. Deadlines are the send time plus the same timeout,
       so the oldest call's is the earliest; the timer is set again, for the next oldest, only when it
-      fires. A timer per call cost a timer handle and its cancellation per round trip.
+      fires. A timer per call cost a timer handle and its cancellation per round trip. (While only
+      abandoned calls wait, it is set for the dead check, and the next call sets it earlier.)
     """
 
     def __init__(self, timeout_s: float) -> None:
@@ -85,6 +92,7 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._unsent: list[bytes] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._abandoned = 0  # the oldest waiting calls, timed out: their replies are read and dropped
         self.open = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -102,6 +110,7 @@ class _Connection(asyncio.Protocol):
                 waiting.replies.append(reply)
                 if len(waiting.replies) == waiting.expected:
                     self._waiting.popleft()
+                    self._abandoned = max(0, self._abandoned - 1)
                     if not waiting.future.done():  # its caller may have been cancelled
                         waiting.future.set_result(waiting.replies)
         except (hiredis.ProtocolError, IndexError):  # garbage, or a reply nobody asked for
@@ -118,7 +127,9 @@ class _Connection(asyncio.Protocol):
         if not self._unsent:
             loop.call_soon(self._flush)
         self._unsent.append(data)
-        if self._timer is None:
+        if self._timer is None or self._timer.when() > waiting.deadline:  # none, or only the dead check's
+            if self._timer is not None:
+                self._timer.cancel()
             self._timer = loop.call_at(waiting.deadline, self._expire)
         return waiting.future
 
@@ -128,30 +139,39 @@ class _Connection(asyncio.Protocol):
             self._transport.write(b"".join(unsent))
 
     def _expire(self) -> None:
-        """The watch timer: fails the connection if the oldest waiting call is past its deadline,
-        else sets itself for that call's deadline."""
+        """The watch timer: abandons the oldest calls still waiting past their deadline (each gets a
+        timeout), drops the connection once the oldest abandoned one is `DEAD_AFTER_S` overdue, and
+        sets itself for the next deadline, the oldest call's still waiting or the drop's."""
         self._timer = None
-        if not self._waiting:
-            return
-        waiting = self._waiting[0]
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if now < waiting.deadline:
-            self._timer = loop.call_at(waiting.deadline, self._expire)
+        while self._abandoned < len(self._waiting):
+            waiting = self._waiting[self._abandoned]
+            if now < waiting.deadline:
+                break
+            if not waiting.graced and now - waiting.deadline > self._timeout_s / 2:
+                # The timer ran late: the event loop was busy, not Redis, and the reply may be unread in the
+                # socket (uvloop runs due timers before it polls). Look again once the loop has read it.
+                waiting.graced = True
+                waiting.deadline = now + 0.001
+                break
+            self._abandoned += 1
+            if not waiting.future.done():
+                waiting.future.set_exception(RedisTimeoutError("Timeout reading from Redis."))
+        if self._abandoned and now - self._waiting[0].deadline >= DEAD_AFTER_S:
+            self.fail(RedisTimeoutError("Timeout reading from Redis."))
             return
-        if not waiting.graced and now - waiting.deadline > self._timeout_s / 2:
-            # The timer ran late: the event loop was busy, not Redis, and the reply may be unread in the
-            # socket (uvloop runs due timers before it polls). Look again once the loop has read it.
-            waiting.graced = True
-            waiting.deadline = now + 0.001
-            self._timer = loop.call_at(waiting.deadline, self._expire)
-            return
-        self.fail(RedisTimeoutError("Timeout reading from Redis."))
+        deadlines = [self._waiting[0].deadline + DEAD_AFTER_S] if self._abandoned else []
+        if self._abandoned < len(self._waiting):
+            deadlines.append(self._waiting[self._abandoned].deadline)
+        if deadlines:
+            self._timer = loop.call_at(min(deadlines), self._expire)
 
     def fail(self, exc: Exception) -> None:
         """Closes the socket; every call still waiting gets `exc`."""
         self.open = False
         self._unsent = []
+        self._abandoned = 0
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -222,7 +242,8 @@ class LeanRedis:
             return connection
 
     async def round_trip(self, data: bytes, expected: int) -> list[Any]:
-        """Sends `data` once more on a fresh connection if the connection broke or timed out."""
+        """Sends `data` once more on a fresh connection if the connection broke (not if it timed out: the
+        connection is still there, and so would the second try's wait be)."""
         for attempt in (1, 2):
             connection = self._connection
             try:
