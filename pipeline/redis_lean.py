@@ -13,8 +13,9 @@ abandoned, not its connection: replies come in order, so its reply, if it comes,
 the calls after it keep their places. Only when an abandoned call has had no reply for `DEAD_AFTER_S`
 is the connection taken for dead and dropped (the next call connects afresh). Dropping the connection at
 every timeout, as this client did first, opened a connection per timed-out call: a Redis hung for 20 s
-(SIGSTOP, the chaos suite) had 510 of its 511 pending connections queued when it resumed, and the
-connections past that waited for the kernel's retransmissions, 1 to 3 s.
+(SIGSTOP, the chaos suite) had 510 of its 511 pending connections queued when it resumed, and streams
+came back in clusters 1 and 2 s late, most likely the kernel's retransmissions of the handshakes it
+dropped past the queue.
 """
 
 from __future__ import annotations
