@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from pipeline import handling
+from pipeline.backoff import PROBE_S, Backoff
 from pipeline.errors import InfraUnavailable
-from pipeline.handling import PROBE_S, Backoff, Handling
+from pipeline.handling import Handling
 from pipeline.settings import Settings
 from pipeline.stage import Out
 from pipeline.topology import Topics
