@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from pipeline.cache import spelling
 from pipeline.cache.traps import conflicts, salient
 from pipeline.guard.embedder import load_embedder
 from pipeline.settings import Settings
@@ -74,11 +75,13 @@ def split(pairs: list[Pair]) -> dict[str, str]:
 
 def score(pairs: list[Pair]) -> list[Scored]:
     embedder = load_embedder(Settings().model_cache)
-    texts = sorted({t for p in pairs for t in (p.a, p.b)})
+    question = {t: spelling.corrected(t) for p in pairs for t in (p.a, p.b)}  # as the cache stage reads them
+    texts = sorted(set(question.values()))
     vectors = dict(zip(texts, embedder.embed(texts), strict=True))
     halves = split(pairs)
     return [
-        Scored(p, halves[p.id], float(np.dot(vectors[p.a], vectors[p.b])), conflicts(salient(p.a), salient(p.b)))
+        Scored(p, halves[p.id], float(np.dot(vectors[question[p.a]], vectors[question[p.b]])),
+               conflicts(salient(question[p.a]), salient(question[p.b])))
         for p in pairs
     ]
 

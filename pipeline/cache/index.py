@@ -19,7 +19,7 @@ import numpy as np
 from usearch.index import Index
 
 from pipeline import metrics
-from pipeline.cache import synonyms
+from pipeline.cache import spelling, synonyms
 from pipeline.cache.traps import Salient, conflicts
 from pipeline.guard.embedder import DIMS
 from topics.cache import Entry, Purge
@@ -61,6 +61,7 @@ class SemanticIndex:
         self._max = max_per_tenant
         self._next_id = 1
         synonyms.load()  # the trap check's WordNet tables (about 0.7 s), at start rather than in the first lookup
+        spelling.load()  # the word list that questions are corrected against (about 0.1 s)
 
     def __len__(self) -> int:
         return sum(len(t.entries) for t in self._tenants.values())

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from pipeline import metrics
-from pipeline.cache import keys
+from pipeline.cache import keys, spelling
 from pipeline.cache.config import CacheSettings, Policy
 from pipeline.cache.exact import ExactTier
 from pipeline.cache.index import SemanticIndex, from_vector
@@ -97,6 +97,7 @@ class CacheStage:
         text = keys.last_turn(message.request)
         if self._embedder is None or not policy.semantic or text is None or len(text) > MAX_SEMANTIC_CHARS:
             return None
+        text = spelling.corrected(text)  # "invioce" is "invoice" to the vector and the trap check alike
         vector = (await asyncio.to_thread(self._embedder.embed, [text]))[0]
         return vector, salient(text)
 

@@ -135,6 +135,15 @@ async def test_a_paraphrase_is_a_semantic_hit_and_a_one_word_trap_is_not(embedde
     assert (await p.ask(chat("Is the office open on Sunday?", "f6")))[0] == "miss"
 
 
+async def test_a_question_with_spelling_slips_is_a_semantic_hit(embedder) -> None:  # type: ignore[no-untyped-def]
+    p = Pipeline(embedder)
+    await p.ask(chat("Where can I find my invoice history?", "s1"))
+    assert (await p.ask(chat("Where can I find my invioce history?", "s2")))[0] == "hit-semantic"  # 0.64 uncorrected
+    await p.ask(chat("How do I aply for a school place for my chlid?", "s3"))  # stored corrected, answered as sent
+    assert (await p.ask(chat("How do I apply for a school place for my child?", "s4")))[0] == "hit-semantic"
+    assert (await p.ask(chat("How do I appeal a school place for my child?", "s5")))[0] == "miss"
+
+
 async def test_a_semantic_hit_needs_the_same_earlier_turns(embedder) -> None:  # type: ignore[no-untyped-def]
     p = Pipeline(embedder)
     netflix = (ChatMessage(role="user", content="I pay for Netflix."), ChatMessage(role="assistant", content="OK."))

@@ -24,9 +24,10 @@ def test_at_most_two_percent_of_trap_pairs_are_served(test_half) -> None:  # typ
 
 
 def test_the_check_keeps_most_near_repeats_and_some_paraphrases(test_half) -> None:  # type: ignore[no-untyped-def]
-    # Issue 10 asks for >= 50% of should-hit pairs; the check reaches 36.7% (docs/caching.md says why).
-    # This floor catches a regression, it does not claim the target.
+    # Issue 10 asks for >= 50% of should-hit pairs; the check reaches 40.0% with spelling slips corrected
+    # (36.7-37.3% before, depending on the host; docs/caching.md says why). These floors catch a regression,
+    # they do not claim the target.
     near = [r for r in test_half if r.pair.category == "near_repeat"]
     should = [r for r in test_half if r.pair.category in SHOULD_HIT]
-    assert served(near, DEFAULT_THRESHOLD, check=True) >= 70.0
-    assert served(should, DEFAULT_THRESHOLD, check=True) >= 35.0
+    assert served(near, DEFAULT_THRESHOLD, check=True) >= 80.0
+    assert served(should, DEFAULT_THRESHOLD, check=True) >= 38.0
