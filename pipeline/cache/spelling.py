@@ -18,7 +18,7 @@ dropped, added, changed, or two neighbours swapped), when there is one:
 
 The word list is the frequency dictionary that the `symspellpy==6.10.1` package ships (82,765 English words
 with counts, MIT licence; its code is not imported). It is read once per process, by `load()` or on the first
-call (about 0.1 s, about 10 MB). Without the package no word is corrected. A corrected question is used only
+call (about 0.1 s, about 11 MB). Without the package no word is corrected. A corrected question is used only
 for the semantic tier's vector and summary; the exact tier keys the text as sent.
 """
 
