@@ -19,7 +19,6 @@ import numpy as np
 from usearch.index import Index
 
 from pipeline import metrics
-from pipeline.cache import spelling, synonyms
 from pipeline.cache.traps import Salient, conflicts
 from pipeline.guard.embedder import DIMS
 from topics.cache import Entry, Purge
@@ -60,8 +59,6 @@ class SemanticIndex:
         self._purged: dict[tuple[str, str | None], float] = {}  # (tenant, model or None) -> purged up to
         self._max = max_per_tenant
         self._next_id = 1
-        synonyms.load()  # the trap check's WordNet tables (about 0.7 s), at start rather than in the first lookup
-        spelling.load()  # the word list that questions are corrected against (about 0.1 s)
 
     def __len__(self) -> int:
         return sum(len(t.entries) for t in self._tenants.values())

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from pipeline import metrics
-from pipeline.cache import keys, spelling
+from pipeline.cache import keys, spelling, synonyms
 from pipeline.cache.config import CacheSettings, Policy
 from pipeline.cache.exact import ExactTier
 from pipeline.cache.index import SemanticIndex, from_vector
@@ -53,6 +53,9 @@ class CacheStage:
         self._exact = exact
         self._embedder = embedder  # None: no semantic tier in this process
         self.index = SemanticIndex(settings.max_entries_per_tenant)
+        if embedder is not None:  # at start rather than in the first lookup; not at all without a semantic tier
+            synonyms.load()  # the trap check's WordNet tables (about 0.7 s, 17 MB)
+            spelling.load()  # the word list questions are corrected against (about 0.1 s, 11 MB)
 
     async def aclose(self) -> None:
         await self._exact.aclose()
