@@ -11,7 +11,8 @@ dropped, added, changed, or two neighbours swapped), when there is one:
 - the correction keeps the first letter (people rarely slip on it, and "gmail" is not "email");
 - a word of fewer than 6 letters is only given a dropped letter back or two swapped letters put back
   ("aply": apply, "chlid": child); longer words take any one edit. "repo" stays "repo", not "rep" or "reno";
-- words with an apostrophe are left alone ("shouldn't" is not "should" and "t");
+- words with an apostrophe, a digit or a letter outside a-z are left alone ("shouldn't" is not "should" and
+  "t", "Straße" is not "Star" and "e");
 - a listed word is never changed, so real words one letter apart (puppy/poppy, cheap/cheat) stay apart;
 - only a common word is a correction: a slip is likelier in a common word, and an unlisted abbreviation
   ("repo") is not turned into a rare word ("repro", the 24,854th).
@@ -35,7 +36,7 @@ __all__ = ["COMMON", "MIN_LETTERS", "corrected", "load"]
 MIN_LETTERS = 4
 COMMON = 20_000  # the words a slip may be corrected to: this many of the most frequent (count >= 1.2 million)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-WORD = re.compile(r"[A-Za-z]+(?:['\u2019][A-Za-z]+)*")  # "shouldn't" is one word
+WORD = re.compile(r"\w+(?:['\u2019]\w+)*")  # "shouldn't", "café", "order2" are one word each
 DICTIONARY = "frequency_dictionary_en_82_765.txt"
 
 
@@ -60,7 +61,7 @@ def corrected(text: str) -> str:
 
     def fix(match: re.Match[str]) -> str:
         word = match[0]
-        if not word.isalpha():
+        if not (word.isascii() and word.isalpha()):  # a contraction, a code with digits, another alphabet
             return word
         if word.islower():
             return _correction(word, words)

@@ -41,6 +41,8 @@ def test_a_slip_becomes_the_common_word(slip: str, word: str) -> None:
         "Log in with Gmail",  # names and acronyms: the trap check reads them as names
         "Does HubSpot sync with NHS records?",
         "I shouldn't have to, should I? I dont think so",  # a contraction is one word, not "shouldn" and "t"
+        "Straße café naïve",  # other alphabets' words are whole words, not "Stra" + "e" (-> "Star")
+        "order invioce2 or my_invioce",  # codes and identifiers
         "Is a gmail login ok?",  # the first letter is kept: not "email"
         "abc xyz",  # shorter than MIN_LETTERS
         "",
