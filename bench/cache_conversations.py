@@ -12,11 +12,10 @@ Nothing is tuned here: the threshold is the default that bench/cache_pairs.py pi
 
 from __future__ import annotations
 
-import importlib.resources
-import json
 from collections import Counter
 
 import numpy as np
+from fow_cache.data import load_conversations  # the package's own reader of its conv-parts and conv-long files
 
 from pipeline.cache import keys, spelling
 from pipeline.cache.config import DEFAULT_THRESHOLD
@@ -30,11 +29,7 @@ TRAPS = ("context_swap", "detail_swap", "intent_flip")
 
 
 def load() -> list[dict[str, object]]:
-    root = importlib.resources.files("fow_cache").joinpath("data")
-    out = []
-    for folder in ("conv-parts", "conv-long"):
-        for path in sorted(root.joinpath(folder).iterdir(), key=lambda p: p.name):
-            out += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    out = load_conversations()
     unknown = {str(c["subtype"]) for c in out} - set(SHOULD_HIT + TRAPS)
     if unknown:
         raise ValueError(f"conversations of subtypes this bench does not know: {sorted(unknown)}")

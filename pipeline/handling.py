@@ -63,6 +63,8 @@ INFRA = (KafkaError, InfraUnavailable, ConnectionError, TimeoutError)
 TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)  # KafkaErrors that one message causes, not an outage
 FIRST_BACKOFF_S = 0.1  # before a message is tried again after the infrastructure failed it; doubled each time
 MAX_BACKOFF_S = 5.0
+
+
 class Handling:
     def __init__(self, stage: Stage, settings: Settings, producer: Producer) -> None:
         self.stage = stage

@@ -57,7 +57,7 @@ def corrected(text: str) -> str:
     words = _words()
     if not words.listed:
         return text
-    start = next((m.start() for m in WORD.finditer(text)), -1)
+    start = first.start() if (first := WORD.search(text)) else -1
 
     def fix(match: re.Match[str]) -> str:
         word = match[0]
