@@ -20,13 +20,11 @@ import functools
 import unicodedata
 from collections.abc import Callable
 
-from presidio_analyzer import LocalRecognizer, RecognizerResult
-from presidio_analyzer.nlp_engine import NlpArtifacts
-from presidio_analyzer.predefined_recognizers import SpacyRecognizer
 from spacy.lang.en.stop_words import STOP_WORDS
 from spacy.tokens import Doc, Token
 
 from pipeline.guard.embedder import package_dir
+from pipeline.guard.presidio_lean import LocalRecognizer, NlpArtifacts, RecognizerResult, SpacyRecognizer
 
 NAMES_PACKAGE = "names"
 # Words that introduce the name right after them; the next one or two name-shaped tokens are taken.

