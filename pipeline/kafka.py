@@ -13,10 +13,12 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from aiokafka.structs import TopicPartition
 
+from pipeline import offset_fetch
 from pipeline.settings import Settings
 from topics.registry import TopicSpec, all_topics
 
 log = logging.getLogger(__name__)
+offset_fetch.install()  # every group consumer of the process starts from its committed offsets, never from 0 by mistake
 
 
 def security(settings: Settings) -> dict[str, Any]:
