@@ -49,7 +49,7 @@ class IngestStage:
         await self._gateway.aclose()
         await self._store.aclose()
 
-    def check(self, request: Request, now: float) -> None:
+    def check(self, request: Request) -> None:
         """Raises StageError with a reason the client can act on; returns if the request is admissible."""
         if request.reply_to not in self._replies:
             raise Undeliverable("reply_to is not a configured reply topic")
@@ -65,8 +65,6 @@ class IngestStage:
             raise StageError(ErrorCode.invalid_request, f"max_tokens may be at most {limits.max_tokens_cap}")
         if request.model not in self._models:
             raise StageError(ErrorCode.not_found, f"unknown model; available: {', '.join(sorted(self._models))}")
-        if now > request.created_at + request.deadline_s:
-            raise StageError(ErrorCode.deadline_exceeded, "the request's deadline passed before it was admitted")
 
     async def handle(self, message: Request) -> AsyncIterator[Out]:
         clock = Stopwatch()
@@ -75,11 +73,17 @@ class IngestStage:
         if message.reply_to not in self._replies:  # first of all: a refusal is only ever sent to a configured topic
             raise Undeliverable("reply_to is not a configured reply topic")
         principal = await self._gateway.authenticate(message) if self._auth_first else None
-        self.check(message, now)
+        self.check(message)
         if principal is None:
             principal = await self._gateway.authenticate(message)
         rid = request_key(principal.tenant, message.id)
         fingerprint = hashlib.sha256(codec.encode(message)).hexdigest()[:32].encode()
+        # A request past its deadline is refused unless this very request was claimed before: then it is
+        # a copy of one ingest passed on already (its group sent back to an old offset), whose ending the
+        # stages after it know, and a refusal now would be a second terminal event. One refused by its
+        # deadline was never claimed, so a copy of it is refused again, and emit drops the repeat.
+        if now > message.created_at + message.deadline_s and (await self._store.read(rid)).get("fingerprint") != fingerprint:
+            raise StageError(ErrorCode.deadline_exceeded, "the request's deadline passed before it was admitted")
         # The id's claim and the rate limits are independent round trips: made at once, one waits for the
         # other instead of after it. A refused request may leave its id claimed, which only refuses that id
         # sent again with other content (ids are single-use; the same bytes again pass as a redelivery).

@@ -1,4 +1,5 @@
 import asyncio
+import time
 from dataclasses import replace
 
 import msgspec
@@ -7,6 +8,7 @@ import pytest
 from pipeline.errors import StageError, Undeliverable
 from pipeline.gateway.build import memory_gateway
 from pipeline.gateway.gateway import Principal
+from pipeline.stages import ingest
 from pipeline.stages.ingest import IngestStage
 from pipeline.state import MemoryStateStore
 from tests.unit.fakes import run_handler
@@ -45,6 +47,39 @@ async def test_a_reused_id_with_other_content_is_refused_and_a_redelivery_is_not
     with pytest.raises(StageError) as refused:
         await run_handler(stage, request("same", messages=(ChatMessage(role="user", content="other"),)))
     assert refused.value.code is ErrorCode.invalid_request
+
+
+class Later:
+    """Stands in for the `time` module of ingest: the clock `seconds` ahead."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def time(self) -> float:
+        return time.time() + self.seconds
+
+
+@pytest.mark.asyncio
+async def test_a_copy_of_a_request_passed_on_is_not_refused_by_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A group sent back to an old offset shows ingest requests it passed on long ago; their endings are
+    # known downstream (emit drops a repeat under their id), so a refusal now would be a second terminal.
+    stage, first = IngestStage(SETTINGS, INGEST.topics), request("old")
+    await run_handler(stage, first)
+    monkeypatch.setattr(ingest, "time", Later(first.deadline_s + 60))
+    [again] = await run_handler(stage, first)
+    assert again.value.id == "default/old"
+    with pytest.raises(StageError) as refused:  # another request past its deadline still is refused
+        await run_handler(stage, request("new-but-late", created_at=time.time() - first.deadline_s - 1))
+    assert refused.value.code is ErrorCode.deadline_exceeded
+
+
+@pytest.mark.asyncio
+async def test_a_request_refused_by_its_deadline_is_refused_again_when_seen_again() -> None:
+    stage, late = IngestStage(SETTINGS, INGEST.topics), request("late", created_at=1.0)
+    for _ in range(2):  # never claimed: the copy gets the same refusal, which emit drops as a repeat
+        with pytest.raises(StageError) as refused:
+            await run_handler(stage, late)
+        assert refused.value.code is ErrorCode.deadline_exceeded
 
 
 class Claims(MemoryStateStore):
