@@ -77,7 +77,7 @@ async def read_topics(bootstrap: str, reply: str, decode_out: str, timeout_s: fl
         async with asyncio.timeout(timeout_s):
             # Partitions assigned by hand, as pipeline.kafka.broadcast_consumer does: a subscription is
             # re-assigned, and started again from the beginning, when a metadata refresh just after a broker
-            # restart briefly lacks a topic, and a run once counted half its requests twice that way.
+            # restart briefly lacks a topic, and the checker would count what it read twice.
             consumer.assign([TopicPartition(topic, 0) for topic in by_topic])  # fetches their metadata
             while not all(consumer.partitions_for_topic(topic) for topic in by_topic):
                 await asyncio.sleep(0.05)
