@@ -124,7 +124,8 @@ class InstantBackend:
     @staticmethod
     def _text_stream(request: GenerationRequest, ids: Sequence[int], sent_chars: int) -> TextStream:
         return TextStream(
-            _detokenize, completion_ids=ids, sent_chars=sent_chars, stops=request.stop, max_tokens=request.max_tokens, eos_ids=()
+            _detokenize, completion_ids=ids, sent_chars=sent_chars, stops=request.stop, max_tokens=request.max_tokens,
+            eos_ids=(), token_text=token_text,
         )
 
 

@@ -2,7 +2,8 @@
 
 Pure bookkeeping, no torch: the whole completion is decoded after every token and diffed against
 what was already sent, so a multi-byte character split across tokens is never sent in halves (a
-trailing U+FFFD is held back until the next token completes it). Text that may be the start of a stop
+trailing U+FFFD is held back until the next token completes it); a detokenizer whose text is the
+concatenation of each token's (`token_text`) has its text extended instead. Text that may be the start of a stop
 string is held back until the next tokens show it is not; when a stop string completes, the text is
 cut just before it.
 
@@ -19,6 +20,7 @@ from pipeline.backends.base import Delta, FinishReason
 __all__ = ["TextStream"]
 
 Detokenize = Callable[[Sequence[int]], str]
+TokenText = Callable[[int], str]
 _PARTIAL = "\ufffd"  # what a tokenizer renders for an incomplete UTF-8 sequence
 
 
@@ -34,9 +36,16 @@ class TextStream:
         stops: tuple[str, ...],
         max_tokens: int,
         eos_ids: Collection[int],
+        token_text: TokenText | None = None,
     ) -> None:
+        """`token_text`: one token's text, given only where `detokenize(ids)` is always the concatenation
+        of `token_text(i)` over ids (the instant backend's numbered tokens; never a real tokenizer's,
+        whose merges and multi-byte characters span tokens): each token then costs its own text, not a
+        decode of the whole completion."""
         self._detokenize = detokenize
         self._ids = list(completion_ids)
+        self._token_text = token_text
+        self._text = detokenize(self._ids) if token_text is not None else ""
         self._sent = sent_chars
         self._stops = tuple(s for s in stops if s)
         self._max_tokens = max_tokens
@@ -84,7 +93,10 @@ class TextStream:
     def push(self, token_id: int) -> Delta:
         """Account for one new token; the returned delta's `finish_reason` is set when the stream ends."""
         self._ids.append(token_id)
-        text = self._detokenize(self._ids)
+        if self._token_text is not None:
+            text = self._text = self._text + self._token_text(token_id)
+        else:
+            text = self._detokenize(self._ids)
         stop_at = self._find_stop(text)
         if stop_at is not None:
             return self._emit(text[:stop_at], token_id, "stop")

@@ -136,3 +136,24 @@ async def test_token_delay_paces_the_stream() -> None:
 async def test_invalid_requests_are_refused(bad: GenerationRequest) -> None:
     with pytest.raises(InvalidRequest):
         await InstantBackend().prefill(bad)
+
+
+@pytest.mark.parametrize("stop", [(), ("t3",), ("t1 t9",), ("1 t", "t12 ")])
+@pytest.mark.parametrize("consumed", [0, 2, 7])
+async def test_token_text_extends_the_text_as_decoding_it_all_would(stop: tuple[str, ...], consumed: int) -> None:
+    """The instant backend's text stream adds each token's text instead of decoding the whole completion
+    again; the deltas must be the same, held-back stop prefixes and resumes included."""
+    from pipeline.backends.instant import _detokenize, token_text
+    from pipeline.backends.text_stream import TextStream
+
+    done = [FIRST_TOKEN_ID + i for i in range(consumed)]
+    streams = [
+        TextStream(_detokenize, completion_ids=done, sent_chars=len(numbered(consumed)) - 1, stops=stop,
+                   max_tokens=20, eos_ids=(), token_text=text)
+        for text in (None, token_text)
+    ]
+    for i in range(consumed, 20):
+        whole, added = (stream.push(FIRST_TOKEN_ID + i) for stream in streams)
+        assert added == whole
+        if whole.finish_reason is not None:
+            break
