@@ -294,7 +294,7 @@ class Handling:
         async def send(outs: list[Out]) -> None:
             nonlocal last
             if len(outs) > 1 and acks and any(_waits(out) for out in outs):
-                await asyncio.gather(*acks)  # a batch with a terminal event waits too (below)
+                await _all_of(acks)  # a batch with a terminal event waits too (below)
             ack = await self._send_together(outs) if len(outs) > 1 else None
             if ack is not None:
                 acks.append(ack)
@@ -309,7 +309,7 @@ class Handling:
                     # alone or in a batch with the last chunks: after a broker outage, batches that
                     # expired are refused while later ones are accepted (or the producer is renewed), and
                     # a terminal event sent then would overtake the chunks the retry sends again.
-                    await asyncio.gather(*acks)
+                    await _all_of(acks)
                 ack = await self.send(out)
                 acks.append(ack)
                 _on_delivery(ack, out)
@@ -326,7 +326,7 @@ class Handling:
                 await send(held)
             if handed_over is not None and not handed_over.done():
                 handed_over.set_result(None)
-            await asyncio.gather(*acks)
+            await _all_of(acks)
             if last is not None:
                 await last
         finally:
@@ -438,6 +438,16 @@ def takes_groups(stage: Stage) -> bool:
     """An ordered stage that says so (`groups`: emit) and can forget what it cached (`Resettable`) takes
     consecutive messages of one request together (`Handling.process_group`, `Handling.take_group`)."""
     return stage.ordered and getattr(stage, "groups", False) and isinstance(stage, Resettable)
+
+
+async def _all_of(acks: list[asyncio.Future[Any]]) -> None:
+    """`asyncio.gather(*acks)`, without its trip through the event loop when every acknowledgement is in
+    already (all handed over in memory, or acknowledged while the stage worked): raises the first error."""
+    if all(ack.done() for ack in acks):
+        for ack in acks:
+            ack.result()
+        return
+    await asyncio.gather(*acks)
 
 
 def _acknowledged() -> asyncio.Future[Any]:
