@@ -20,11 +20,16 @@ import functools
 import unicodedata
 from collections.abc import Callable
 
-from spacy.lang.en.stop_words import STOP_WORDS
-from spacy.tokens import Doc, Token
-
 from pipeline.guard.embedder import package_dir
-from pipeline.guard.presidio_lean import LocalRecognizer, NlpArtifacts, RecognizerResult, SpacyRecognizer
+from pipeline.guard.presidio_lean import (
+    STOP_WORDS,
+    Doc,
+    LocalRecognizer,
+    NlpArtifacts,
+    RecognizerResult,
+    SpacyRecognizer,
+    Token,
+)
 
 NAMES_PACKAGE = "names"
 # Words that introduce the name right after them; the next one or two name-shaped tokens are taken.

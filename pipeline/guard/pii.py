@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import tldextract
-from spacy.tokens import Doc
 
 from pipeline.guard.embedder import package_dir
 from pipeline.guard.errors import GuardModelMissing
@@ -19,6 +18,7 @@ from pipeline.guard.person import NameListRecognizer, NerPersonRecognizer
 from pipeline.guard.presidio_lean import (
     AnalyzerEngine,
     CreditCardRecognizer,
+    Doc,
     EmailRecognizer,
     EntityRecognizer,
     IbanRecognizer,
