@@ -7,8 +7,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-__all__ = ["MARKER", "is_converted", "publish_checkpoint"]
+__all__ = ["MARKER", "MODEL_DIRNAME", "is_converted", "publish_checkpoint"]
 
+MODEL_DIRNAME = "smollm2-135m-instruct"  # the default model's converted checkpoint, under the model cache
 MARKER = ".sluice-converted"  # written last: its presence means the checkpoint is complete and verified
 
 

