@@ -3,9 +3,9 @@
 Pure bookkeeping, no torch: the whole completion is decoded after every token and diffed against
 what was already sent, so a multi-byte character split across tokens is never sent in halves (a
 trailing U+FFFD is held back until the next token completes it); a detokenizer whose text is the
-concatenation of each token's (`token_text`) has its text extended instead. Text that may be the start of a stop
-string is held back until the next tokens show it is not; when a stop string completes, the text is
-cut just before it.
+concatenation of each token's (`token_text`) has its text extended instead. Text that may be the
+start of a stop string is held back until the next tokens show it is not; when a stop string
+completes, the text is cut just before it.
 
 The state is fully described by (completion ids, characters sent), so a decode worker in another
 process rebuilds it from the request's resume tokens and the `Prefilled` it was handed.

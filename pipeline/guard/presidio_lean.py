@@ -7,11 +7,11 @@ and starts CUDA when a GPU is there; spaCy imports thinc, which imports torch fo
 (about 2 s more). sluice runs Presidio's spaCy engine, with a model of thinc's own (numpy) layers, on the
 CPU only, so:
 
-- `transformers` and `torch` are hidden while Presidio and spaCy are first imported (a `None` in `sys.modules`
-  makes their `import` fail, which Presidio and thinc take as "not installed"); the entries are removed
-  right after, and any later `import torch` (the detoxify toxicity backend's) works as usual. Where one
-  is already loaded it is not hidden. A spaCy model built on PyTorch layers (a transformer pipeline such
-  as `en_core_web_trf`) would not load after this; sluice ships none.
+- `transformers` and `torch` are hidden while Presidio and spaCy are first imported (a `None` in
+  `sys.modules` makes their `import` fail, which Presidio and thinc take as "not installed"); the
+  entries are removed right after, and any later `import torch` (the detoxify toxicity backend's)
+  works as usual. Where one is already loaded it is not hidden. A spaCy model built on PyTorch layers
+  (a transformer pipeline such as `en_core_web_trf`) would not load after this; sluice ships none.
 - `PRESIDIO_DEVICE` defaults to `cpu` (an operator's own value is kept): no CUDA context in a guard.
 """
 
