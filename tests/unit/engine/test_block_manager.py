@@ -1,4 +1,4 @@
-"""Block manager: ref counts, prefix hits per tenant, LRU reuse, truncation."""
+"""Block manager: ref counts, prefix hits per tenant, segmented LRU reuse, truncation."""
 
 from __future__ import annotations
 
@@ -47,6 +47,42 @@ def test_freed_blocks_stay_cached_until_reused_least_recent_first() -> None:
     big = seq([70 + i for i in range(16)], seq_id=2)
     bm.allocate(big, 16)
     assert bm.cached_prefix_tokens(seq(list(range(9)))) == 0  # evicted
+
+
+def test_a_prefix_that_was_hit_outlives_one_off_prompts() -> None:
+    """Segmented LRU: blocks hit by a later sequence are taken for new content only once no block that
+    was never hit is left; with plain LRU the churn below would have evicted the shared prefix."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    shared = list(range(8))  # two blocks
+    first, second = seq([*shared, 90]), seq([*shared, 91], seq_id=1)
+    computed(bm, first)
+    bm.deallocate(first)
+    bm.allocate(second, 1)  # hits both blocks of the shared prefix
+    assert second.num_cached_tokens == 8
+    bm.deallocate(second)
+    for n in range(3):  # one-off prompts of four blocks each, freed after the prefix
+        one_off = seq([100 * (n + 1) + i for i in range(17)], seq_id=2 + n)
+        computed(bm, one_off)
+        bm.deallocate(one_off)
+    assert bm.cached_prefix_tokens(seq([*shared, 92])) == 8
+    big = seq([7000 + i for i in range(21)], seq_id=9)
+    bm.allocate(big, 21)  # needs all six blocks: the kept ones go last, but they go
+    assert bm.cached_prefix_tokens(seq([*shared, 92])) == 0
+    bm.deallocate(big)
+    assert bm.num_free_blocks == 6
+
+
+def test_a_block_rewritten_for_new_content_is_no_longer_kept() -> None:
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a, b = seq(list(range(5))), seq(list(range(5)), seq_id=1)
+    computed(bm, a)
+    bm.allocate(b, 1)
+    bm.deallocate(a)
+    bm.deallocate(b)
+    assert [blk.reused for blk in bm.blocks].count(True) == 1  # the first block, hit by b
+    filler = seq([50 + i for i in range(12)], seq_id=2)
+    bm.allocate(filler, 12)  # every block, the kept one last
+    assert not any(blk.reused for blk in bm.blocks)
 
 
 def test_a_full_prompt_hit_still_leaves_one_token_to_compute() -> None:
