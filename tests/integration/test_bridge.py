@@ -153,6 +153,22 @@ async def test_leaving_an_sse_stream_cancels_the_request(bridge: Bridge) -> None
     assert terminal.usage.completion_tokens < 100
 
 
+async def test_leaving_before_a_whole_answer_cancels_the_request(bridge: Bridge) -> None:
+    """Not streaming: the client gives up (its connection closes) before the answer is there."""
+    watch = await kafka.broadcast_consumer(bridge.settings, (registry.reply_topic(bridge.settings.bridge.reply_name),), "test-bridge-whole-watch")
+    try:
+        body = {"model": bridge.settings.models[0], "messages": STORY, "max_tokens": 300}
+        async with httpx.AsyncClient(base_url=bridge.url, timeout=120) as http:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(3):
+                    await http.post("/v1/chat/completions", json=body)
+        terminal = await _first_terminal(watch)
+    finally:
+        await watch.stop()
+    assert isinstance(terminal, Failed) and terminal.code is ErrorCode.cancelled
+    assert terminal.usage.completion_tokens < 200
+
+
 async def test_closing_a_websocket_cancels_its_requests(bridge: Bridge) -> None:
     watch = await kafka.broadcast_consumer(bridge.settings, (registry.reply_topic(bridge.settings.bridge.reply_name),), "test-bridge-ws-watch")
     try:
@@ -187,6 +203,16 @@ async def _terminal_of(consumer: AIOKafkaConsumer, request_id: str, timeout: flo
                     if not isinstance(event, Chunk):
                         return event
     raise AssertionError(f"no terminal event for {request_id} within {timeout} s")
+
+
+async def _first_terminal(consumer: AIOKafkaConsumer, timeout: float = 60.0) -> StreamEvent:
+    """The first terminal event of any request (for a test whose request's id the client never saw)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                for record in records:
+                    if not isinstance(event := codec.decode(record.value or b"", StreamEvent), Chunk):
+                        return event
 
 
 async def _ws_until(ws: Any, enough: Callable[[list[dict[str, Any]]], bool], timeout: float = 120.0) -> list[dict[str, Any]]:
