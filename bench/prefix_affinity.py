@@ -2,10 +2,12 @@
 own choice function (`pipeline.routing.choose`) over a modelled cluster.
 
     .venv/bin/python -m bench.prefix_affinity [--requests 2000] [--members 3] [--prefixes 12] [--split test] [--sweep]
+        [--eviction segmented|lru]
 
 The cluster: `--members` backends, each with a prefix cache of `--cache-blocks` blocks of 16 tokens
-(LRU, like the engine's hash-chained block cache: a block is reused only if every block before it is
-too, and a prompt's blocks are released last first, so its tail is evicted before its prefix).
+(like the engine's hash-chained block cache: a block is reused only if every block before it is too,
+and a prompt's blocks are released last first, so its tail is evicted before its prefix; segmented LRU
+as the engine's, blocks that were hit evicted after those never hit, or `--eviction lru`).
 Requests arrive one per tick and each holds its backend for `--service` ticks (that is the load route
 sees). 80% of requests start with a shared 1,000-token prefix (a long system prompt; one of `--prefixes`
 of them), then 200 tokens of their own; 20% are 1,200 tokens of their own. Prefilled tokens are the
