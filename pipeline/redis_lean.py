@@ -39,8 +39,8 @@ DEAD_AFTER_S = 3.0  # an abandoned call without a reply this long: the connectio
 
 def pack(args: Sequence[Arg]) -> bytes:
     """One command as a RESP array of bulk strings; a float as `repr`, as redis-py writes it. hiredis's
-    encoder (C; a third of the Python loop's CPU) writes the same bytes and refuses the same types,
-    bool among them."""
+    encoder (C; under half the CPU of a loop in Python) writes the same bytes and refuses the same
+    types, bool among them."""
     try:
         return hiredis.pack_command(args if isinstance(args, tuple) else tuple(args))
     except TypeError:

@@ -9,7 +9,7 @@ in CPU caches and databases' buffer pools): a block that a later sequence has hi
 (a shared system prompt, a conversation's history) is freed to the `kept` list, every other block
 to the `free` list, and a block is taken for new content from `free` first, least recently freed,
 and from `kept` only when `free` is empty. One-off prompts then churn through `free` without
-evicting the prefixes that are actually shared (bench/prefix_affinity.py measures the difference).
+evicting the prefixes that are actually shared (bench/prefix_eviction.py measures the difference).
 
     cached_prefix_tokens(seq)   how many leading tokens the cache would supply (a pure lookup)
     can_allocate(seq, n)        whether n more tokens (after any cache hits) fit in free blocks
