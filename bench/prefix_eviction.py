@@ -13,7 +13,7 @@ same weights, one with each eviction, alternating request by request with the sa
 host's drift falls on both. A repeat draws a new order of requests (seeded).
 
 Reported per repeat: prompt tokens computed (not found in the cache) and prefill time, and the ratio
-segmented / LRU. With plain LRU a shared prompt is evicted whenever enough one-off prompts pass
+segmented / LRU; and the floor, what a pool that never evicts would compute (the block manager alone). With plain LRU a shared prompt is evicted whenever enough one-off prompts pass
 between two of its uses; the segmented cache takes blocks for new content from blocks never hit first.
 """
 
@@ -26,10 +26,11 @@ import statistics
 import time
 
 from bench.engine_common import add_model_args, load_model, make_engine, sync
+from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.params import EngineRequest
-from pipeline.engine.sequence import SequenceStatus
+from pipeline.engine.sequence import Sequence, SequenceStatus
 from pipeline.sharegpt import first_turns
 
 
@@ -65,6 +66,21 @@ def workload(tokenizer, args: argparse.Namespace, seed: int) -> list[tuple[int, 
     return prompts
 
 
+def floor(prompts: list[tuple[int, ...]], block_size: int) -> int:
+    """Prompt tokens computed if the pool were unbounded (nothing ever evicted): the block manager alone,
+    no model, with room for every block of every prompt."""
+    bm = BlockManager(sum(len(p) for p in prompts) // block_size + len(prompts), block_size)
+    computed = 0
+    for n, prompt in enumerate(prompts):
+        seq = Sequence.from_request(EngineRequest(prompt, max_tokens=1, salt="tenant"), seq_id=n, arrival=0)
+        bm.allocate(seq, len(prompt) - bm.cached_prefix_tokens(seq))
+        seq.num_computed_tokens = len(prompt)
+        bm.commit(seq)
+        bm.deallocate(seq)
+        computed += len(prompt) - seq.num_cached_tokens
+    return computed
+
+
 def prefill(engine: LLMEngine, prompt: tuple[int, ...]) -> tuple[int, float]:
     """(prompt tokens computed, seconds) for one request run alone to its first token."""
     start = time.perf_counter()
@@ -93,8 +109,9 @@ def main() -> None:
     print(f"{args.prefixes} shared prompts of {args.system_tokens} tokens ({args.shared:.0%} of requests), one-off prompts "
           f"of {args.one_off_tokens} tokens, {args.requests} requests a repeat, a pool of {args.blocks} blocks of "
           f"{config.block_size} tokens; {args.device}, {args.dtype}, load average {os.getloadavg()[0]:.2f}\n")
-    print("| repeat | tokens computed: LRU | segmented | segmented / LRU | prefill s: LRU | segmented | segmented / LRU |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| repeat | tokens computed: LRU | segmented | unbounded pool (floor) | segmented / LRU | prefill s: LRU | "
+          "segmented | segmented / LRU |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     token_ratios, time_ratios = [], []
     for repeat in range(args.repeats):
         engines = {"lru": make_engine(model, config), "segmented": make_engine(model, config)}
@@ -103,7 +120,8 @@ def main() -> None:
         prefill(engines["segmented"], (1, 2, 3))
         tokens = {name: 0 for name in engines}
         seconds = {name: 0.0 for name in engines}
-        for i, prompt in enumerate(workload(tokenizer, args, seed=repeat)):
+        prompts = workload(tokenizer, args, seed=repeat)
+        for i, prompt in enumerate(prompts):
             order = ("lru", "segmented") if i % 2 == 0 else ("segmented", "lru")
             for name in order:
                 computed, took = prefill(engines[name], prompt)
@@ -111,7 +129,8 @@ def main() -> None:
                 seconds[name] += took
         token_ratios.append(tokens["segmented"] / tokens["lru"])
         time_ratios.append(seconds["segmented"] / seconds["lru"])
-        print(f"| {repeat} | {tokens['lru']:,} | {tokens['segmented']:,} | {token_ratios[-1]:.2f} | {seconds['lru']:.1f} "
+        print(f"| {repeat} | {tokens['lru']:,} | {tokens['segmented']:,} | {floor(prompts, config.block_size):,} "
+              f"| {token_ratios[-1]:.2f} | {seconds['lru']:.1f} "
               f"| {seconds['segmented']:.1f} | {time_ratios[-1]:.2f} |", flush=True)
     print(f"\nsegmented / LRU, median (min to max) over {args.repeats} repeats: tokens computed "
           f"{statistics.median(token_ratios):.2f} ({min(token_ratios):.2f} to {max(token_ratios):.2f}), prefill time "
