@@ -12,9 +12,10 @@ one at a time, prefill and one sampled token (the part a prefix cache changes), 
 same weights, one with each eviction, alternating request by request with the same prompt, so the
 host's drift falls on both. A repeat draws a new order of requests (seeded).
 
-Reported per repeat: prompt tokens computed (not found in the cache) and prefill time, and the ratio
-segmented / LRU; and the floor, what a pool that never evicts would compute (the block manager alone). With plain LRU a shared prompt is evicted whenever enough one-off prompts pass
-between two of its uses; the segmented cache takes blocks for new content from blocks never hit first.
+Reported per repeat: prompt tokens computed (not found in the cache) and prefill time, the ratio
+segmented / LRU, and the floor: what a pool that never evicts would compute (the block manager
+alone). With plain LRU a shared prompt is evicted whenever enough one-off prompts pass between two of
+its uses; the segmented cache takes blocks for new content from blocks never hit first.
 """
 
 from __future__ import annotations
