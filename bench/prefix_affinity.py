@@ -2,12 +2,10 @@
 own choice function (`pipeline.routing.choose`) over a modelled cluster.
 
     .venv/bin/python -m bench.prefix_affinity [--requests 2000] [--members 3] [--prefixes 12] [--split test] [--sweep]
-        [--eviction segmented|lru]
 
 The cluster: `--members` backends, each with a prefix cache of `--cache-blocks` blocks of 16 tokens
-(like the engine's hash-chained block cache: a block is reused only if every block before it is too,
-and a prompt's blocks are released last first, so its tail is evicted before its prefix; segmented LRU
-as the engine's, blocks that were hit evicted after those never hit, or `--eviction lru`).
+(LRU, like the engine's hash-chained block cache: a block is reused only if every block before it is
+too, and a prompt's blocks are released last first, so its tail is evicted before its prefix).
 Requests arrive one per tick and each holds its backend for `--service` ticks (that is the load route
 sees). 80% of requests start with a shared 1,000-token prefix (a long system prompt; one of `--prefixes`
 of them), then 200 tokens of their own; 20% are 1,200 tokens of their own. Prefilled tokens are the
@@ -40,15 +38,9 @@ CHARS_PER_TOKEN = 4
 
 
 class Backend:
-    """A backend's prefix cache as the engine keeps it: blocks of a prompt are cached after it runs, and
-    with `segmented` (the engine's eviction, pipeline/engine/block_manager.py) a block that a later
-    prompt hit is evicted only once no block that was never hit is left; without it, plain LRU."""
-
-    def __init__(self, capacity: int, segmented: bool = True) -> None:
-        self.blocks: OrderedDict[tuple[int, ...], None] = OrderedDict()  # never hit, LRU order
-        self.kept: OrderedDict[tuple[int, ...], None] = OrderedDict()  # hit at least once, LRU order
+    def __init__(self, capacity: int) -> None:
+        self.blocks: OrderedDict[tuple[int, ...], None] = OrderedDict()
         self.capacity = capacity
-        self.segmented = segmented
         self.busy: deque[int] = deque()  # tick at which each running request ends
         self.served = 0
 
@@ -56,8 +48,7 @@ class Backend:
         """Prompt tokens found in the cache (a block counts only if every block before it is there)."""
         hit = 0
         for end in range(BLOCK, len(tokens) + 1, BLOCK):
-            key = tuple(tokens[:end])
-            if key not in self.blocks and key not in self.kept:
+            if tuple(tokens[:end]) not in self.blocks:
                 break
             hit = end
         return hit
@@ -66,18 +57,10 @@ class Backend:
         """Prompt tokens computed (not found in the cache); the prompt's blocks are cached after."""
         hit = self.cached(tokens)
         for end in reversed(range(BLOCK, len(tokens) + 1, BLOCK)):  # the tail first: evicted before its prefix
-            key = tuple(tokens[:end])
-            if end <= hit and self.segmented:
-                self.blocks.pop(key, None)
-                self.kept[key] = None
-                self.kept.move_to_end(key)
-            elif key in self.kept:
-                self.kept.move_to_end(key)
-            else:
-                self.blocks[key] = None
-                self.blocks.move_to_end(key)
-        while len(self.blocks) + len(self.kept) > self.capacity:
-            (self.blocks or self.kept).popitem(last=False)
+            self.blocks[tuple(tokens[:end])] = None
+            self.blocks.move_to_end(tuple(tokens[:end]))
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
         return len(tokens) - hit
 
 
@@ -105,7 +88,7 @@ def text_of(tokens: list[int]) -> str:
 def run(policy: str, prompts: list[list[int]], args: argparse.Namespace, seed: int) -> tuple[int, float]:
     rng = random.Random(seed)
     names = [f"b{i}" for i in range(args.members)]
-    backends = {n: Backend(args.cache_blocks, args.eviction == "segmented") for n in names}
+    backends = {n: Backend(args.cache_blocks) for n in names}
     settings = RoutingSettings()
     affinity = PrefixAffinity(settings) if policy in ("affinity", "oracle") else None
     prefilled, loads = 0, {n: 0 for n in names}
@@ -144,7 +127,7 @@ SWEEP_BLOCKS = (100, 200, 400, 800, 1600)
 
 def sweep(args: argparse.Namespace, seeds: range) -> None:
     """Random choice against route's table, and the floor, over prefix counts and cache sizes."""
-    print(f"\n{args.requests} requests x {len(seeds)} seeds, {args.members} backends ({args.eviction} eviction): prefilled tokens vs random, "
+    print(f"\n{args.requests} requests x {len(seeds)} seeds, {args.members} backends: prefilled tokens vs random, "
           "mean (min to max over seeds); max/mean requests per backend (worst seed)\n")
     print("| shared prefixes | cache blocks per backend | affinity (route's table) | max/mean "
           "| floor (unbounded cache) |\n| ---: | ---: | ---: | ---: | ---: |")
@@ -173,8 +156,6 @@ def main() -> None:
     parser.add_argument("--split", choices=("validation", "test"), default="test")
     parser.add_argument("--prefixes", type=int, default=12, help="distinct 1,000-token prefixes the 80%% share")
     parser.add_argument("--sweep", action="store_true", help="random and affinity over prefix counts and cache sizes")
-    parser.add_argument("--eviction", choices=("segmented", "lru"), default="segmented",
-                        help="the backends' cache: the engine's segmented LRU, or plain LRU (the engine before session 44)")
     args = parser.parse_args()
     seeds = range(3) if args.split == "validation" else range(100, 105)
     if args.sweep:
@@ -189,7 +170,7 @@ def main() -> None:
         for policy in policies:
             results[policy].append(run(policy, prompts, args, seed))
     print(f"\n{args.requests} requests x {len(seeds)} seeds ({args.split}), {args.members} backends, "
-          f"cache {args.cache_blocks} blocks each ({args.eviction} eviction), {args.prefixes} shared prefix(es)\n")
+          f"cache {args.cache_blocks} blocks each, {args.prefixes} shared prefix(es)\n")
     print("| policy | prefilled tokens (mean) | vs random: mean (min to max over seeds) | max/mean requests per backend (worst seed) |\n"
           "| --- | ---: | ---: | ---: |")
     base = [p for p, _ in results["random"]]

@@ -3,13 +3,8 @@
 A block is `block_size` consecutive token slots of one sequence's KV. When a block is full and its KV
 computed, it is registered under a hash covering (parent block's hash, tenant salt, its tokens), so
 a later sequence with the same salt and the same tokens up to that point shares it instead of
-computing it again. Blocks whose reference count falls to zero go to a free list in release order
-and keep their hash: they can still be hit until they are reused. Eviction is segmented (SLRU, as
-in CPU caches and databases' buffer pools): a block that a later sequence has hit at least once
-(a shared system prompt, a conversation's history) is freed to the `kept` list, every other block
-to the `free` list, and a block is taken for new content from `free` first, least recently freed,
-and from `kept` only when `free` is empty. One-off prompts then churn through `free` without
-evicting the prefixes that are actually shared (bench/prefix_eviction.py measures the difference).
+computing it again. Blocks whose reference count falls to zero go to the free list in release
+order and keep their hash: they can still be hit until they are reused, oldest first (LRU).
 
     cached_prefix_tokens(seq)   how many leading tokens the cache would supply (a pure lookup)
     can_allocate(seq, n)        whether n more tokens (after any cache hits) fit in free blocks
@@ -39,19 +34,15 @@ class Block:
     ref_count: int = 0
     hash: bytes = _NO_HASH  # set while registered in the prefix cache
     num_hashed_tokens: int = 0  # tokens of its sequence up to and including this block, when hashed
-    reused: bool = False  # hit from the prefix cache since it was registered: freed to `kept`, not `free`
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, segmented: bool = True) -> None:
-        """`segmented=False`: plain LRU, every freed block to `free` (benchmarks compare the two)."""
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.block_size = block_size
-        self.segmented = segmented
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
-        self._kept: OrderedDict[int, None] = OrderedDict()  # free blocks that were hit: evicted after `_free`
         self._by_hash: dict[bytes, int] = {}
         self.hit_blocks = 0  # blocks served from the prefix cache since start (a counter for tests and metrics)
 
@@ -61,7 +52,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free) + len(self._kept)
+        return len(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -83,7 +74,7 @@ class BlockManager:
         computed = seq.num_computed_tokens + len(hits) * self.block_size
         fresh = self.blocks_for(computed + num_new_tokens) - len(seq.block_table) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # hits that sit in the free list
-        return max(fresh, 0) + revived <= self.num_free_blocks
+        return max(fresh, 0) + revived <= len(self._free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, *, use_cache: bool = True) -> None:
         """Give `seq` room for `num_new_tokens` past its computed ones; check `can_allocate` first.
@@ -92,15 +83,14 @@ class BlockManager:
             hits = self._prefix_hits(seq)
             for block_id in hits:
                 self._take(block_id)
-                self.blocks[block_id].reused = True
             seq.block_table.extend(hits)
             seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
             self.hit_blocks += len(hits)
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if needed > self.num_free_blocks:
-            raise RuntimeError(f"allocate without room: {needed} blocks needed, {self.num_free_blocks} free")
+        if needed > len(self._free):
+            raise RuntimeError(f"allocate without room: {needed} blocks needed, {len(self._free)} free")
         for _ in range(needed):
-            block_id, _ = (self._free or self._kept).popitem(last=False)  # least recently freed first
+            block_id, _ = self._free.popitem(last=False)  # least recently freed first
             self._forget(block_id)
             self._take(block_id)
             seq.block_table.append(block_id)
@@ -171,7 +161,6 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             self._free.pop(block_id, None)
-            self._kept.pop(block_id, None)
         block.ref_count += 1
 
     def _release(self, block_id: int) -> None:
@@ -180,11 +169,11 @@ class BlockManager:
             raise RuntimeError(f"block {block_id} released more often than taken")
         block.ref_count -= 1
         if block.ref_count == 0:
-            (self._kept if block.reused and self.segmented else self._free)[block_id] = None
+            self._free[block_id] = None
 
     def _forget(self, block_id: int) -> None:
         """Drop the block's cache registration (its content is about to change)."""
         block = self.blocks[block_id]
         if block.hash and self._by_hash.get(block.hash) == block_id:
             del self._by_hash[block.hash]
-        block.hash, block.num_hashed_tokens, block.reused = _NO_HASH, 0, False
+        block.hash, block.num_hashed_tokens = _NO_HASH, 0

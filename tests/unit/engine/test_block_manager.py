@@ -1,4 +1,4 @@
-"""Block manager: ref counts, prefix hits per tenant, segmented LRU reuse, truncation."""
+"""Block manager: ref counts, prefix hits per tenant, LRU reuse, truncation."""
 
 from __future__ import annotations
 
@@ -47,69 +47,6 @@ def test_freed_blocks_stay_cached_until_reused_least_recent_first() -> None:
     big = seq([70 + i for i in range(16)], seq_id=2)
     bm.allocate(big, 16)
     assert bm.cached_prefix_tokens(seq(list(range(9)))) == 0  # evicted
-
-
-def _hit_prefix(bm: BlockManager, shared: list[int]) -> None:
-    """Computes `shared` (two blocks of 4) for one sequence, then has a second one hit it; both freed."""
-    first, second = seq([*shared, 90]), seq([*shared, 91], seq_id=1)
-    computed(bm, first)
-    bm.deallocate(first)
-    bm.allocate(second, 1)
-    assert second.num_cached_tokens == 8
-    bm.deallocate(second)
-
-
-def _one_offs(bm: BlockManager, count: int) -> None:
-    for n in range(count):  # prompts nobody shares, four blocks each, freed after use
-        one_off = seq([100 * (n + 1) + i for i in range(17)], seq_id=2 + n)
-        computed(bm, one_off)
-        bm.deallocate(one_off)
-
-
-def test_a_prefix_that_was_hit_outlives_one_off_prompts() -> None:
-    """Segmented LRU: blocks hit by a later sequence are taken for new content only once no block that
-    was never hit is left; with plain LRU the churn below evicts the shared prefix."""
-    shared = list(range(8))
-    bm = BlockManager(num_blocks=12, block_size=4)
-    _hit_prefix(bm, shared)
-    _one_offs(bm, 3)
-    assert bm.cached_prefix_tokens(seq([*shared, 92])) == 8
-    big = seq([7000 + i for i in range(45)], seq_id=9)
-    bm.allocate(big, 45)  # needs all twelve blocks: the kept ones go last, but they go
-    assert bm.cached_prefix_tokens(seq([*shared, 92])) == 0
-    bm.deallocate(big)
-    assert bm.num_free_blocks == 12
-    lru = BlockManager(num_blocks=12, block_size=4, segmented=False)
-    _hit_prefix(lru, shared)
-    _one_offs(lru, 3)
-    assert lru.cached_prefix_tokens(seq([*shared, 92])) == 0
-
-
-def test_under_pressure_the_longest_unused_kept_prefix_goes_first() -> None:
-    """Kept blocks are evicted once the free list is empty, least recently freed first: a prefix no one
-    has used for a while (last week's system prompt) goes before one in use."""
-    stale, hot = list(range(8)), list(range(50, 58))
-    bm = BlockManager(num_blocks=12, block_size=4)
-    _hit_prefix(bm, stale)
-    _hit_prefix(bm, hot)
-    assert bm.num_free_blocks == 12
-    big = seq([7000 + i for i in range(37)], seq_id=9)
-    bm.allocate(big, 37)  # ten blocks: the eight never hit, then the two kept the longest
-    assert bm.cached_prefix_tokens(seq([*stale, 92])) == 0
-    assert bm.cached_prefix_tokens(seq([*hot, 92])) == 8
-
-
-def test_a_block_rewritten_for_new_content_is_no_longer_kept() -> None:
-    bm = BlockManager(num_blocks=3, block_size=4)
-    a, b = seq(list(range(5))), seq(list(range(5)), seq_id=1)
-    computed(bm, a)
-    bm.allocate(b, 1)
-    bm.deallocate(a)
-    bm.deallocate(b)
-    assert [blk.reused for blk in bm.blocks].count(True) == 1  # the first block, hit by b
-    filler = seq([50 + i for i in range(12)], seq_id=2)
-    bm.allocate(filler, 12)  # every block, the kept one last
-    assert not any(blk.reused for blk in bm.blocks)
 
 
 def test_a_full_prompt_hit_still_leaves_one_token_to_compute() -> None:
