@@ -101,11 +101,12 @@ class RelayResponse(Response):
         own beside the watcher cost a task and two waits more)."""
         task = asyncio.current_task()
         assert task is not None
-        left: list[asyncio.Task[None]] = []
+        left = False
 
         def client_left(watch: asyncio.Task[None]) -> None:
+            nonlocal left
             if not watch.cancelled():
-                left.append(watch)
+                left = True
                 task.cancel()
 
         with self._tally:
@@ -116,7 +117,7 @@ class RelayResponse(Response):
             except asyncio.CancelledError:
                 if not left or task.uncancel() > 0:  # not the watcher's, or someone else's as well
                     raise
-                if (error := left[0].exception()) is not None:
+                if (error := watch.exception()) is not None:
                     raise error from None
                 self._tally.outcome = "client_gone"
                 log.info("client went away; request %s cancelled", self._request.id)
