@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from pipeline.bridge.app import MAX_HEADER_BYTES, create_app
+from pipeline.bridge.app import MAX_HEADER_BYTES, body_cap, create_app
 from pipeline.bridge.edges import head_limited_protocol
 from pipeline.errors import SluiceError
 from pipeline.observability.siblings import Siblings
@@ -88,6 +88,7 @@ async def serve(
         # a request head slower than header_timeout_s is cut off, one over MAX_HEADER_BYTES refused
         http=head_limited_protocol(settings.bridge.header_timeout_s, MAX_HEADER_BYTES),
         timeout_keep_alive=settings.bridge.keep_alive_s,
+        ws_max_size=body_cap(settings.limits),  # a larger message is refused as it arrives, not read whole first
         # TLS, and with a client CA mutual TLS: a client without a certificate the CA signed cannot connect.
         ssl_certfile=tls.certfile or None,
         ssl_keyfile=tls.keyfile or None,

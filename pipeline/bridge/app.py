@@ -35,7 +35,7 @@ from starlette.websockets import WebSocket
 from pipeline.bridge import dashboard
 from pipeline.bridge.admission import Admission
 from pipeline.bridge.credentials import Credentials
-from pipeline.bridge.edges import AllowedHosts, metrics_allowed
+from pipeline.bridge.edges import AllowedHosts, BrowserOrigins, default_hosts, metrics_allowed
 from pipeline.bridge.openai_format import (
     BadRequest,
     BridgeError,
@@ -110,8 +110,13 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False,
             await websocket.close(code=1008)
             return
         secret = settings.gateway.client_info_secret
-        await StreamSession(websocket, client, cap,
-                            lambda request: credential.apply(with_client_info(request, websocket, secret)), admission).run()
+        no_cache, no_store = cache_directives(websocket)  # the handshake's, for every request on the socket
+
+        def prepare(request: Request) -> Request:
+            request = msgspec.structs.replace(request, no_cache=no_cache, no_store=no_store)
+            return credential.apply(with_client_info(request, websocket, secret))  # signed last
+
+        await StreamSession(websocket, client, cap, prepare, admission).run()
 
     async def metrics(request: HttpRequest) -> Response:
         if not metrics_allowed(request, settings.bridge.metrics_token, auth_required):
@@ -131,9 +136,10 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False,
         *batches.routes(),
     ]
     handlers = {BridgeError: _bridge_error, HTTPException: _http_error, Exception: _internal_error}
-    hosts = settings.gateway.allowed_hosts
+    hosts = settings.gateway.allowed_hosts or default_hosts(settings.bridge.host)
     middleware = [Middleware(HeaderLimit, limit=MAX_HEADER_BYTES), Middleware(TraceRequests)]
     middleware += [Middleware(AllowedHosts, hosts=hosts)] if hosts else []
+    middleware += [Middleware(BrowserOrigins, origins=settings.gateway.allowed_origins, hosts_checked=bool(hosts))]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware)  # type: ignore[arg-type]
 
 
@@ -146,7 +152,7 @@ def _completions(
         try:
             credential = await credentials.resolve(bearer_token(request))
             parsed = parse(decode_body(await read_capped(request, cap, settings.bridge.body_timeout_s)))
-            no_cache, no_store = cache_directives(request.headers.get("cache-control", ""))
+            no_cache, no_store = cache_directives(request)
             sdk_request = client.request(**parsed.request_kwargs(), no_cache=no_cache, no_store=no_store, task=task_header(request))
             sdk_request = with_client_info(sdk_request, request, settings.gateway.client_info_secret)
             sdk_request = credential.apply(sdk_request)  # signed last: the token covers the rest
@@ -189,9 +195,10 @@ def task_header(request: HttpRequest) -> str | None:
     return task
 
 
-def cache_directives(header: str) -> tuple[bool, bool]:
-    """(no-cache, no-store) from a `Cache-Control` request header: do not answer from the cache, do
-    not store the answer in it."""
+def cache_directives(connection: HTTPConnection) -> tuple[bool, bool]:
+    """(no-cache, no-store) from the `Cache-Control` request headers, every line of them (a proxy may add
+    one): do not answer from the cache, do not store the answer in it."""
+    header = ",".join(connection.headers.getlist("cache-control"))
     directives = {d.strip().split("=", 1)[0].lower() for d in header.split(",")}
     return "no-cache" in directives, "no-store" in directives
 

@@ -1,6 +1,7 @@
 """What the bridge checks before any route runs.
 
-    AllowedHosts             the Host header (`gateway.allowed_hosts`)
+    AllowedHosts             the Host header (`gateway.allowed_hosts`; on a loopback address, loopback names only)
+    BrowserOrigins           what a web page may send or open (`gateway.allowed_origins`)
     head_limited_protocol    uvicorn's httptools protocol with a deadline and a size bound on each request head
     metrics_allowed          who may read /metrics on the API port
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 
 from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
@@ -38,6 +40,58 @@ class AllowedHosts:
                 await send({"type": "websocket.close", "code": 1008})
                 return
             await JSONResponse(error_body("invalid Host header", code=ErrorCode.invalid_request), status_code=400)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")  # what a bridge on a loopback address answers by default
+UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def default_hosts(bind_host: str) -> tuple[str, ...]:
+    """The Host headers to answer when `gateway.allowed_hosts` is empty: loopback names for a bridge on a
+    loopback address (a web page that rebinds its own DNS name to 127.0.0.1 gets nothing), any otherwise."""
+    try:
+        loopback = ipaddress.ip_address(bind_host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = bind_host == "localhost"
+    return LOOPBACK_HOSTS if loopback else ()
+
+
+class BrowserOrigins:
+    """Refuses what a web page on another origin sends: a WebSocket handshake or a POST, PUT, PATCH or
+    DELETE whose `Origin` header (browsers set it; other clients do not) is neither in
+    `gateway.allowed_origins` nor the bridge's own origin. Browsers apply no same-origin rule to
+    WebSockets, and a form or a `text/plain` fetch can POST without a CORS preflight: without this, any
+    page a local user opens could run and read requests on a bridge without auth. The bridge's own
+    origin counts only where the Host header was checked (`AllowedHosts`), so a rebound DNS name does
+    not make a page "same origin". 403 over HTTP, a refused handshake over WebSocket."""
+
+    def __init__(self, app: ASGIApp, origins: tuple[str, ...], hosts_checked: bool) -> None:
+        self.app = app
+        self.origins = frozenset(o.rstrip("/").lower() for o in origins)
+        self.hosts_checked = hosts_checked
+
+    def allowed(self, headers: Headers) -> bool:
+        origin = headers.get("origin")
+        if origin is None:
+            return True  # not a browser's cross-site request
+        origin = origin.rstrip("/").lower()
+        if origin in self.origins:
+            return True
+        _, sep, netloc = origin.partition("://")
+        return bool(sep) and self.hosts_checked and netloc == headers.get("host", "").lower()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if (kind == "websocket" or (kind == "http" and scope["method"] in UNSAFE_METHODS)) and not self.allowed(
+            Headers(scope=scope)
+        ):
+            if kind == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            body = error_body("this origin may not use the API (gateway.allowed_origins)", code=ErrorCode.forbidden)
+            await JSONResponse(body, status_code=403)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -106,4 +160,4 @@ def metrics_allowed(connection: HTTPConnection, token: str, auth_required: bool)
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
-__all__ = ["AllowedHosts", "head_limited_protocol", "metrics_allowed"]
+__all__ = ["AllowedHosts", "BrowserOrigins", "default_hosts", "head_limited_protocol", "metrics_allowed"]

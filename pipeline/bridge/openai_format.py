@@ -110,7 +110,7 @@ def decode_body(raw: bytes) -> Json:
     """The JSON object in a request body."""
     try:
         body = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):  # msgspec raises the latter for bad UTF-8 in a string
         raise BadRequest("the request body is not valid JSON") from None
     except RecursionError:  # msgspec's depth limit: a body nested thousands deep
         raise BadRequest("the request body is nested too deeply") from None

@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Callable
 
+from aiokafka.errors import KafkaError
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -136,6 +137,9 @@ class RelayResponse(Response):
             except TimeoutError:
                 await self._timed_out(send)
                 return
+            except KafkaError as exc:  # the broker refused the request for good (an outage is waited out)
+                await self._unavailable(send, exc)
+                return
             if self._parsed.stream:
                 await self._send_events(send, first, stream)
             else:
@@ -178,6 +182,13 @@ class RelayResponse(Response):
             if reply.include_usage:
                 await _send_body(send, sse_event(stream_usage(reply, done.usage)))
         await send({"type": "http.response.body", "body": DONE_EVENT, "more_body": False})
+
+    async def _unavailable(self, send: Send, exc: KafkaError) -> None:
+        code = ErrorCode.unavailable
+        self._tally.outcome = code.value
+        log.warning("request %s could not be sent to Kafka: %s", self._request.id, type(exc).__name__)
+        await _send_json(send, http_status(code), error_body("the pipeline could not take the request; retry", code=code),
+                         headers=[(b"retry-after", b"1")])
 
     async def _timed_out(self, send: Send) -> None:
         code = ErrorCode.deadline_exceeded

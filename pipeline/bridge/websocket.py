@@ -12,8 +12,9 @@ so the n-th `start` or refusal belongs to the n-th message. A started request th
     {"type": "done", "id", "finish_reason", "chunks", "usage": {...}}   or
     {"type": "error", "id", "code", "message", "retriable"}
 
-and messages of concurrent requests interleave. When the socket closes, every request still running
-on it is cancelled (the SDK stream's cleanup sends the cancellation on `llm.control`).
+and messages of concurrent requests interleave. A `Cache-Control: no-cache` / `no-store` header on the
+handshake applies to every request on the socket, as on each HTTP request. When the socket closes,
+every request still running on it is cancelled (the SDK stream's cleanup sends the cancellation on `llm.control`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from aiokafka.errors import KafkaError
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
@@ -86,6 +88,11 @@ class StreamSession:
         except BridgeError as exc:
             await self._send({"type": "error", "id": None, "code": exc.code.value, "message": exc.message, "param": exc.param})
             return
+        except Exception:  # a bug in reading one message must not end the others on the socket
+            log.exception("a websocket message could not be read")
+            await self._send({"type": "error", "id": None, "code": ErrorCode.internal.value,
+                              "message": "the bridge failed on this message", "param": None})
+            return
         try:
             request = self._prepare(self._client.request(**{**parsed.request_kwargs(), "stream": True}))  # the socket streams
             await self._send({"type": "start", "id": request.id, "model": request.model})
@@ -111,6 +118,10 @@ class StreamSession:
                 raise
             except (WebSocketDisconnect, WebSocketDisconnected):
                 tally.outcome = "client_gone"  # the reader sees the close too and cancels the rest
+            except KafkaError as exc:  # the broker refused the request for good (an outage is waited out)
+                tally.outcome = ErrorCode.unavailable.value
+                log.warning("websocket request %s could not be sent to Kafka: %s", request.id, type(exc).__name__)
+                await self._send(_error(request.id, ErrorCode.unavailable, "the pipeline could not take the request; retry"))
             except Exception:  # last resort for one request on a shared socket: log it, tell the client, keep the socket
                 log.exception("websocket request %s failed", request.id)
                 await self._send(_error(request.id, ErrorCode.internal, "the bridge failed on this request"))

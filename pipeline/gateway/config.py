@@ -98,6 +98,8 @@ class GatewaySettings:
     ip_tpm: int = 0
     client_info_secret: str = field(default="", repr=False)  # HMAC key for the bridge's client ip/user agent; empty: trusted
     allowed_hosts: tuple[str, ...] = ()  # Host headers the bridge answers: `host` (any port) or `host:port`; empty: any
+    # (loopback names only when the bridge listens on a loopback address)
+    allowed_origins: tuple[str, ...] = ()  # web origins (`https://app.example.com`) whose pages may call the API
     tenants: dict[str, TenantPolicy] = field(default_factory=dict)
     prices: dict[str, ModelPrice] = field(default_factory=dict)
     jwt: JwtSettings = field(default_factory=JwtSettings)
@@ -126,6 +128,9 @@ class GatewaySettings:
                 parse_entry(entry)
             except HostEntryError as exc:
                 found.append(f"gateway.allowed_hosts: {exc}")
+        for origin in self.allowed_origins:
+            if not re.fullmatch(r"https?://[^/\s]+/?", origin):
+                found.append(f"gateway.allowed_origins: {origin!r} is not an origin (scheme://host[:port])")
         if self.jwt.enabled and not (self.jwt.jwks_file or self.jwt.jwks_url):
             found.append("gateway.jwt: enabled needs jwks_file or jwks_url")
         if self.jwt.enabled and (not self.jwt.issuer or not self.jwt.audience):
