@@ -6,6 +6,7 @@
     ├── ModelError            the model's forward pass failed (or the upstream answered 5xx, timed out);
     │                         another backend may succeed
     ├── Overloaded            the upstream refused for load (429), with its retry-after
+    ├── Filtered              the upstream's own content filter ended the answer
     └── BackendClosed         the backend was shut down while the request was running
 
 `retriable` says whether the same request may succeed on a retry (here or on another backend);
@@ -18,7 +19,7 @@ from typing import ClassVar
 
 from topics.errors import ErrorCode
 
-__all__ = ["BackendClosed", "BackendError", "Cancelled", "InvalidRequest", "ModelError", "Overloaded"]
+__all__ = ["BackendClosed", "BackendError", "Cancelled", "Filtered", "InvalidRequest", "ModelError", "Overloaded"]
 
 
 class BackendError(Exception):
@@ -61,3 +62,11 @@ class Overloaded(BackendError):
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class Filtered(BackendError):
+    """The upstream ended the answer with its content filter (`finish_reason: "content_filter"`): the request
+    ends as `content_filter`, as when postguard stops it, so the cut answer is never taken for a whole one
+    (nor stored in the cache)."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.content_filter

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from pipeline.backends.base import Delta, GenerationRequest
-from pipeline.backends.errors import BackendError, Cancelled, InvalidRequest, ModelError, Overloaded
+from pipeline.backends.errors import BackendError, Cancelled, Filtered, InvalidRequest, ModelError, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def _event(event: dict[str, Any], finish: str | None) -> tuple[Delta | None, str
         text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
         reason = choice.get("finish_reason")
     if reason is not None:
-        finish = "length" if reason == "length" else "stop"
+        finish = _finish(reason)
     if usage is not None and finish is not None:  # the last event (include_usage): the counts, and the ending
         return Delta(text, (), finish, usage.get("prompt_tokens"), usage.get("completion_tokens")), finish  # type: ignore[arg-type]
     if not text:
@@ -149,7 +149,15 @@ def _whole(answer: dict[str, Any]) -> Delta:
     if reason is None:
         raise ModelError("the upstream's answer has no finish reason")
     usage = answer.get("usage") or {}
-    return Delta(str(text), (), "length" if reason == "length" else "stop", usage.get("prompt_tokens"), usage.get("completion_tokens"))
+    return Delta(str(text), (), _finish(reason), usage.get("prompt_tokens"), usage.get("completion_tokens"))
+
+
+def _finish(reason: object) -> str:
+    """sluice's finish reason for the upstream's: `length`, or `stop` for every other ending (eos, a stop
+    string, `tool_calls`, TGI's `eos_token`), except the upstream's content filter, which is an error."""
+    if reason == "content_filter":
+        raise Filtered("the upstream's content filter ended the answer")
+    return "length" if reason == "length" else "stop"
 
 
 def _refused(response: httpx.Response) -> BackendError:

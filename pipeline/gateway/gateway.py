@@ -32,7 +32,7 @@ from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier, looks_like_jwt
 from pipeline.gateway.keys import PREFIX, KeyEntry, KeyStore, hash_key, well_formed
 from pipeline.gateway.limits import Limiter, Refusal, Scope
-from pipeline.gateway.network import Address, NetworkRules, attest, parse_ip
+from pipeline.gateway.network import Address, NetworkRules, attest, client_block, parse_ip
 from pipeline.metrics import GATEWAY_DEGRADED
 from topics.errors import ErrorCode
 from topics.hops import request_key
@@ -253,7 +253,7 @@ class Gateway:
         scopes = [principal.key_scope] if principal.key_scope is not None else []
         scopes.append(Scope("tenant", principal.tenant, policy.rpm, policy.tpm, policy.budget, billed=True))
         if ip is not None and (s.ip_rpm or s.ip_tpm):
-            scopes.append(Scope("ip", str(ip), s.ip_rpm, s.ip_tpm))
+            scopes.append(Scope("ip", client_block(ip), s.ip_rpm, s.ip_tpm))
         if s.global_rpm or s.global_tpm:
             scopes.append(Scope("global", "all", s.global_rpm, s.global_tpm))
         return scopes

@@ -27,9 +27,19 @@ def parse_ip(value: str | None) -> Address | None:
     if not value:
         return None
     try:
-        return ipaddress.ip_address(value)
+        ip = ipaddress.ip_address(value)
     except ValueError:
         return None
+    # An IPv4 client of a dual-stack socket arrives as ::ffff:a.b.c.d: the IPv4 lists must still see it.
+    return ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip
+
+
+def client_block(ip: Address) -> str:
+    """The per-address rate-limit scope: the address itself for IPv4, its /64 for IPv6 (one subscriber's
+    allocation; counting each IPv6 address apart would let a client rotate through 2^64 of them)."""
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def _within(ip: Address, networks: tuple[Network, ...]) -> bool:

@@ -28,6 +28,10 @@ from topics.hops import Admitted, request_key
 from topics.requests import Request
 
 
+MAX_STOP = 4  # stop sequences a request may carry (OpenAI's own limit)
+MAX_STOP_BYTES = 256  # the longest one
+
+
 class IngestStage:
     input_type = Request
     ordered = False
@@ -58,6 +62,9 @@ class IngestStage:
             raise StageError(ErrorCode.invalid_request, "exactly one of `messages` and `prompt` must be given")
         if len(request.messages) > limits.max_messages:
             raise StageError(ErrorCode.invalid_request, f"at most {limits.max_messages} messages are allowed")
+        stops = request.sampling.stop  # checked on every token generated: a few short ones (the bridge's bound too)
+        if len(stops) > MAX_STOP or not all(0 < len(s.encode()) <= MAX_STOP_BYTES for s in stops):
+            raise StageError(ErrorCode.invalid_request, f"at most {MAX_STOP} stop sequences of 1-{MAX_STOP_BYTES} bytes each")
         size = sum(len(m.content.encode()) for m in request.messages) + len((request.prompt or "").encode())
         if size > limits.max_prompt_bytes:
             raise StageError(ErrorCode.invalid_request, f"prompt is {size} bytes; the limit is {limits.max_prompt_bytes}")

@@ -168,6 +168,9 @@ async def test_work_cancelled_while_the_limits_are_asked_leaves_no_claim_running
         ({"messages": (), "prompt": None}, ErrorCode.invalid_request),
         ({"prompt": "both given"}, ErrorCode.invalid_request),
         ({"model": "gpt-17"}, ErrorCode.not_found),
+        ({"sampling": Sampling(stop=tuple(f"s{i}" for i in range(100_000)))}, ErrorCode.invalid_request),  # per token
+        ({"sampling": Sampling(stop=("x" * (ingest.MAX_STOP_BYTES + 1),))}, ErrorCode.invalid_request),
+        ({"sampling": Sampling(stop=("",))}, ErrorCode.invalid_request),
         ({"created_at": 1.0}, ErrorCode.deadline_exceeded),
     ],
 )

@@ -9,8 +9,8 @@ import pytest
 
 from bench.fake_openai import FakeUpstream
 from pipeline.backends.base import Backend, GenerationRequest, Message, SplitBackend
-from pipeline.backends.errors import Cancelled, InvalidRequest, ModelError, Overloaded
-from pipeline.backends.openai_compat import OpenAIBackend
+from pipeline.backends.errors import Cancelled, Filtered, InvalidRequest, ModelError, Overloaded
+from pipeline.backends.openai_compat import OpenAIBackend, _event, _whole
 from pipeline.stages.generate import GenerateStage
 from pipeline.state import MemoryStateStore
 from tests.ports import free_port
@@ -136,3 +136,15 @@ def _topics():  # type: ignore[no-untyped-def]
     from pipeline.topology import graph
 
     return next(n for n in graph(("ingest", "route", "prefill", "decode", "emit"), ("up",), frozenset({"up"})) if n.kind == "generate").topics
+
+
+async def test_the_upstreams_content_filter_ends_the_request_as_content_filter_never_as_stop() -> None:
+    filtered = {"choices": [{"delta": {"content": ""}, "finish_reason": "content_filter"}]}
+    with pytest.raises(Filtered) as caught:
+        _event(filtered, None)
+    assert caught.value.code is ErrorCode.content_filter and not caught.value.retriable
+    with pytest.raises(Filtered):
+        _whole({"choices": [{"message": {"content": "cut"}, "finish_reason": "content_filter"}], "usage": {}})
+    for reason, ours in (("stop", "stop"), ("length", "length"), ("tool_calls", "stop"), ("eos_token", "stop")):
+        assert _whole({"choices": [{"text": "x", "finish_reason": reason}]}).finish_reason == ours
+        assert _event({"choices": [{"text": "x", "finish_reason": reason}]}, None)[1] == ours

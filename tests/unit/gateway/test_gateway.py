@@ -86,6 +86,8 @@ async def test_a_key_may_use_only_its_models_and_its_tenants_models() -> None:
         ("10.0.0.5", "curl/8", TenantPolicy(allow_cidrs=("10.1.0.0/16",)), False),  # tenant allow list
         ("10.1.2.3", "curl/8", TenantPolicy(allow_cidrs=("10.1.0.0/16",), deny_cidrs=("10.1.2.0/24",)), False),
         ("2001:db8::1", "curl/8", TenantPolicy(), False),  # IPv6 deny
+        ("::ffff:192.0.2.7", "curl/8", TenantPolicy(), False),  # an IPv4 client on a dual-stack socket
+        ("::ffff:10.1.2.3", "curl/8", TenantPolicy(allow_cidrs=("10.1.0.0/16",)), True),
         (None, None, TenantPolicy(allow_cidrs=("10.0.0.0/8",)), False),  # unknown address fails an allow list
     ],
 )
@@ -180,3 +182,12 @@ async def test_redis_down_follows_the_failure_mode_and_is_counted(mode: str) -> 
     assert GATEWAY_DEGRADED.labels("limit", mode)._value.get() == before + 1
     await r.gateway.finish(Done(id="acme/r1", reply_to="x", chunks=0, digest="", finish_reason=FinishReason.stop, usage=Usage(),
                                 tenant="acme", model=MODEL, created_at=1.0))
+
+
+async def test_the_per_address_limit_counts_an_ipv6_client_by_its_64() -> None:
+    r = rig(ip_rpm=1)
+    raw, _ = await r.keys.create("acme")
+    await r.gateway.admit(request("v6-a", api_key=raw, client_ip="2001:db8:1:2::1"))
+    other = r.gateway.admit(request("v6-b", api_key=raw, client_ip="2001:db8:1:2:ffff::9"))  # same /64, new address
+    assert (await refusal(other)).code is ErrorCode.rate_limited
+    await r.gateway.admit(request("v6-c", api_key=raw, client_ip="2001:db8:1:3::1"))  # another /64
