@@ -1,8 +1,10 @@
 """What a request is to the cache: whether it may be cached, its exact key, and its semantic context.
 
 The exact key is a digest of everything that changes the answer: the tenant, the model, the canonical
-messages (or prompt) and every sampling parameter. `stream`, `priority`, ids and deadlines do not
-change the answer and are left out, so a streamed hit can answer a non-streamed request. The
+messages (or prompt), every sampling parameter, and the task (`x-sluice-task`), which routing rules may
+send to other backends. `stream`, `priority`, ids and deadlines are left out, so a streamed hit can
+answer a non-streamed request and a batch line an interactive request's question (a rule that sends the
+batch lane elsewhere still serves the model the client named). The
 semantic context is the same digest without the last user turn's text: a semantic hit must match it
 exactly (same tenant, model, parameters, system prompt and earlier turns) and only the last user
 turn may be a paraphrase.
@@ -38,7 +40,7 @@ def scope(tenant: str, model: str | None = None) -> str:
 
 def _parameters(request: Request) -> tuple[object, ...]:
     s = request.sampling
-    return (s.max_tokens, s.temperature, s.top_p, s.stop, s.seed)
+    return (s.max_tokens, s.temperature, s.top_p, s.stop, s.seed, request.task)
 
 
 def exact_key(tenant: str, request: Request) -> str:

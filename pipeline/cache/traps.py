@@ -40,7 +40,7 @@ import msgspec
 
 from pipeline.cache import synonyms
 
-__all__ = ["MAX_EDIT", "Salient", "conflicts", "salient"]
+__all__ = ["MAX_EDIT", "Salient", "conflicts", "readable", "salient"]
 
 MAX_EDIT = 2  # a difference of at most this many content words is a minimal edit, hence a trap
 
@@ -114,6 +114,14 @@ TIME_12H = re.compile(r"\b(\d{1,2})(?:[:.](\d{2}))?\s*([ap])\.?m\b\.?", re.I)
 TIME_24H = re.compile(r"\b(\d{1,2}):(\d{2})\b")
 DATE = re.compile(r"\b(\d{1,4})[/-](\d{1,2})[/-](\d{1,4})\b")
 TOKEN = re.compile(r"(\d+(?:[.,]\d+)*)(?:st|nd|rd|th)?|([A-Za-z]+(?:-[A-Za-z]+)*)|([£$€%])|([.!?;:\n])")
+
+
+def readable(text: str) -> bool:
+    """Whether the check can read this question: every letter in the Latin script. Its tokens are Latin
+    letters and digits, so a question in Chinese, Cyrillic or Arabic would show it no word, no negation
+    and no name, and two such questions would be told apart by the embedding alone; those are cached by
+    their exact key only."""
+    return all(ch.isascii() or not ch.isalpha() or unicodedata.name(ch, "").startswith("LATIN") for ch in text)
 
 
 @lru_cache(maxsize=65536)

@@ -71,6 +71,11 @@ class MiniLmEmbedder:
         ids = np.array([e.ids for e in encodings], dtype=np.int64)
         return ids, np.array([e.attention_mask for e in encodings], dtype=np.int64)
 
+    def reads_whole(self, text: str) -> bool:
+        """Whether the model reads all of `text`: it keeps only the first MAX_TOKENS tokens (with its two
+        markers), and a text cut there says nothing of its end to the embedding."""
+        return len(self._tokenizer.encode(text).ids) < MAX_TOKENS
+
     def embed(self, texts: list[str]) -> np.ndarray:
         """(len(texts), 384) float32, each row of unit length."""
         if not texts:

@@ -26,7 +26,7 @@ from pipeline.cache import keys, spelling, synonyms
 from pipeline.cache.config import CacheSettings, Policy
 from pipeline.cache.exact import ExactTier
 from pipeline.cache.index import SemanticIndex, from_vector
-from pipeline.cache.traps import Salient, salient
+from pipeline.cache.traps import Salient, readable, salient
 from pipeline.guard.embedder import MiniLmEmbedder
 from pipeline.stage import Out, Stopwatch, address_of
 from pipeline.topology import Topics
@@ -35,7 +35,8 @@ from topics.hops import Admitted
 from topics.stream import FinishReason, Usage, digest_of
 
 # The embedder reads the first 256 tokens: two longer questions that differ after them would look the
-# same, so they are cached by their exact key only.
+# same, so they are cached by their exact key only (this bound is the cheap first test; a text of fewer
+# characters can still hold more tokens, in Chinese for one, and `reads_whole` counts them).
 MAX_SEMANTIC_CHARS = 800
 
 
@@ -99,6 +100,8 @@ class CacheStage:
         """The last user turn's embedding and salient tokens (None: no semantic tier for this request)."""
         text = keys.last_turn(message.request)
         if self._embedder is None or not policy.semantic or text is None or len(text) > MAX_SEMANTIC_CHARS:
+            return None
+        if not readable(text) or not self._embedder.reads_whole(text):  # the trap check or the model would be blind
             return None
         text = spelling.corrected(text)  # "invioce" is "invoice" to the vector and the trap check alike
         vector = (await asyncio.to_thread(self._embedder.embed, [text]))[0]

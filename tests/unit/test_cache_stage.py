@@ -91,7 +91,8 @@ async def test_every_parameter_that_changes_the_answer_is_in_the_key(embedder) -
     p = Pipeline(embedder, CacheSettings(semantic=False))
     await p.ask(chat("Name a colour.", "b1"))
     for i, change in enumerate([{"sampling": Sampling(max_tokens=9)}, {"sampling": Sampling(max_tokens=8, stop=("\n",))},
-                                {"sampling": Sampling(max_tokens=8, top_p=0.5)}, {"model": "another-model"}]):
+                                {"sampling": Sampling(max_tokens=8, top_p=0.5)}, {"model": "another-model"},
+                                {"task": "code"}]):  # routing rules may send a task to other backends
         assert (await p.ask(chat("Name a colour.", f"b{i + 2}", **change)))[0] == "miss"
     assert (await p.ask(chat("Name a colour.", "b9")))[0] == "hit-exact"
     assert (await p.ask(chat("Name a colour.", "b10", stream=False, priority="batch")))[0] == "hit-exact"
@@ -133,6 +134,20 @@ async def test_a_paraphrase_is_a_semantic_hit_and_a_one_word_trap_is_not(embedde
     assert (await p.ask(chat("What is the capital of Austria?", "f4")))[0] == "miss"
     await p.ask(chat("Is the office open on Saturday?", "f5"))
     assert (await p.ask(chat("Is the office open on Sunday?", "f6")))[0] == "miss"
+
+
+async def test_questions_the_trap_check_or_the_model_cannot_read_whole_are_exact_only(embedder) -> None:  # type: ignore[no-untyped-def]
+    p = Pipeline(embedder)
+    context = "我上周在你们的网店买了一件外套，收到后发现尺码不合适，颜色也和图片不一样。" * 6  # about 280 characters
+    await p.ask(chat(context + "我应该申请退款吗", "z1"))
+    assert (await p.ask(chat(context + "我不应该申请退款吗？", "z2")))[0] == "miss"  # negated: MiniLM's cosine 1.0
+    assert (await p.ask(chat(context + "我应该申请退款吗", "z3")))[0] == "hit-exact"
+    lead = "ok! " * 130  # 520 characters, 260 tokens: the model reads none of what follows
+    first, other = lead + "Can I get my money back for the coat?", lead + "How do I change the address of my next order?"
+    assert len(other) <= 800 and not embedder.reads_whole(other)
+    await p.ask(chat(first, "z4"))
+    assert (await p.ask(chat(other, "z5")))[0] == "miss"
+    assert len(p.cache.index) == 0
 
 
 async def test_a_question_with_spelling_slips_is_a_semantic_hit(embedder) -> None:  # type: ignore[no-untyped-def]
