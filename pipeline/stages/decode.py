@@ -101,10 +101,10 @@ class DecodeStage:
         """Every decode worker hears every cancellation: it stops the request if it runs it, and records
         it (in the store when the id is the pipeline's, so a worker that starts later knows too)."""
         self._cancelled.heard(message)
+        for rid in [r for r in self._active if message.id in (r, client_id_of(r))]:
+            await self._backend.cancel(rid)  # first: a store write that fails (Redis away) must not keep it running
         if "/" in message.id:
             await self._store.write(message.id, {"cancel": message.reason.value.encode()})
-        for rid in [r for r in self._active if message.id in (r, client_id_of(r))]:
-            await self._backend.cancel(rid)
 
     def _cancel_reason(self, rid: str, stored: dict[str, bytes]) -> CancelReason | None:
         if (raw := stored.get("cancel")) is not None:
@@ -215,6 +215,7 @@ class DecodeStage:
             if out.topic != registry.HEALTH:  # sent on to a fallback backend: its terminal is the fallback's
                 return
         if error is not None:
+            await self._still_owner(rid)
             yield self._terminal(rid, progress, address.failed(*error, chunks=progress.next_seq, usage=usage(progress),
                                                      timings=timings(), retry_after_s=retry_after))
             return
@@ -249,6 +250,16 @@ class DecodeStage:
                 raise InfraUnavailable("the broker has not acknowledged this stream's chunks") from None
             recorded, event = self._acked.get(rid, (seq, event))
         self._check_still_recording(rid)
+
+    async def _still_owner(self, rid: str) -> None:
+        """Before an error ending: a worker paused past its session and taken over learns it only from
+        the records after its next acknowledgements, and one that resumes to find its backend's stream
+        broken would end, with an error, a stream its successor is serving. One fenced no-op (position 0
+        never moves the recorded one) asks the store; errors are rare, so that round trip is too."""
+        self._check_still_recording(rid)
+        if not await self._store.advance(rid, "next_seq", 0, {}, owner=self._owner):
+            self._fenced.add(rid)
+            raise InfraUnavailable("taken over by another decode worker")
 
     def _check_still_recording(self, rid: str) -> None:
         """Stops a stream whose progress another worker has taken over, or that cannot be recorded: the

@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from pipeline.backends.base import Delta
+from pipeline.backends.errors import ModelError
 from pipeline.errors import InfraUnavailable
 from pipeline.stage import Out
 from pipeline.stages.decode import DecodeStage
@@ -161,6 +163,22 @@ async def test_a_replaced_worker_stops_and_leaves_the_message_to_be_retried() ->
 
 
 @pytest.mark.asyncio
+async def test_a_replaced_worker_whose_backend_then_fails_sends_no_error_ending() -> None:
+    class Breaks(ScriptedBackend):
+        async def decode(self, request, prefilled):  # type: ignore[no-untyped-def,override]
+            yield Delta(" there", (1,))
+            raise ModelError("the upstream dropped the stream during the pause")
+
+    backend, store = Breaks(WORDS), MemoryStateStore()
+    handed = await prefilled(backend, sampling=Sampling(max_tokens=20))
+    stream = decode_stage(backend, store).handle(handed)
+    await anext(stream)  # its chunk is on its way; the worker is paused before its acknowledgement
+    await store.take(handed.id, "decode.local:successor")  # the successor took over and serves the stream
+    with pytest.raises(InfraUnavailable):  # not `Failed(backend_error)` beside the successor's answer
+        [o.value async for o in stream]
+
+
+@pytest.mark.asyncio
 async def test_a_finished_request_is_not_generated_again() -> None:
     backend, store = ScriptedBackend(WORDS), MemoryStateStore()
     handed = await prefilled(backend)
@@ -192,6 +210,35 @@ async def test_a_cancellation_stops_decode_within_a_step() -> None:
     assert backend.steps["default/r1"] == steps_at_cancel  # the step in flight was the last: exactly one
     assert len(events) - 1 <= steps_at_cancel  # and no chunk came of it
     assert sum(isinstance(e, Failed | Done) for e in events) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_cancellation_stops_decode_even_when_the_store_cannot_record_it() -> None:
+    class Away(MemoryStateStore):
+        async def write(self, *args: object, **kwargs: object) -> None:
+            raise InfraUnavailable("redis is restarting")
+
+    backend = ScriptedBackend(WORDS * 20, step_s=0.01)
+    stage = decode_stage(backend)
+    handed = await prefilled(backend, sampling=Sampling(max_tokens=100))
+    started = asyncio.Event()
+
+    async def consume() -> list[object]:
+        events = []
+        async for out in stage.handle(handed):
+            events.append(out.value)
+            started.set()
+        return events
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    store, stage._store = stage._store, Away()  # the cancellation's record fails; the request must stop all the same
+    with pytest.raises(InfraUnavailable):
+        await stage.on_control(Cancel(id="default/r1", reason=CancelReason.output_guard, at=time.time()))
+    assert "default/r1" in backend.cancelled
+    stage._store = store
+    events = await asyncio.wait_for(task, 2.0)
+    assert isinstance(events[-1], Failed) and events[-1].code is ErrorCode.content_filter
 
 
 @pytest.mark.asyncio
