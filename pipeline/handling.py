@@ -51,7 +51,7 @@ from pipeline.backoff import Backoff
 from pipeline.errors import InfraUnavailable, RetriableError, StageError, Undeliverable
 from pipeline.producing import Producer
 from pipeline.settings import Settings
-from pipeline.stage import Address, Out, Resettable, Stage, address_of
+from pipeline.stage import Address, Ending, Out, Resettable, Stage, address_of
 from topics import codec, dlq, registry
 from topics.errors import ErrorCode
 from topics.stream import Done, Failed
@@ -256,6 +256,8 @@ class Handling:
                 return "dead_letter"
             except INFRA as exc:
                 if address is not None and time.time() > address.deadline:
+                    if isinstance(self.stage, Ending) and self.stage.has_ended(address.request_id):
+                        return "expired"  # its terminal event is on the reply topic already: not a second one
                     await self.terminal(address, ErrorCode.deadline_exceeded, "the request's deadline passed while the pipeline waited for its broker or store")
                     return "expired"
                 log.warning("stage=%s request=%s waits for the infrastructure (%s: %s); retrying in %.1f s",

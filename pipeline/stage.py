@@ -86,6 +86,15 @@ class Reporting(Protocol):
 
 
 @runtime_checkable
+class Ending(Protocol):
+    """A stage that knows, in memory, whose terminal event it has already put on the reply topic: the
+    runner asks it before it ends a request itself (a message that waited out an outage past the
+    request's deadline), so a request that has its ending gets no second one."""
+
+    def has_ended(self, request_id: str) -> bool: ...
+
+
+@runtime_checkable
 class Resettable(Protocol):
     """A stage that caches per-request state in front of its store. The runner resets one request
     before handling its message again (an infrastructure error interrupted it), and all of them when
@@ -123,14 +132,14 @@ class Address:
         return Failed(
             id=self.request_id, reply_to=self.reply_to, code=code, message=message, retriable=retriable(code),
             tenant=self.tenant, model=self.model, created_at=self.created_at, chunks=chunks, usage=usage,
-            timings=timings or {}, retry_after_s=retry_after_s, rate_limit=rate_limit,
+            timings=timings or {}, retry_after_s=retry_after_s, rate_limit=rate_limit, deadline_s=self.deadline_s,
         )
 
     def done(self, *, chunks: int, digest: str, finish: FinishReason, usage: Usage, timings: dict[str, float]) -> Done:
         return Done(
             id=self.request_id, reply_to=self.reply_to, chunks=chunks, digest=digest, finish_reason=finish,
             usage=usage, tenant=self.tenant, model=self.model, created_at=self.created_at, timings=timings,
-            ticket=self.ticket,
+            ticket=self.ticket, deadline_s=self.deadline_s,
         )
 
     def chunk(self, seq: int, text: str, token_ids: tuple[int, ...] = ()) -> Chunk:
@@ -145,7 +154,7 @@ def address_of(message: object) -> Address | None:
     if isinstance(message, Request):  # not authenticated yet: the client's id, no tenant
         return Address(message.id, message.reply_to, "", message.model, message.created_at, message.deadline_s)
     if isinstance(message, Done | Failed):
-        return Address(message.id, message.reply_to, message.tenant, message.model, message.created_at)
+        return Address(message.id, message.reply_to, message.tenant, message.model, message.created_at, message.deadline_s)
     if isinstance(message, Chunk):
         return Address(message.id, message.reply_to, message.tenant, message.model)
     return None

@@ -73,6 +73,7 @@ class Done(msgspec.Struct, frozen=True, omit_defaults=True, tag="done.v2", tag_f
     cache: CacheTier | None = None  # which tier answered; None: generated
     ticket: Ticket | None = None  # a miss the cache may store: emit stores the answer under it (topics.cache)
     cost: float = 0.0  # set by emit: what the request is billed at the configured prices (gateway.prices)
+    deadline_s: float = 300.0  # the request's: how long a stage after decode waits out an outage with it
 
 
 class RateLimit(msgspec.Struct, frozen=True):
@@ -100,6 +101,7 @@ class Failed(msgspec.Struct, frozen=True, tag="error.v2", tag_field="kind"):
     retry_after_s: float | None = None
     rate_limit: RateLimit | None = None  # set when code is rate_limited
     cost: float = 0.0  # set by emit: what the tokens used before the error are billed
+    deadline_s: float = 300.0  # the request's: how long a stage after decode waits out an outage with it
 
 
 StreamEvent = Chunk | Done | Failed

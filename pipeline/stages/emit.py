@@ -385,6 +385,12 @@ class EmitStage:
 
         return acked
 
+    def has_ended(self, request_id: str) -> bool:
+        """Whether this worker knows the request's terminal event is on the reply topic (`stage.Ending`):
+        the broker acknowledged it, recorded or not yet."""
+        sent = self._sent.get(request_id)
+        return request_id in self._delivered or (sent is not None and sent.ended)
+
     def _note_delivered(self, rid: str) -> None:
         """The broker acknowledged this request's terminal event (forgotten once it is recorded)."""
         self._delivered[rid] = None

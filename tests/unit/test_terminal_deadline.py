@@ -1,0 +1,85 @@
+"""A terminal event that waits out an outage is cut off at its request's own deadline, which it carries
+(a batch line's 900 s, not a default 300 s), and a stage that has put the request's ending on the reply
+topic already (emit) is not made to send a second, contradictory one (pipeline/handling.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from pipeline import handling
+from pipeline.errors import InfraUnavailable
+from pipeline.handling import Handling
+from pipeline.settings import Settings
+from pipeline.stage import Address, Out
+from pipeline.topology import Topics
+from tests.unit.fakes import HeldAcks, record_of
+from topics import codec
+from topics.stream import Done, Failed, FinishReason, StreamEvent, Usage
+
+REPLY = "llm.responses.sdk"
+
+
+class RedisAway:
+    """Emit's place in the graph (terminal events go to the reply topic) with its store away for good."""
+
+    name = "emit"
+    topics = Topics(("llm.checked",), None, None)
+    input_type: Any = StreamEvent
+    ordered = True
+
+    def __init__(self, ended: bool = False) -> None:
+        self.ended = ended
+        self.tries = 0
+
+    async def handle(self, message: StreamEvent) -> AsyncIterator[Out]:
+        self.tries += 1
+        raise InfraUnavailable("redis state store: ConnectionError")
+        yield  # an async generator, as stages are
+
+    def has_ended(self, request_id: str) -> bool:
+        return self.ended
+
+
+def done(age_s: float, deadline_s: float) -> Done:
+    address = Address("default/r1", REPLY, "default", "m", time.time() - age_s, deadline_s)
+    return address.done(chunks=0, digest="", finish=FinishReason.stop, usage=Usage(), timings={})
+
+
+def sent_terminals(producer: HeldAcks) -> list[object]:
+    return [codec.decode(value, StreamEvent) for _, values in producer.calls for value in values]
+
+
+@pytest.mark.asyncio
+async def test_a_terminal_carries_its_requests_deadline() -> None:
+    assert codec.decode(codec.encode(done(0, 900.0)), StreamEvent).deadline_s == 900.0  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
+async def test_a_batch_lines_ending_is_not_cut_off_at_300_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handling, "FIRST_BACKOFF_S", 0.01)
+    stage, producer = RedisAway(), HeldAcks()
+    run = Handling(stage, Settings(), producer)  # type: ignore[arg-type]
+    task = asyncio.create_task(run.process(record_of(done(age_s=400, deadline_s=900), "llm.checked"), None))
+    await asyncio.sleep(0.5)
+    assert stage.tries > 1 and not task.done() and sent_terminals(producer) == []  # still waiting the outage out
+    task.cancel()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("ended", "expected"), [(False, 1), (True, 0)])
+async def test_past_its_deadline_a_request_gets_a_deadline_ending_only_if_it_has_none(ended: bool, expected: int) -> None:
+    stage, producer = RedisAway(ended), HeldAcks()
+    run = Handling(stage, Settings(), producer)  # type: ignore[arg-type]
+    task = asyncio.create_task(run.process(record_of(done(age_s=1000, deadline_s=900), "llm.checked"), None))
+    while not task.done():
+        producer.release()
+        await asyncio.sleep(0.01)
+    assert await task == "expired"
+    terminals = sent_terminals(producer)
+    assert len(terminals) == expected
+    assert all(isinstance(t, Failed) and t.code.value == "deadline_exceeded" for t in terminals)
