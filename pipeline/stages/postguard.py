@@ -47,6 +47,7 @@ from topics.errors import ErrorCode
 from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, StreamEvent, digest_step
 
 _REMEMBER = 100_000  # finished requests kept to drop late events, oldest forgotten first
+ACK_WAIT_S = 10.0  # a backstop for acknowledgements of released chunks that neither come nor fail
 GuardPolicy = Mapping[str, Action]
 
 
@@ -60,6 +61,8 @@ class _Stream:
     killed: Reason | None = None  # set when the kill switch fired; decode's terminal event is awaited
     unacked: dict[int, str] = field(default_factory=dict)  # released, not yet acknowledged: seq -> text
     received: str = EMPTY_DIGEST  # the hash chain of the input texts taken in order ("": not known)
+    moved: asyncio.Event | None = None  # set when a released chunk is acknowledged or refused (`_acknowledged`)
+    lost: bool = False  # a released chunk was refused by the broker: its message is tried again
 
     def window(self) -> bytes:
         return postguard_state.encode(postguard_state.window_of(
@@ -127,6 +130,8 @@ class PostguardStage:
             if ended:
                 return resend
         before = self._streams.get(rid)
+        if before is not None and not resend and not isinstance(message, Chunk):
+            await self._acknowledged(before)
         outs = list(self._handle(message, started))
         stream = self._streams.get(rid) or before  # `_handle` forgets a stream it ended
         record: dict[str, bytes] = {}
@@ -137,6 +142,24 @@ class PostguardStage:
         if record and not await self._store.write(_key(rid), record, owner=self._owner):
             raise InfraUnavailable("taken over by another postguard worker")  # tried again after a reset
         return resend + outs
+
+    @staticmethod
+    async def _acknowledged(stream: _Stream) -> None:
+        """Before decode's ending: every chunk that earlier messages released is acknowledged. The runner
+        holds a terminal event back only behind its own message's outputs, and the next message of a
+        partition starts once the previous one's are queued: a chunk still pending on a producer that a
+        broker outage then replaces would fail after this ending went out on the new one, and its retry
+        would reach emit behind it (`stream_incomplete` for a whole answer). Normally the last chunk's
+        acknowledgement is a millisecond or two away."""
+        deadline = time.monotonic() + ACK_WAIT_S
+        while stream.unacked:
+            if stream.lost:
+                raise InfraUnavailable("a chunk released before this ending was not taken by the broker")
+            stream.moved = asyncio.Event()
+            try:
+                await asyncio.wait_for(stream.moved.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise InfraUnavailable("chunks released before this ending are not acknowledged") from None
 
     @contextlib.asynccontextmanager
     async def _one_at_a_time(self, rid: str) -> AsyncIterator[None]:
@@ -175,9 +198,16 @@ class PostguardStage:
         record batch, the ending not waiting for the chunk's acknowledgement."""
         async def acked() -> None:
             stream.unacked.pop(seq, None)
+            if stream.moved is not None:
+                stream.moved.set()
+
+        def refused() -> None:
+            stream.lost = True
+            if stream.moved is not None:
+                stream.moved.set()
 
         chunk = Chunk(id=message.id, reply_to=message.reply_to, seq=seq, text=text, tenant=message.tenant, model=message.model)
-        return Out(self.topics.forward or "", message.id, chunk, acked=acked, with_next=with_next)
+        return Out(self.topics.forward or "", message.id, chunk, acked=acked, with_next=with_next, refused=refused)
 
     def _handle(self, message: StreamEvent, started: float) -> Iterator[Out]:
         rid = message.id

@@ -337,3 +337,31 @@ async def test_a_retried_chunk_and_the_next_one_never_leave_an_older_window_stor
     assert isinstance(outs[-1].value, Done), outs[-1].value
     released = {o.value.seq: o.value.text for o in outs if isinstance(o.value, Chunk)}  # repeats: emit drops them
     assert "".join(released[seq] for seq in sorted(released)) == "".join(words)
+
+
+async def unacknowledged(guard: PostguardStage, message: Chunk) -> list:  # type: ignore[type-arg]
+    """The outputs for `message`, their acknowledgements not yet come (pending on the broker)."""
+    return [out async for out in guard.handle(message)]
+
+
+async def test_the_ending_waits_for_the_chunks_earlier_messages_released(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    words = ["Paris ", "is ", "the ", "capital ", "of ", "France."]
+    for outcome in ("acknowledged", "refused"):
+        guard = stage(make_output_guard, holdback_tokens=1)
+        await feed(guard, words[:-1])
+        pending = [o for o in await unacknowledged(guard, chunk(len(words) - 1, words[-1])) if isinstance(o.value, Chunk)]
+        assert pending  # released by the last chunk's message, its produce still pending
+        ending = asyncio.create_task(run_handler(guard, done(len(words), words=words)))
+        await asyncio.sleep(0.05)
+        assert not ending.done()  # not sent ahead of a chunk a broker outage may yet fail
+        for out in pending:
+            if outcome == "acknowledged":
+                await out.acked()
+            else:
+                out.refused()
+        if outcome == "acknowledged":
+            outs = await asyncio.wait_for(ending, 1.0)
+            assert isinstance(outs[-1].value, Done)
+        else:  # the chunk's message is tried again (it sends the chunk again), then this one after it
+            with pytest.raises(InfraUnavailable):
+                await asyncio.wait_for(ending, 1.0)
