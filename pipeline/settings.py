@@ -263,9 +263,10 @@ class Settings:
                 raise SettingsError(f"backend {b.name!r}: dtype is a local backend's setting")
             if not 0 <= b.interrupt_batch_steps <= 1 or (b.interrupt_batch_steps != 1 and b.kind != "local"):
                 raise SettingsError(f"backend {b.name!r}: interrupt_batch_steps is a local backend's setting, 0 to 1")
-        for pool in self.pools:
-            if len({b.splits for b in self.backends if b.pool == pool}) > 1:
-                raise SettingsError(f"pool {pool!r} mixes backends with and without the prefill/decode split")
+        for pool in self.pools:  # a pool's generation stages serve one backend: route spreads a model over pools
+            if len(names := [b.name for b in self.backends if b.pool == pool]) > 1:
+                raise SettingsError(f"pool {pool!r} has backends {names}: give each backend its own pool (route "
+                                    "spreads a model's requests over its backends by load, each on its pool's topic)")
         for name, kinds in self.profiles.items():
             if problems := check_profile(kinds):
                 raise SettingsError(f"profile {name!r}: {'; '.join(problems)}")

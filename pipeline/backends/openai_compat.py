@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -82,10 +83,15 @@ class OpenAIBackend:
         try:
             async with self._http.stream("POST", path, json=body) as response:
                 self._running[rid] = response
+                if rid in self._cancelled:  # cancelled while the upstream had not answered yet
+                    raise Cancelled(rid)
                 if response.status_code != 200:
                     raise _refused(response)
                 if not request.stream:
-                    yield _whole(json.loads(await response.aread()))
+                    whole = _whole(json.loads(await response.aread()))
+                    if rid in self._cancelled:
+                        raise Cancelled(rid)
+                    yield whole
                     return
                 finish: str | None = None
                 ended = False  # the delta with the finish reason was yielded
@@ -95,6 +101,8 @@ class OpenAIBackend:
                     data = line[5:].strip()
                     if data == "[DONE]":
                         break
+                    if rid in self._cancelled:
+                        raise Cancelled(rid)
                     delta, finish = _event(json.loads(data), finish)
                     if delta is not None:
                         ended = delta.finish_reason is not None
@@ -113,26 +121,36 @@ class OpenAIBackend:
             raise ModelError(f"upstream timed out ({type(exc).__name__})") from None
         except httpx.TransportError as exc:
             raise ModelError(f"upstream unreachable ({type(exc).__name__})") from None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, httpx.DecodingError):
             raise ModelError("the upstream sent an event that is not JSON") from None
         finally:
             self._running.pop(rid, None)
             self._cancelled.discard(rid)
 
 
-def _event(event: dict[str, Any], finish: str | None) -> tuple[Delta | None, str | None]:
-    """One streamed event as a delta (None when it carries nothing), and the finish reason so far."""
+def _event(event: Any, finish: str | None) -> tuple[Delta | None, str | None]:
+    """One streamed event as a delta (None when it carries nothing), and the finish reason so far. An event
+    of another shape is the upstream's failure (ModelError: retried elsewhere, counted against it)."""
+    if not isinstance(event, dict):
+        raise ModelError("the upstream sent an event that is not an object")
     usage = event.get("usage") or None
     choices = event.get("choices") or []
     text, reason = "", None
+    if not isinstance(choices, list) or not (usage is None or isinstance(usage, dict)):
+        raise ModelError("the upstream sent an event of another shape")
     if choices:
         choice = choices[0]
-        text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or not (delta is None or isinstance(delta, dict)):
+            raise ModelError("the upstream sent an event of another shape")
+        text = (delta or {}).get("content") or choice.get("text") or ""
         reason = choice.get("finish_reason")
+        if not isinstance(text, str):
+            raise ModelError("the upstream sent text that is not a string")
     if reason is not None:
         finish = _finish(reason)
     if usage is not None and finish is not None:  # the last event (include_usage): the counts, and the ending
-        return Delta(text, (), finish, usage.get("prompt_tokens"), usage.get("completion_tokens")), finish  # type: ignore[arg-type]
+        return Delta(text, (), finish, *_counts(usage)), finish  # type: ignore[arg-type]
     if not text:
         return None, finish
     return Delta(text, (), None), finish  # the ending waits for the usage event (or [DONE])
@@ -148,8 +166,17 @@ def _whole(answer: dict[str, Any]) -> Delta:
         raise ModelError("the upstream's answer has no choices") from None
     if reason is None:
         raise ModelError("the upstream's answer has no finish reason")
-    usage = answer.get("usage") or {}
-    return Delta(str(text), (), _finish(reason), usage.get("prompt_tokens"), usage.get("completion_tokens"))
+    if not isinstance(text, str):
+        raise ModelError("the upstream sent text that is not a string")
+    return Delta(text, (), _finish(reason), *_counts(answer.get("usage")))
+
+
+def _counts(usage: object) -> tuple[int | None, int | None]:
+    """(prompt, completion) tokens from an upstream's `usage`; None for what is missing or not a count."""
+    if not isinstance(usage, dict):
+        return None, None
+    got = [usage.get(k) for k in ("prompt_tokens", "completion_tokens")]
+    return tuple(v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31 else None for v in got)  # type: ignore[return-value]
 
 
 def _finish(reason: object) -> str:
@@ -160,6 +187,9 @@ def _finish(reason: object) -> str:
     return "length" if reason == "length" else "stop"
 
 
+MAX_RETRY_AFTER_S = 3600.0  # an upstream's Retry-After is passed on to the client up to this
+
+
 def _refused(response: httpx.Response) -> BackendError:
     status = response.status_code
     if status == 429:
@@ -168,6 +198,8 @@ def _refused(response: httpx.Response) -> BackendError:
             seconds = float(retry) if retry is not None else None
         except ValueError:
             seconds = None
+        if seconds is not None and not 0 <= seconds <= MAX_RETRY_AFTER_S:  # NaN and inf too: not a number of seconds
+            seconds = None if not math.isfinite(seconds) or seconds < 0 else MAX_RETRY_AFTER_S
         return Overloaded(f"upstream is overloaded (HTTP {status})", seconds)
     if status >= 500 or status in (408, 409):
         return ModelError(f"upstream failed (HTTP {status})")

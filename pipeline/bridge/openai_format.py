@@ -218,7 +218,12 @@ def _optional(body: Json, name: str, type_: type[bool] | type[int] | type[float]
         raise BadRequest(f"`{param or name}` must be {_TYPE_NAMES[type_]}", param or name)
     if type_ is int and not -(2**63) <= value < 2**63:  # the wire format's integers are 64-bit
         raise BadRequest(f"`{param or name}` is out of range", param or name)
-    return float(value) if type_ is float else value
+    if type_ is float:
+        try:
+            return float(value)
+        except OverflowError:  # an integer of hundreds of digits: no float holds it
+            raise BadRequest(f"`{param or name}` is out of range", param or name) from None
+    return value
 
 
 def _message(raw: object, index: int) -> ChatMessage:

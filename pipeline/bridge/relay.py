@@ -215,7 +215,7 @@ def cache_header(tier: CacheTier | None) -> tuple[bytes, bytes]:
 def limit_headers(failed: Failed) -> list[tuple[bytes, bytes]]:
     """`Retry-After` (whole seconds, rounded up) and `x-ratelimit-*` for a refusal that carries them."""
     headers = []
-    if failed.retry_after_s is not None:
+    if failed.retry_after_s is not None and math.isfinite(failed.retry_after_s):  # handed over in memory: unchecked
         headers.append((b"retry-after", str(max(1, math.ceil(failed.retry_after_s))).encode()))
     if (limit := failed.rate_limit) is not None:
         kind = limit.resource

@@ -1,8 +1,9 @@
 """The choice among a request's candidate backends, given what the health view says now.
 
-1. Drop ejected candidates (all of them ejected: keep them all, as Envoy's panic threshold does:
-   a request is better tried than refused); drop those over the rule's latency objective when another
-   meets it.
+1. Drop ejected candidates, and silent ones (they reported, then stopped: their workers may be gone,
+   and their last report, often "idle", would draw the traffic) (all of them out: keep them all, as
+   Envoy's panic threshold does: a request is better tried than refused); drop those over the rule's
+   latency objective when another meets it.
 2. Prefix affinity (`PrefixAffinity`, route's table of where each long prefix was placed): a long prompt
    goes to its prefix's backend, where its blocks are likely cached, while that backend carries no more
    than its share of the traffic.
@@ -26,7 +27,8 @@ def choose(
     """`candidates` (backend names, in preference order) ordered for this request: the chosen first.
     Without `affinity`, load alone decides."""
     rng = rng or random.Random()
-    healthy = [c for c in candidates if not members[c].ejected] or list(candidates)
+    healthy = [c for c in candidates if not (members[c].ejected or members[c].silent)]
+    healthy = healthy or [c for c in candidates if not members[c].ejected] or list(candidates)
     if ttft_objective_ms:
         meeting = [c for c in healthy if not members[c].ttft_p95_ms or members[c].ttft_p95_ms <= ttft_objective_ms]
         healthy = meeting or healthy

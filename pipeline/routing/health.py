@@ -5,7 +5,10 @@ same records, so they agree on who is ejected without talking to each other.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+import msgspec
 
 from pipeline.routing.config import RoutingSettings
 from topics.health import BackendHealth
@@ -20,6 +23,7 @@ class Member:
     ttft_p95_ms: float  # 0: unknown
     known: bool  # a fresh report exists
     unit: float = 0.0  # the load one more request adds (1 / capacity); 0 when unknown
+    silent: bool = False  # it reported before and has said nothing fresh since: its workers may be gone
 
 
 UNKNOWN = Member(load=0.0, ejected=False, ttft_p95_ms=0.0, known=False)
@@ -30,7 +34,14 @@ class HealthView:
         self._settings = settings
         self._reports: dict[str, dict[str, BackendHealth]] = {}  # backend -> worker -> latest report
 
-    def apply(self, report: BackendHealth) -> None:
+    def apply(self, report: BackendHealth, now: float | None = None) -> None:
+        """Folds in one report. Its times are the reporting worker's clock, taken no later than this
+        one's `now` (a report from the future, or one record claiming an ejection until the year 33,000,
+        would otherwise rule the backend until it expired); counts below zero read as zero."""
+        now = time.time() if now is None else now
+        if report.at > now or report.streak_at > now or report.in_flight < 0 or report.capacity < 0:
+            report = msgspec.structs.replace(report, at=min(report.at, now), streak_at=min(report.streak_at, now),
+                                             in_flight=max(report.in_flight, 0), capacity=max(report.capacity, 0))
         workers = self._reports.setdefault(report.backend, {})
         previous = workers.get(report.worker)
         if previous is None or report.at >= previous.at:
@@ -46,8 +57,8 @@ class HealthView:
             r.streak >= s.eject_after and now < r.streak_at + min(s.ejection_s * r.ejections, s.max_ejection_s)
             for r in reports
         )
-        if not fresh:
-            return Member(0.0, ejected, 0.0, False)
+        if not fresh:  # reports, all stale: silent (a dead worker's last word was often "idle"); none: unknown
+            return Member(0.0, ejected, 0.0, False, silent=bool(reports))
         capacity = sum(max(r.capacity, 1) for r in fresh)
         return Member(
             load=sum(r.in_flight for r in fresh) / capacity,

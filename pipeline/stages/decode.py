@@ -210,7 +210,7 @@ class DecodeStage:
             error = (exc.code, f"backend failed during {self.phase} ({type(exc).__name__})")
             retry_after = getattr(exc, "retry_after_s", None)
             failure = exc
-        for out in self._ended(message, failure, sent=progress.next_seq):
+        for out in self._ended(message, failure, sent=progress.next_seq, answered=error is None):
             yield out
             if out.topic != registry.HEALTH:  # sent on to a fallback backend: its terminal is the fallback's
                 return
@@ -222,15 +222,20 @@ class DecodeStage:
         yield self._terminal(rid, progress, address.done(chunks=progress.next_seq, digest=progress.digest, finish=finish,
                                                usage=usage(progress), timings=timings()))
 
-    def _ended(self, message: Prefilled, failure: BackendError | None, sent: int) -> list[Out]:
+    def _ended(self, message: Prefilled, failure: BackendError | None, sent: int, answered: bool) -> list[Out]:
         """Counts how the backend did (a health report at once when a failure streak reaches the ejection
         threshold) and, where the stage may, sends a request its backend failed before any chunk on to the
-        next fallback backend (`reroutes`)."""
+        next fallback backend (`reroutes`). Only an answer ends a failure streak: a cancellation, a
+        deadline or a request the backend refused as invalid says nothing of its health (an upstream that
+        stalls until every client gives up would otherwise never be ejected)."""
         outs: list[Out] = []
         retriable = failure is not None and failure.retriable
         self._counting.discard(message.id)
-        if self.stats is not None and self.stats.finished(failed=retriable):
-            outs.append(Out(registry.HEALTH, self.stats.key, self.stats.report()))
+        if self.stats is not None:
+            if not (retriable or answered):
+                self.stats.abandoned()
+            elif self.stats.finished(failed=retriable):
+                outs.append(Out(registry.HEALTH, self.stats.key, self.stats.report()))
         if retriable and self.reroutes and sent == 0 and (onward := rerouted(message, self._backends)) is not None:
             outs.append(onward)
         return outs

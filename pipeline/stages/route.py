@@ -52,7 +52,8 @@ class RouteStage:
         self._affinity = PrefixAffinity(settings.routing)
 
     async def on_table(self, record: BackendHealth) -> None:
-        self.health.apply(record)
+        if record.backend in self._backends:  # the configured ones only: a name of nothing would only grow the view
+            self.health.apply(record)
 
     def choose(self, admitted: Admitted) -> Route:
         request = admitted.request

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bench.fake_openai import FakeUpstream
+from bench.fake_openai import FakeUpstream, State
 from pipeline.backends.base import Backend, GenerationRequest, Message, SplitBackend
 from pipeline.backends.errors import Cancelled, Filtered, InvalidRequest, ModelError, Overloaded
 from pipeline.backends.openai_compat import OpenAIBackend, _event, _whole
@@ -148,3 +148,38 @@ async def test_the_upstreams_content_filter_ends_the_request_as_content_filter_n
     for reason, ours in (("stop", "stop"), ("length", "length"), ("tool_calls", "stop"), ("eos_token", "stop")):
         assert _whole({"choices": [{"text": "x", "finish_reason": reason}]}).finish_reason == ours
         assert _event({"choices": [{"text": "x", "finish_reason": reason}]}, None)[1] == ours
+
+
+async def test_an_upstream_event_of_another_shape_is_the_upstreams_failure() -> None:
+    for event in (None, [1], {"choices": ["x"]}, {"choices": [{"delta": {"content": 5}}]}, {"choices": [{"delta": "x"}]},
+                  {"choices": "x"}, {"usage": [1], "choices": []}):
+        with pytest.raises(ModelError):
+            _event(event, None)
+    for answer in ({"choices": [{"message": {"content": 5}, "finish_reason": "stop"}]}, {"choices": "x"}, [1]):
+        with pytest.raises(ModelError):
+            _whole(answer)  # type: ignore[arg-type]
+    odd = _whole({"choices": [{"text": "x", "finish_reason": "stop"}], "usage": {"prompt_tokens": "7", "completion_tokens": -1}})
+    assert (odd.prompt_tokens, odd.completion_tokens) == (None, None)
+
+
+async def test_an_upstreams_retry_after_is_a_finite_number_of_seconds() -> None:
+    import httpx
+
+    from pipeline.backends.openai_compat import MAX_RETRY_AFTER_S, _refused
+
+    for header, seconds in (("2", 2.0), ("nan", None), ("inf", None), ("-3", None), ("1e9", MAX_RETRY_AFTER_S), ("soon", None)):
+        refused = _refused(httpx.Response(429, headers={"retry-after": header}))
+        assert isinstance(refused, Overloaded) and refused.retry_after_s == seconds, header
+
+
+async def test_a_cancellation_before_the_upstream_answers_stops_the_request_when_it_does() -> None:
+    async with FakeUpstream(free_port(), State(mode="stall", stall_s=0.3)) as fake:
+        backend = OpenAIBackend("up", fake.base_url, "m")
+        for stream in (True, False):
+            req = GenerationRequest(**{**ask(30, rid=f"early-{stream}").__dict__, "stream": stream})
+            running = asyncio.create_task(collect(backend, req))
+            await asyncio.sleep(0.1)  # the upstream has not sent its headers yet
+            await backend.cancel(req.request_id)
+            with pytest.raises(Cancelled):
+                await asyncio.wait_for(running, 5.0)
+        await backend.aclose()

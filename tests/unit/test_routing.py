@@ -54,6 +54,36 @@ async def test_ejected_backends_are_skipped_unless_every_one_is() -> None:
     assert sorted(choose(NAMES, all_out, "", ROUTING)) == NAMES  # panic: better tried than refused
 
 
+async def test_a_backend_that_went_silent_draws_no_traffic() -> None:
+    view = HealthView(ROUTING)
+    now = time.time()
+    for name, in_flight in (("a", 3), ("b", 3)):
+        view.apply(BackendHealth(name, f"p{name}", "w1", now, in_flight, 4, 0, 0, 0.0, 0.0, 0.0))
+    view.apply(BackendHealth("c", "pc", "w1", now - 60, 0, 4, 0, 0, 0.0, 0.0, 0.0))  # its last word: idle, a minute ago
+    current = {n: view.member(n, now) for n in NAMES}
+    assert current["c"].silent and not current["a"].silent
+    assert all("c" not in choose(NAMES, current, "", ROUTING) for _ in range(50))
+    never = {**current, "c": view.member("never-reported", now)}  # unknown (a new backend): still tried
+    assert any(choose(NAMES, never, "", ROUTING)[0] == "c" for _ in range(50))
+    gone = {n: dataclasses.replace(m, silent=True) for n, m in current.items()}
+    assert sorted(choose(NAMES, gone, "", ROUTING)) == NAMES  # all silent: better tried than refused
+
+
+async def test_only_an_answer_ends_a_failure_streak() -> None:
+    stats = BackendStats("a", "pa", "w1", capacity=4, eject_after=5)
+    stage = GenerateStage(None, graph(("ingest", "route", "generate", "emit"), ("pa",), frozenset({"pa"}))[2].topics,  # type: ignore[arg-type]
+                          MemoryStateStore(), stats=stats)
+    message = forward(admitted(request("s1")), Routed, route=Route(backend="a", pool="pa"))
+    for failure, answered in ((ModelError("5xx"), False), (None, False), (ModelError("5xx"), False)):
+        stats.started()
+        stage._counting.add(message.id)
+        stage._ended(message, failure, sent=0, answered=answered)  # the middle one: a client gave up
+    assert stats.streak == 2 and stats.in_flight == 0
+    stats.started()
+    stage._ended(message, None, sent=3, answered=True)
+    assert stats.streak == 0
+
+
 async def test_a_latency_objective_prefers_backends_that_meet_it() -> None:
     view = members()
     view["a"] = dataclasses.replace(view["a"], ttft_p95_ms=900.0)
@@ -190,3 +220,14 @@ async def test_a_backend_failing_before_the_first_chunk_hands_the_request_to_the
     for i in range(3):
         outs = await run_handler(stage, forward(admitted(request(f"r{i + 3}")), Routed, route=Route(backend="a", pool="pa")))
     assert [o.topic for o in outs][0] == registry.HEALTH  # the 5th failure in a row is published at once
+
+
+async def test_a_health_record_cannot_claim_the_future_or_a_negative_load() -> None:
+    view = HealthView(ROUTING)
+    now = time.time()
+    view.apply(BackendHealth("a", "pa", "forged", 1e15, -1_000_000, 4, 5, 1, 1e15, 0.0, 0.0), now=now)
+    member = view.member("a", now)
+    assert member.load == 0.0  # not -250,000: the forged record wins no choice
+    assert not view.member("a", now + ROUTING.ejection_s + 1).ejected  # an ejection of the usual term, not forever
+    view.apply(BackendHealth("a", "pa", "forged", now + 1, 0, 4, 0, 0, 0.0, 0.0, 0.0), now=now + 1)
+    assert not view.member("a", now + 1).ejected  # its next report is not shut out by a timestamp from the future

@@ -157,3 +157,11 @@ def test_speculative_decoding_is_off_by_default_and_read_when_set(tmp_path: Path
     entry = '[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\nspeculative = "ngram"\nnum_draft_tokens = 6\n'
     [backend] = load_text(tmp_path, entry).backends
     assert (backend.speculative, backend.num_draft_tokens) == ("ngram", 6)
+
+
+def test_each_backend_needs_a_pool_of_its_own(tmp_path: Path) -> None:
+    two = '[[backends]]\nname = "gpu-a"\nmodel = "m"\npool = "gpu"\n[[backends]]\nname = "gpu-b"\nmodel = "m"\npool = "gpu"\n'
+    with pytest.raises(SettingsError, match="pool 'gpu' has backends \\['gpu-a', 'gpu-b'\\]"):
+        load_text(tmp_path, two)
+    apart = two.replace('pool = "gpu"\n[[', 'pool = "gpu-a"\n[[').replace('pool = "gpu"\n', 'pool = "gpu-b"\n')
+    assert [b.pool for b in load_text(tmp_path, apart).backends] == ["gpu-a", "gpu-b"]
