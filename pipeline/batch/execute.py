@@ -15,11 +15,13 @@ was cancelled or expired first) has `"response": null` and `"error": {"code", "m
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
 from pipeline.batch.records import Recorded
 from pipeline.batch.validation import Line, Rejected
@@ -27,6 +29,8 @@ from pipeline.bridge.openai_format import Reply, completion, error_body
 from pipeline.sdk import Completion, RequestFailed
 from topics.errors import ErrorCode, http_status
 from topics.requests import Priority, Request
+
+log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
 _encode = msgspec.json.Encoder().encode
@@ -81,6 +85,17 @@ class Executor:
                     continue
                 code = ErrorCode.deadline_exceeded
                 body = error_body("no answer arrived within the line's deadline", code=code)
+                return Recorded(line.number, False, response_line(line.custom_id, request.id, http_status(code), body))
+            except KafkaError as exc:  # the broker refused the request for good (the SDK waits out an outage)
+                too_large = isinstance(exc, MessageSizeTooLargeError)
+                code = ErrorCode.invalid_request if too_large else ErrorCode.unavailable
+                text = "the request is larger than a Kafka record may be" if too_large else "the pipeline could not take the request"
+                return Recorded(line.number, False, response_line(line.custom_id, request.id, 413 if too_large else http_status(code),
+                                                                  error_body(text, code=code)))
+            except Exception:  # this line's failure, recorded: the job goes on (it crash-looped on one line before)
+                log.exception("batch line %d failed in the worker", line.number)
+                code = ErrorCode.internal
+                body = error_body("the batch worker failed on this line", code=code)
                 return Recorded(line.number, False, response_line(line.custom_id, request.id, http_status(code), body))
             reply = Reply(line.parsed.kind, request.id, request.model, int(request.created_at))
             body = completion(reply, answer.text, answer.done.finish_reason, answer.done.usage)

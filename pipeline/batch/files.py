@@ -151,7 +151,7 @@ def check_input(path: Path, max_lines: int) -> int:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
                 raise Invalid(f"the file is not UTF-8 text (line {number})", "file") from None
-            if not text.strip():
+            if not raw.strip():  # ASCII whitespace, as the worker reads lines: a line of U+00A0 is a line
                 continue
             lines += 1
             if lines > max_lines:

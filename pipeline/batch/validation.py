@@ -14,6 +14,7 @@ and finds the same lines and the same keys.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,10 @@ import msgspec
 
 from pipeline.bridge.openai_format import BadRequest, Parsed, parse_chat, parse_completion
 
+log = logging.getLogger(__name__)
+
 MAX_CUSTOM_ID = 512
+MAX_LINE_BYTES = 1_000_000  # a line's request travels as one Kafka record (1 MiB at most by default)
 _PARSERS = {"/v1/chat/completions": parse_chat, "/v1/completions": parse_completion}
 
 
@@ -72,6 +76,9 @@ def parse_input(raw_lines: Iterable[bytes], endpoint: str) -> tuple[list[Line], 
 
 
 def _parse_line(number: int, raw: bytes, endpoint: str, first_seen: dict[str, int]) -> Line | Rejected:
+    if len(raw) > MAX_LINE_BYTES:
+        message = f"the line is {len(raw)} bytes; a line may be at most {MAX_LINE_BYTES} (a request is one Kafka record)"
+        return Rejected(number, None, "line_too_large", message)
     try:
         item: Any = msgspec.json.decode(raw)
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
@@ -100,9 +107,12 @@ def _parse_line(number: int, raw: bytes, endpoint: str, first_seen: dict[str, in
         parsed = _PARSERS[endpoint](body)
     except BadRequest as exc:
         return Rejected(number, custom_id, "invalid_body", exc.message, f"body.{exc.param}" if exc.param else "body")
+    except Exception:  # a body the parser did not foresee: this line's error, never the job's
+        log.exception("batch line %d: the body could not be read", number)
+        return Rejected(number, custom_id, "invalid_body", "the body could not be read", "body")
     if parsed.stream:
         return Rejected(number, custom_id, "invalid_body", "`stream` is not supported in a batch", "body.stream")
     return Line(number, custom_id, parsed)
 
 
-__all__ = ["MAX_CUSTOM_ID", "Line", "Rejected", "parse_input"]
+__all__ = ["MAX_CUSTOM_ID", "MAX_LINE_BYTES", "Line", "Rejected", "parse_input"]

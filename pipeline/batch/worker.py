@@ -162,7 +162,14 @@ class BatchWorker:
     async def _execute(self, batch: Batch, lines: list[Line] | None, stop: asyncio.Event) -> tuple[Batch | None, list[Line] | None]:
         if lines is None:
             parsed = await self._parse(batch)
-            lines = parsed[0] if parsed is not None else []
+            if parsed is None:  # deleted (or unreadable) under a running job: its lines are unknown now
+                error = BatchError("invalid_file", "the input file was deleted or can no longer be read while the batch ran")
+                failed = msgspec.structs.replace(batch, status=Status.failed, failed_at=self._now(), errors=(error,))
+                if await self.store.update(failed, {Status.in_progress}):
+                    await self.store.deactivate(batch.id)
+                    return None, None
+                return await self.store.get(batch.id), None  # cancelled meanwhile: that goes on
+            lines = parsed[0]
         done = await self.store.recorded_keys(batch.id)
         pending = [line for line in lines if line.key not in done]
         if pending:

@@ -21,8 +21,10 @@ def prompt_of(request: Request) -> str:
 
 
 class FakeCompleter:
-    def __init__(self, *, fail: dict[str, ErrorCode] | None = None, delay_s: float = 0.0) -> None:
+    def __init__(self, *, fail: dict[str, ErrorCode] | None = None, delay_s: float = 0.0,
+                 raises: dict[str, Exception] | None = None) -> None:
         self.fail = fail or {}  # prompt -> the error it always ends with
+        self.raises = raises or {}  # prompt -> what sending it raises (the broker refusing it, a bug)
         self.delay_s = delay_s
         self.runs: Counter[str] = Counter()  # prompt -> times it was sent
         self.finished: Counter[str] = Counter()  # prompt -> times an answer came back
@@ -41,6 +43,8 @@ class FakeCompleter:
     async def complete(self, request: Request | None = None, **kwargs: object) -> Completion:
         assert request is not None
         prompt = prompt_of(request)
+        if prompt in self.raises:
+            raise self.raises[prompt]
         self.requests.append(request)
         self.runs[prompt] += 1
         self.in_flight += 1

@@ -44,6 +44,7 @@ def test_another_tenants_file_and_ids_that_are_not_ids_are_not_found(tmp_path: P
     (b"\xff\xfe{}\n", Invalid, "UTF-8"),
     (b"hello\nworld\n", Invalid, "JSON object"),
     (jsonl(["q"] * 6), Invalid, "more than 5 lines"),
+    (jsonl(["q"]) + "\u00a0\n".encode() * 5, Invalid, "more than 5 lines"),  # lines the worker reads and refuses
     (b"{}" + b" " * 10_000, TooLarge, "10000 bytes"),
 ])
 def test_files_that_cannot_be_batch_input_are_refused_and_leave_nothing_behind(

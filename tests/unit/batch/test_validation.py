@@ -58,3 +58,13 @@ def test_completions_lines_need_a_prompt() -> None:
 def test_a_line_for_the_other_endpoint_is_refused() -> None:
     _, refused = parse_input([line("a")], "/v1/completions")
     assert refused[0].code == "invalid_url" and "/v1/completions" in refused[0].message
+
+
+def test_a_number_no_float_holds_and_a_line_over_a_kafka_record_are_that_lines_errors() -> None:
+    from pipeline.batch.validation import MAX_LINE_BYTES
+
+    huge = line("t", body={"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 10**400})
+    big = line("big", body={"model": "m", "messages": [{"role": "user", "content": "x" * MAX_LINE_BYTES}]})
+    lines, refused = parse_input([huge, big, line("ok")], CHAT)
+    assert [x.custom_id for x in lines] == ["ok"]
+    assert {r.number: r.code for r in refused} == {1: "invalid_body", 2: "line_too_large"}

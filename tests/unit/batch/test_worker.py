@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from aiokafka.errors import MessageSizeTooLargeError
 
 from pipeline.batch.records import Recorded, Status
 from tests.unit.batch.fakes import FakeCompleter
@@ -195,3 +196,33 @@ async def test_a_job_whose_input_file_is_gone_fails(tmp_path: Path) -> None:
     await run_until(harness, batch.id, {Status.failed})
     done = await harness.finished(batch.id)
     assert done.failed_at and done.errors[0].code == "invalid_file"
+
+
+async def test_a_line_the_broker_refuses_or_the_worker_fails_on_is_that_lines_error_not_the_jobs(tmp_path: Path) -> None:
+    client = FakeCompleter(raises={"huge": MessageSizeTooLargeError(), "odd": OverflowError("held too many chunks")})
+    harness = Harness(tmp_path, client)
+    batch = await harness.submit(jsonl(["a", "huge", "odd", "b"]))
+    await run_until(harness, batch.id, {Status.completed})
+    done = await harness.finished(batch.id)
+    assert [o["custom_id"] for o in harness.lines(done.output_file_id)] == ["c0", "c3"]
+    errors = {e["custom_id"]: e["response"] for e in harness.lines(done.error_file_id)}
+    assert errors["c1"]["status_code"] == 413 and errors["c2"]["status_code"] == 500
+    assert client.runs == {"a": 1, "b": 1}  # each line once: no restart of the job over and over
+
+
+async def test_an_input_file_deleted_under_a_running_job_fails_it(tmp_path: Path) -> None:
+    client = FakeCompleter()
+    client.gate = asyncio.Event()
+    harness = Harness(tmp_path, client, max_in_flight=1)
+    batch = await harness.submit(jsonl([f"q{i}" for i in range(5)]))
+    stop = asyncio.Event()
+    task = asyncio.create_task(harness.worker().run(stop))
+    while client.in_flight < 1:
+        await asyncio.sleep(0.005)
+    stop.set()  # the worker dies mid-job
+    client.gate.set()
+    await task
+    harness.files.delete("t", batch.input_file_id)
+    await run_until(harness, batch.id, {Status.failed, Status.completed})  # the next worker takes it over
+    done = await harness.finished(batch.id)
+    assert done.status is Status.failed and done.errors[0].code == "invalid_file"
