@@ -27,6 +27,7 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ GRACE_S = 10.0  # how long past its deadline a request may take before the clien
 LATE_CHUNKS_S = 45.0  # how long a Done waits for chunks it counts but that have not arrived: past the
 # producer's request timeout (30 s), by which a produce that failed has been retried (pipeline/handling.py)
 RESEND_AFTER_S = 1.0  # the pause before a request the broker did not take is sent again
+CANCEL_WAIT_S = 5.0  # how long a stream's cleanup waits for the broker to take its cancellation
 
 
 class RequestFailed(Exception):
@@ -171,8 +173,11 @@ class Stream:
         finally:
             watch.finish(None)
             self._client._forget(self.id)
-            if not settled:  # the caller stopped early: let decode stop too
-                await self._client.cancel(self.pipeline_id or self.id)
+            if not settled:  # the caller stopped early: let decode stop too (not waiting out an outage for it)
+                try:
+                    await asyncio.wait_for(self._client.cancel(self.pipeline_id or self.id), CANCEL_WAIT_S)
+                except (TimeoutError, KafkaError) as exc:
+                    log.warning("the cancellation of request %s was not sent (%s)", self.id, type(exc).__name__)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -199,7 +204,10 @@ class Client:
         self.reply_topic = registry.reply_topic(reply_name)
         self.model = model or settings.models[0]
         self._client_id = client_id or f"sluice-sdk-{uuid.uuid4().hex[:8]}"
-        self._streams: dict[str, Stream] = {}
+        # Weak: a stream its caller dropped unfinished (a `break` out of `async for`, no `aclose`) is
+        # collected, and asyncio's finalizer for its generator runs the cleanup (forget, cancel), so
+        # neither it nor the generation it asked for outlives the caller's interest.
+        self._streams: weakref.WeakValueDictionary[str, Stream] = weakref.WeakValueDictionary()
         self._producer: Producer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -312,9 +320,15 @@ class Client:
         self._turn += 1
         while True:
             try:
-                await self._producer.send_and_wait(registry.REQUESTS, value, key=request.id.encode(), headers=headers,
-                                                   partition=partition)
+                left = deadline - time.time()
+                if left <= 0:
+                    raise KafkaTimeoutError(f"request {request.id} was not taken by the broker within its deadline")
+                # bounded: a producer being renewed in an outage waits for the broker with no end of its own
+                await asyncio.wait_for(self._producer.send_and_wait(registry.REQUESTS, value, key=request.id.encode(),
+                                                                    headers=headers, partition=partition), left)
                 return
+            except TimeoutError:
+                raise KafkaTimeoutError(f"request {request.id} was not taken by the broker within its deadline") from None
             except KafkaError as exc:
                 if not _outage(exc) or time.time() + RESEND_AFTER_S >= deadline:
                     raise

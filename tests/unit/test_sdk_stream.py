@@ -83,3 +83,36 @@ async def test_events_already_delivered_are_taken_at_once_and_silence_ends_at_th
     assert 0.15 < asyncio.get_running_loop().time() - started < 2.0
     assert silent._waiter is None  # nothing left waiting
     assert silent._client.cancelled == silent.id  # and the pipeline is told to stop
+
+
+@pytest.mark.asyncio
+async def test_a_stream_dropped_unfinished_is_forgotten_and_cancelled() -> None:
+    import gc
+
+    client = Offline(SETTINGS)
+    client.cancelled = None
+    stream = client.stream(prompt="hi")
+    rid = stream.id
+    (c0, c1), _ = events(stream, 2)
+    stream._deliver(c0)
+    stream._deliver(c1)
+    async for _chunk in stream:
+        break  # no aclose(): the caller just leaves
+    del stream, _chunk
+    for _ in range(5):
+        gc.collect()
+        await asyncio.sleep(0.01)  # asyncio's finalizer runs the generator's cleanup on the loop
+    assert rid not in client._streams and client.cancelled == "default/" + rid  # by the pipeline's id
+
+
+@pytest.mark.asyncio
+async def test_a_request_the_broker_cannot_take_fails_by_its_deadline_not_after_the_outage() -> None:
+    class Hung:
+        async def send_and_wait(self, *args: object, **kwargs: object) -> None:
+            await asyncio.sleep(3600)  # a producer renewing itself until the broker is back
+
+    client = Client(SETTINGS)
+    client._producer = Hung()  # type: ignore[assignment]
+    request = client.request(prompt="hi", deadline_s=0.3)
+    with pytest.raises(sdk.KafkaTimeoutError):
+        await asyncio.wait_for(client.complete(request), 3.0)
