@@ -51,6 +51,10 @@ enabled = false
 """
 
 
+def _exporters(pid: int) -> list[psutil.Process]:
+    return [psutil.Process(p) for p in descendants(pid) if "export_child" in cmdline(p)]
+
+
 def _members(bootstrap: str, group: str) -> int:
     async def count() -> int:
         admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
@@ -117,7 +121,10 @@ def test_two_processes_share_every_stage_and_answer_through_the_bridge(
             while time.monotonic() < deadline and not {"ingest", "emit"} <= _span_names(posted):
                 time.sleep(0.5)
             assert {"ingest", "route", "emit"} <= _span_names(posted), _span_names(posted)
-            exporters = [psutil.Process(p) for p in descendants(run.pid) if "export_child" in cmdline(p)]
+            deadline = time.monotonic() + 30  # each child starts with its process's first export, a second or so apart
+            while time.monotonic() < deadline and len(_exporters(run.pid)) < 2:
+                time.sleep(0.5)
+            exporters = _exporters(run.pid)
             assert len(exporters) == 2, [cmdline(p) for p in descendants(run.pid)]  # one per sluice process
         finally:
             run.send_signal(signal.SIGTERM)
