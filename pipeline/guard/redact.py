@@ -39,26 +39,36 @@ class Placeholders:
         return dict(self._by_value)
 
 
-def without_overlaps(findings: list[Finding]) -> list[Finding]:
-    """Where spans overlap, the highest score wins, then the longest span; result in text order."""
-    kept: list[Finding] = []
-    for f in sorted(findings, key=lambda f: (-f.score, -(f.end - f.start), f.start)):
-        if all(f.end <= k.start or f.start >= k.end for k in kept):
-            kept.append(f)
-    return sorted(kept, key=lambda f: f.start)
+def merged(findings: list[Finding]) -> list[tuple[int, int, str]]:
+    """Overlapping findings as one span each (start, end, entity): the union of the cluster, named for
+    its highest-scoring finding (then the longest). Keeping only the winner of an overlap left the
+    loser's part in the clear ("4111 1111 1111 1111.jane@example.org": the card's digits before the
+    e-mail's placeholder); in text order."""
+    spans: list[tuple[int, int, str]] = []
+    best: Finding | None = None
+    for f in sorted(findings, key=lambda f: (f.start, -f.end)):
+        if spans and f.start < spans[-1][1]:
+            start, end, _ = spans[-1]
+            assert best is not None
+            best = max(best, f, key=lambda g: (g.score, g.end - g.start))
+            spans[-1] = (start, max(end, f.end), best.entity)
+        else:
+            best = f
+            spans.append((f.start, f.end, f.entity))
+    return spans
 
 
 def apply_policy(text: str, findings: list[Finding], policy: Mapping[str, Action], placeholders: Placeholders) -> Redacted:
+    """Every finding counts, overlapping or not: a `block` one blocks (an allowed finding over it, or a
+    longer one of another entity, no longer hides it), the `redact` ones are replaced, merged where
+    they overlap; `allow` ones are left as they are."""
+    actions = [(f, policy.get(f.entity, DEFAULT_POLICY.get(f.entity, "redact"))) for f in sorted(findings, key=lambda f: f.start)]
+    blocked = tuple(dict.fromkeys(f.entity for f, action in actions if action == "block"))
     parts: list[str] = []
-    blocked: list[str] = []
     at = redacted = 0
-    for f in without_overlaps(findings):
-        action = policy.get(f.entity, DEFAULT_POLICY.get(f.entity, "redact"))
-        if action == "block":
-            blocked.append(f.entity)
-        elif action == "redact":
-            parts += [text[at : f.start], placeholders(f.entity, text[f.start : f.end])]
-            at = f.end
-            redacted += 1
+    for start, end, entity in merged([f for f, action in actions if action == "redact"]):
+        parts += [text[at:start], placeholders(entity, text[start:end])]
+        at = end
+        redacted += 1
     parts.append(text[at:])
-    return Redacted("".join(parts), tuple(dict.fromkeys(blocked)), redacted)
+    return Redacted("".join(parts), blocked, redacted)

@@ -16,9 +16,10 @@ _API_KEYS = (
     ("assignment", r"\b(?:api[_-]?key|secret[_-]?key|access[_-]?token|auth[_-]?token|client[_-]?secret|password)\b[\"']?\s*[:=]\s*[\"']?[A-Za-z0-9_\-+/=.]{16,}", 0.7),
 )
 _PRIVATE_KEYS = (
-    ("block", r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----.*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY-----", 1.0),
+    # PEM (RSA, EC, OPENSSH, ENCRYPTED...) and PGP's armour (`PRIVATE KEY BLOCK`)
+    ("block", r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----.*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----", 1.0),
     # The header alone: a streamed key is flagged before its body arrives.
-    ("header", r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----", 0.95),
+    ("header", r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----", 0.95),
 )
 
 

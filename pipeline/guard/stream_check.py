@@ -20,7 +20,7 @@ from pipeline.guard.entities import Action
 from pipeline.guard.errors import Reason
 from pipeline.guard.on_topic import TopicScope, TopicScopes, TopicWatch
 from pipeline.guard.pii import Finding, PatternScanner
-from pipeline.guard.redact import Placeholders, apply_policy, without_overlaps
+from pipeline.guard.redact import Placeholders, apply_policy
 from pipeline.guard.toxicity import ToxicityScorer
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
@@ -84,9 +84,12 @@ class OutputGuard:
         if cut is None and left_topics:
             cut = _Cut(0, Reason.off_topic)  # nothing more of it is released
         upto = cut.at if cut is not None else release
-        for f in findings:  # never release part of a finding: hold it back whole
-            if f.start < upto < f.end:
-                upto = f.start
+        crossed = True
+        while crossed:  # never release part of a finding: hold it back whole, and any finding it overlaps
+            crossed = False
+            for f in findings:
+                if f.start < upto < f.end:
+                    upto, crossed = f.start, True
         released = self._release(state, upto, [f for f in findings if f.end <= upto])
         return Step(released, cut.reason if cut is not None else None)
 
@@ -111,10 +114,9 @@ class OutputGuard:
             if score >= self._threshold:
                 cuts.append(_Cut(max(start - offset, 0), Reason.toxicity))
                 break
-        for f in without_overlaps(findings):
-            if state.policy.get(f.entity) == "block":
-                cuts.append(_Cut(f.start, Reason.output_pii))
-                break
+        blocked = [f.start for f in findings if state.policy.get(f.entity) == "block"]  # overlapped or not
+        if blocked:
+            cuts.append(_Cut(min(blocked), Reason.output_pii))
         return min(cuts, key=lambda c: c.at) if cuts else None
 
     def _toxicity_scores(self, state: StreamState, sentences: list[str]) -> list[float]:

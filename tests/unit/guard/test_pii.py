@@ -82,3 +82,22 @@ def test_one_batch_analyses_several_requests(input_guard: InputGuard) -> None:
 def test_the_pattern_scanner_finds_pattern_entities_without_nlp() -> None:
     found = [f.entity for f in PatternScanner().scan("mail jane.doe@example.org, key AKIAIOSFODNN7EXAMPLE")]
     assert found == ["EMAIL", "API_KEY"]
+
+
+def test_overlapping_findings_each_count_a_block_is_never_hidden_and_redaction_covers_the_union() -> None:
+    from pipeline.guard.pii import Finding
+
+    text = "My card is 4111 1111 1111 1111.jane@example.org"
+    card, mail = Finding("CREDIT_CARD", 11, 30, 1.0), Finding("EMAIL", 26, 47, 1.0)  # the e-mail's span is longer
+    assert apply_policy(text, [card, mail], {"CREDIT_CARD": "block"}, Placeholders()).blocked == ("CREDIT_CARD",)
+    redacted = apply_policy(text, [card, mail], {}, Placeholders()).text
+    assert "4111" not in redacted and "example" not in redacted and redacted.startswith("My card is <")
+    server = "server 2001:db8::1 415-555-2671"
+    ip, phone = Finding("IP_ADDRESS", 7, 19, 0.6), Finding("PHONE", 18, 31, 0.4)  # an allowed finding over a blocked one
+    assert apply_policy(server, [ip, phone], {"IP_ADDRESS": "allow", "PHONE": "block"}, Placeholders()).blocked == ("PHONE",)
+    assert apply_policy(server, [ip, phone], {"IP_ADDRESS": "allow"}, Placeholders()).text == "server 2001:db8::1<PHONE_1>"
+
+
+def test_a_pgp_private_key_block_is_a_private_key(input_guard: InputGuard) -> None:
+    pgp = "-----BEGIN PGP PRIVATE KEY BLOCK-----\n\nlQOYBF9aX8wBCAC5\n=abcd\n-----END PGP PRIVATE KEY BLOCK-----"
+    assert "PRIVATE_KEY" in findings(input_guard, f"my key:\n{pgp}\nthanks")

@@ -365,3 +365,12 @@ async def test_the_ending_waits_for_the_chunks_earlier_messages_released(make_ou
         else:  # the chunk's message is tried again (it sends the chunk again), then this one after it
             with pytest.raises(InfraUnavailable):
                 await asyncio.wait_for(ending, 1.0)
+
+
+async def test_a_finding_overlapping_a_held_back_one_is_never_released_in_part(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = stage(make_output_guard)  # the default holdback
+    text = "Pay GB82 WEST 1234 5698 7654 32.john@example.com thanks a lot for all of it, and have a good day now."
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    outs = await feed(guard, pieces, done(len(pieces), words=pieces))
+    released = texts(outs)
+    assert "5698" not in released and "john@" not in released and released.startswith("Pay <"), released
