@@ -17,6 +17,7 @@ import numpy as np
 from pipeline.guard.embedder import MiniLmEmbedder, load_tuned_embedder
 from pipeline.guard.errors import GuardModelMissing
 from pipeline.guard.lexical import LexicalModel
+from pipeline.guard.visible import visible
 
 WEIGHTS = Path(__file__).resolve().parent / "data" / "injection_head.npz"
 SEGMENT_CHARS = 1000  # MiniLM reads 256 tokens: longer texts are scored window by window, max wins
@@ -100,11 +101,12 @@ def head_logits(members: list[Layers], x: np.ndarray) -> np.ndarray:
 
 
 def matches_pattern(text: str) -> bool:
-    return any(p.search(text) for p in _PATTERNS)
+    seen = visible(text)
+    return any(p.search(seen) for p in _PATTERNS)
 
 
 def classifier_applies(text: str) -> bool:
-    return len(text.split()) >= MIN_WORDS
+    return len(visible(text).split()) >= MIN_WORDS
 
 
 def segments(text: str) -> list[str]:
@@ -132,17 +134,35 @@ class InjectionClassifier:
         return self.model.probabilities(texts, embeddings)
 
     def probabilities_of(self, texts: list[str]) -> list[float]:
-        """The classifier's probability for each text as it is (no windows, no patterns)."""
-        return [float(p) for p in self.probabilities(texts)] if texts else []
+        """The classifier's probability for each text (no windows of `segments`, no patterns): the highest
+        over the parts of it the encoder reads whole (`_readable`)."""
+        if not texts:
+            return []
+        parts = [self._readable(t) for t in texts]
+        probs = self.probabilities([p for ps in parts for p in ps])
+        out, at = [], 0
+        for ps in parts:
+            out.append(float(probs[at : at + len(ps)].max()))
+            at += len(ps)
+        return out
+
+    def _readable(self, text: str) -> list[str]:
+        """`text`, or overlapping parts of it that the encoder reads whole. It reads 256 tokens, and a
+        1,000-character window of Chinese or digits holds more: a payload past them was never read (300
+        Chinese characters before an injection took its score from 0.997 to 0.2). Three halves, the middle
+        one overlapping both, so a payload of up to a quarter of the text is whole in one of them."""
+        if not self.model.head or len(text) < 64 or self._embedder.reads_whole(text):
+            return [text]
+        half, quarter = len(text) // 2, len(text) // 4
+        return [p for part in (text[:half], text[quarter : quarter + half], text[half:]) for p in self._readable(part)]
 
     def score(self, texts: list[str]) -> list[InjectionVerdict]:
         """One verdict per text; every window of every text is embedded in one call."""
         windows = [segments(t) for t in texts]
-        flat = [w for ws in windows for w in ws]
-        probs = self.probabilities(flat) if flat else np.zeros(0)
+        probs = self.probabilities_of([w for ws in windows for w in ws])
         verdicts, at = [], 0
         for text, ws in zip(texts, windows):
-            best = float(probs[at : at + len(ws)].max()) if ws and classifier_applies(text) else 0.0
+            best = max(probs[at : at + len(ws)]) if ws and classifier_applies(text) else 0.0
             at += len(ws)
             hit = matches_pattern(text)
             verdicts.append(InjectionVerdict(1.0 if hit else best, hit))

@@ -25,6 +25,8 @@ from typing import Protocol
 
 import numpy as np
 
+from pipeline.guard.visible import visible
+
 MIN_CHARS = 60  # shorter answers ("Yes.", "Thanks!") say too little to judge: never refused as off topic
 SENTENCE_MIN_CHARS = 20  # shorter sentences ("Sure.") are not judged on their own
 RUN = 2  # this many judged sentences in a row below the threshold: the answer has left the topics
@@ -76,7 +78,7 @@ class TopicScope:
 
     def prompt_off_topic(self, text: str) -> bool:
         threshold = self.route.prompt_threshold
-        return threshold > 0 and len(text.split()) >= 3 and self.similarity(text[-WINDOW_CHARS:]) < threshold
+        return threshold > 0 and len(visible(text).split()) >= 3 and self.similarity(text[-WINDOW_CHARS:]) < threshold
 
 
 class TopicScopes:

@@ -27,7 +27,6 @@ from topics.errors import ErrorCode
 from topics.hops import Admitted, request_key
 from topics.requests import Request
 
-
 MAX_STOP = 4  # stop sequences a request may carry (OpenAI's own limit)
 MAX_STOP_BYTES = 256  # the longest one
 
