@@ -92,7 +92,10 @@ def _prefix(request: Request) -> str:
 
 
 def _last_turn(request: Request) -> str:
-    return request.prompt if request.prompt is not None else (request.messages[-1].content if request.messages else "")
+    """The prompt, or the last user turn (not a system or assistant message after it): its language."""
+    if request.prompt is not None:
+        return request.prompt
+    return next((m.content for m in reversed(request.messages) if m.role == "user"), "")
 
 
 def _matches(rule: RouteRule, request: Request, tenant: str, chars: int) -> bool:

@@ -171,6 +171,10 @@ async def test_rules_match_task_language_tenant_lane_and_length() -> None:
     ask = lambda text, **kw: admitted(request("r1", model="m", messages=(ChatMessage(role="user", content=text),), **kw), "t")  # noqa: E731
     assert stage.choose(ask("write a sort", task="code")).backend == "c"
     assert stage.choose(ask("Bonjour, pouvez-vous m'aider à écrire une lettre de motivation ?")).backend == "b"
+    french_then_note = admitted(request("r3", model="m", messages=(
+        ChatMessage(role="user", content="Bonjour, pouvez-vous m'aider à écrire une lettre de motivation ?"),
+        ChatMessage(role="system", content="Answer briefly and politely, in the user's own language."))), "t")
+    assert stage.choose(french_then_note).backend == "b"  # the user's turn is read, not a system note after it
     acme = admitted(request("r2", model="m", priority=Priority.batch), "acme")
     assert stage.choose(acme).backend == "a"
     long_route = stage.choose(ask("tell me " * 100))
