@@ -26,7 +26,7 @@ case ${1:-} in
       nohup "$root/.venv-phoenix/bin/phoenix" serve >"$state/phoenix.log" 2>&1 &
     echo $! >"$state/phoenix.pid"
     prometheus --config.file="$root/infra/prometheus/prometheus.yml" --storage.tsdb.path="$state/prometheus" \
-      --web.listen-address="127.0.0.1:$prometheus_port" --web.enable-lifecycle >"$state/prometheus.log" 2>&1 &
+      --web.listen-address="127.0.0.1:$prometheus_port" >"$state/prometheus.log" 2>&1 &
     echo $! >"$state/prometheus.pid"
     wait_http "http://127.0.0.1:$prometheus_port/-/ready" Prometheus "$state/prometheus.log" 30
     wait_http "http://127.0.0.1:$phoenix_port/" Phoenix "$state/phoenix.log" 120  # first start migrates its database
@@ -37,7 +37,8 @@ case ${1:-} in
       file="$state/$name.pid"
       [ -f "$file" ] || continue
       pid=$(cat "$file")
-      if kill -0 "$pid" 2>/dev/null; then
+      # only if that pid is still ours: a pid file left by a crash may name another process by now
+      if kill -0 "$pid" 2>/dev/null && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$name"; then
         kill -TERM "$pid" 2>/dev/null || true
         for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
         kill -KILL "$pid" 2>/dev/null || true

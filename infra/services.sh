@@ -8,11 +8,13 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
-stop_pid() {  # stop_pid FILE: TERM, wait up to 20 s, then KILL
-  local file=$1 pid
+stop_pid() {  # stop_pid FILE WHAT: TERM, wait up to 20 s, then KILL, if the pid is still a WHAT process
+  local file=$1 what=$2 pid
   [ -f "$file" ] || return 0
   pid=$(cat "$file")
-  if kill -0 "$pid" 2>/dev/null; then
+  # A pid file left by a crash or a reboot may name some other process by now: stopped only if its
+  # command line still says what was started here.
+  if kill -0 "$pid" 2>/dev/null && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$what"; then
     kill -TERM "$pid" 2>/dev/null || true
     for _ in $(seq 1 200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -KILL "$pid" 2>/dev/null || true
@@ -28,8 +30,8 @@ case ${1:-} in
     ;;
   stop)
     mkdir -p "$2"; state=$(cd "$2" && pwd)
-    stop_pid "$state/kafka.pid"
-    stop_pid "$state/redis.pid"
+    stop_pid "$state/kafka.pid" "kafka.Kafka $state/server.properties"
+    stop_pid "$state/redis.pid" "redis-server"
     ;;
   *)
     echo "usage: $0 start STATE_DIR KAFKA_PORT REDIS_PORT | stop STATE_DIR" >&2

@@ -133,7 +133,7 @@ class Stream:
         order = Sequencer()
         deadline = time.monotonic() + self.request.deadline_s + GRACE_S
         settled = False  # nothing to cancel: its terminal event came, or the broker never took it
-        watch = RequestWatch(self.request)  # the trace's root span; time to first token and between chunks
+        watch = RequestWatch(self.request, self._client.settings.models)  # the trace's root span; TTFT and ITL
         ended: Done | None = None  # a Done that came before some of its chunks
         try:
             try:

@@ -161,7 +161,8 @@ def consume_span(record: Any, group: str) -> contextlib.AbstractContextManager[t
         "messaging.kafka.offset": record.offset,
         "messaging.message.body.size": len(record.value or b""),
     }
-    return tracer.start_as_current_span(group, context=extract(record.headers), kind=CONSUMER, attributes=attributes)
+    return tracer.start_as_current_span(group, context=extract(record.headers), kind=CONSUMER, attributes=attributes,
+                                      record_exception=False)  # no event with the exception's text: it may quote a prompt
 
 
 def handover_span(topic: str, group: str) -> contextlib.AbstractContextManager[trace.Span]:
@@ -177,7 +178,7 @@ def handover_span(topic: str, group: str) -> contextlib.AbstractContextManager[t
         "messaging.consumer.group.name": group,
         "sluice.handover": True,
     }
-    return tracer.start_as_current_span(group, kind=CONSUMER, attributes=attributes)
+    return tracer.start_as_current_span(group, kind=CONSUMER, attributes=attributes, record_exception=False)
 
 
 def publish(topic: str, parent: context.Context | None = None, *, span: bool | None = None) -> list[tuple[str, bytes]]:

@@ -90,7 +90,8 @@ stop() {
   mkdir -p "$1"; state=$(cd "$1" && pwd); file="$state/triton.pid"
   [ -f "$file" ] || return 0
   pid=$(cat "$file")
-  if kill -0 "$pid" 2>/dev/null; then
+  # only if that pid is still ours: a pid file left by a crash may name another process by now
+  if kill -0 "$pid" 2>/dev/null && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "tritonserver"; then
     kill -TERM "$pid" 2>/dev/null || true
     for _ in $(seq 1 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -KILL "$pid" 2>/dev/null || true

@@ -16,4 +16,10 @@ class RedactKeys(logging.Filter):
         if "sk-sluice-" in message:
             record.msg = KEY_PATTERN.sub("sk-sluice-[redacted]", message)
             record.args = ()
+        if record.exc_info and not record.exc_text:  # the traceback and the exception's own message too:
+            text = _FORMATTER.formatException(record.exc_info)  # formatted here, once; the handler reuses it
+            record.exc_text = KEY_PATTERN.sub("sk-sluice-[redacted]", text)
         return True
+
+
+_FORMATTER = logging.Formatter()

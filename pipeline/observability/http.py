@@ -36,5 +36,5 @@ class TraceRequests:
                     span.set_status(Status(StatusCode.ERROR))
             await send(message)
 
-        with trace.use_span(span, end_on_exit=True):
+        with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):  # 5xx: above
             await self.app(scope, receive, sending)

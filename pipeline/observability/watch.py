@@ -11,12 +11,14 @@ of the HTTP request's SERVER span (`pipeline.observability.http`).
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from pipeline import metrics, tracing
 from pipeline.observability import recent
+from pipeline.observability.costs import OTHER
 from topics import registry
 from topics.requests import Request
 from topics.stream import Done, Failed
@@ -25,9 +27,12 @@ from topics.stream import Done, Failed
 class RequestWatch:
     __slots__ = ("model", "span", "_sent", "_last", "chunks")
 
-    def __init__(self, request: Request) -> None:
-        self.model = request.model
-        self.span = tracing.tracer.start_span(f"chat {request.model}", kind=trace.SpanKind.CLIENT, attributes={
+    def __init__(self, request: Request, models: Collection[str] = ()) -> None:
+        """`models`: the configured ones. Any other name (the bridge passes on what the client sent, and
+        ingest refuses it later) is labelled "other": a client could otherwise mint metric series and
+        span names without end, one per made-up model."""
+        self.model = request.model if request.model in models else OTHER
+        self.span = tracing.tracer.start_span(f"chat {self.model}", kind=trace.SpanKind.CLIENT, attributes={
             "gen_ai.operation.name": "chat",
             "gen_ai.request.model": request.model,
             "gen_ai.request.max_tokens": request.sampling.max_tokens,

@@ -151,3 +151,14 @@ def test_settings_refuse_what_cannot_work(changes: dict, problem: str) -> None:
 
 def test_stage_histograms_are_vllm_shaped() -> None:
     assert len(metrics.TTFT_BUCKETS) == 22 and len(metrics.ITL_BUCKETS) == 19 and len(metrics.REQUEST_BUCKETS) == 21
+
+
+def test_a_client_side_watch_labels_a_model_no_one_configured_other() -> None:
+    from pipeline.observability.watch import RequestWatch
+    from tests.unit.helpers import request
+
+    made_up = RequestWatch(request("w1", model="made-up-1234"), models=("smollm2-135m-instruct",))
+    known = RequestWatch(request("w2", model="smollm2-135m-instruct"), models=("smollm2-135m-instruct",))
+    assert (made_up.model, known.model) == ("other", "smollm2-135m-instruct")
+    made_up.finish(None)
+    known.finish(None)
