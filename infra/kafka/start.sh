@@ -56,12 +56,19 @@ if [ ! -f "$data/meta.properties" ]; then
   rm -f "$format_args"
 fi
 
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+ours() { [ -f "$state/kafka.pid" ] && tr '\0' ' ' <"/proc/$(cat "$state/kafka.pid")/cmdline" 2>/dev/null | grep -qF "kafka.Kafka $state/server.properties"; }
+if ours; then echo "Kafka of $state is running already" >&2; exit 0; fi
+for p in "$port" "$controller_port"; do  # another process's port would answer the wait below for ours
+  if port_open "$p"; then echo "port $p is in use by another process: Kafka not started" >&2; exit 1; fi
+done
+
 nohup java "${java_opts[@]}" -cp "$cp" kafka.Kafka "$state/server.properties" >"$state/kafka.log" 2>&1 &
 echo $! >"$state/kafka.pid"
 
 for _ in $(seq 1 120); do
-  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then exit 0; fi
-  kill -0 "$(cat "$state/kafka.pid")" 2>/dev/null || { tail -20 "$state/kafka.log" >&2; exit 1; }
+  kill -0 "$(cat "$state/kafka.pid")" 2>/dev/null || { tail -20 "$state/kafka.log" >&2; exit 1; }  # first: its port, not another's
+  if port_open "$port"; then exit 0; fi
   sleep 0.5
 done
 echo "Kafka did not open port $port in 60 s" >&2

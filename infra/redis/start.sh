@@ -47,6 +47,14 @@ fi
 # In the secure profile what Redis writes (the append-only file: key records, spend, per-request state;
 # its log) is private to its user too.
 [ "$secure" = 1 ] && umask 077
+if [ -f "$state/redis.pid" ] && tr '\0' ' ' <"/proc/$(cat "$state/redis.pid")/cmdline" 2>/dev/null | grep -qF "redis-server 127.0.0.1:$port"; then
+  echo "Redis of $state is running already" >&2
+  exit 0
+fi
+if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then  # else another process's PONG (or its password prompt) would do
+  echo "port $port is in use by another process: Redis not started" >&2
+  exit 1
+fi
 redis-server "$here/redis.conf" --port "$port" --dir "$state" --logfile "$state/redis.log" \
   --pidfile "$state/redis.pid" --daemonize yes "${acl[@]}"
 for _ in $(seq 1 50); do
