@@ -34,8 +34,9 @@ class Backoff:
             self._probing, seconds = True, PROBE_S
         self._waiting += 1
         try:
-            try:
-                await asyncio.wait_for(through.wait(), seconds)
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that comes
+                async with asyncio.timeout(seconds):  # as the wait ends (a revoke's, at a `through`)
+                    await through.wait()
             except TimeoutError:
                 return
             if (left := min(seconds, PROBE_S) - (loop.time() - start)) > 0:

@@ -275,6 +275,8 @@ class Handling:
                 await self.dead_letter(record, type(exc).__name__, detail, address, None, ErrorCode.internal)
                 return "dead_letter"
             await self._backoff.wait(backoff)
+            if (task := asyncio.current_task()) is not None and task.cancelling():  # revoked or stopping while it waited
+                raise asyncio.CancelledError
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     async def _send_all(self, message: Any, handed_over: asyncio.Future[None] | None, earlier: list[Out] | None = None) -> None:

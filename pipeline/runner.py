@@ -134,7 +134,7 @@ class Runner:
         backoff = 0.1
         while not stop.is_set():
             capacity = self.max_in_flight - len(self._tasks)
-            if capacity <= 0 and not paused:
+            if capacity <= 0:  # every turn: an assignment after a rebalance starts unpaused, whatever `paused` says
                 self._consumer.pause(*self._consumer.assignment())
                 paused = True
             elif capacity > 0 and paused:
@@ -185,7 +185,8 @@ class Runner:
             previous = self._handed_over.get(tp)
             handed_over = self._handed_over[tp] = asyncio.get_running_loop().create_future()
             before = self._last_task.get(tp)
-        task = asyncio.create_task(self._process(tp, records, handling, previous, handed_over, before))
+        tracker = self.trackers[tp]  # this assignment's: a task that outlives a revoke must not finish into the next
+        task = asyncio.create_task(self._process(tp, records, handling, previous, handed_over, before, tracker))
         if self.stage.ordered:
             self._last_task[tp] = task
         self._tasks[task] = tp
@@ -194,7 +195,7 @@ class Runner:
     async def _process(
         self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]], handling: Handling,
         previous: asyncio.Future[None] | None, handed_over: asyncio.Future[None] | None,
-        before: asyncio.Task[None] | None = None,
+        before: asyncio.Task[None] | None = None, tracker: OffsetTracker | None = None,
     ) -> None:
         try:
             if previous is not None:
@@ -214,8 +215,10 @@ class Runner:
             for outcome in outcomes:
                 metrics.MESSAGES.labels(self.stage.name, outcome).inc()
                 metrics.HANDLE_SECONDS.labels(self.stage.name).observe(elapsed)
-            tracker = self.trackers.get(tp)
-            if tracker is not None:  # None when the partition was revoked meanwhile: the next owner redoes it
+            # Only into the tracker it started in: after a revoke (the task outlived REVOKE_WAIT_S) the
+            # partition may be this worker's again, with the same offset redelivered and in flight under a
+            # new tracker, which a finish here would commit past. Revoked: the next owner redoes it.
+            if tracker is not None and self.trackers.get(tp) is tracker:
                 for record in records:
                     tracker.finish(record.offset)
         finally:
@@ -258,15 +261,19 @@ class Runner:
                 tracker.mark_committed(off)
 
     async def _drain(self) -> None:
-        """Graceful stop: let in-flight messages finish for `grace_s`, cancel the rest, commit what finished."""
-        if self._committing is not None:
-            await asyncio.gather(self._committing, return_exceptions=True)
+        """Graceful stop: let in-flight messages finish for `grace_s`, cancel the rest, commit what finished.
+        Each wait on the broker is bounded too: aiokafka retries a commit until the consumer closes, which
+        comes after this, so in a broker outage a stop never ended (what is not committed is redelivered)."""
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=self.grace_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        if self._committing is not None and not self._committing.done():
+            self._committing.cancel()
+            await asyncio.gather(self._committing, return_exceptions=True)
         try:
-            await self.commit()
-        except Exception as exc:  # the group may already be gone; uncommitted work is redelivered
+            async with asyncio.timeout(self.grace_s):
+                await self.commit()
+        except Exception as exc:  # the group may already be gone, or the broker; uncommitted work is redelivered
             log.warning("stage=%s final commit failed: %s", self.stage.name, type(exc).__name__)

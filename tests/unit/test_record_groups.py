@@ -29,6 +29,7 @@ from tests.unit import helpers
 from tests.unit.fakes import HeldAcks, ScriptedBackend, Yields, record_of
 from tests.unit.helpers import SETTINGS, node
 from topics import codec
+from topics.hops import Admitted
 from topics.stream import Chunk, Done, FinishReason, StreamEvent, Usage, digest_of
 
 REPLY = "llm.responses.sdk"
@@ -350,3 +351,49 @@ async def test_a_reply_no_stream_of_this_process_waits_for_is_produced() -> None
     other = Client(Settings(), reply_name="other")  # a stream for this request, but another reply topic
     stream = other.stream(other.request(prompt="hi"))
     assert not other.take_reply(REPLY, chunk(0, f"acme/{stream.id}")) and not stream._events
+
+
+class Stubborn:
+    """A stage whose message outlives a revoke: it ignores the cancellation until `release` is set (as
+    a wait that swallows a cancellation, or a cleanup stuck on a hung store, would)."""
+
+    name = "stubborn"
+    topics = Topics(("t.in",), None, "t.stream")
+    input_type = Admitted
+    ordered = False
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def handle(self, message: Admitted) -> Any:
+        while not self.release.is_set():
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                continue  # swallowed
+        for out in ():
+            yield out
+
+
+@pytest.mark.asyncio
+async def test_a_message_that_outlives_its_revoke_does_not_finish_into_the_next_assignment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokafka import TopicPartition
+
+    from pipeline import runner as runner_module
+    from pipeline.offsets import OffsetTracker
+
+    monkeypatch.setattr(runner_module, "REVOKE_WAIT_S", 0.05)
+    stage, tp = Stubborn(), TopicPartition("t.in", 0)
+    run = Runner(stage, Settings())
+    handling = Handling(stage, Settings(), HeldAcks())  # type: ignore[arg-type]
+    message = record_of(helpers.admitted(helpers.request("stubborn")), offset=5)
+    run.trackers[tp] = OffsetTracker()
+    run.trackers[tp].start(5)
+    run._spawn(tp, [message], handling)
+    await asyncio.sleep(0.01)
+    await run.revoke({tp})  # it waited REVOKE_WAIT_S; the task still runs
+    again = run.trackers[tp] = OffsetTracker()  # the partition is this worker's again, offset 5 redelivered
+    again.start(5)
+    stage.release.set()
+    await asyncio.sleep(0.05)  # the stale task ends
+    assert again.committable() == 5  # not 6: the redelivered copy is still in flight
