@@ -250,7 +250,8 @@ class DecodeStage:
             self._check_still_recording(rid)  # a refusal or a takeover wakes the wait: checked before each
             event.clear()
             try:
-                await asyncio.wait_for(event.wait(), AHEAD_WAIT_S)
+                async with asyncio.timeout(AHEAD_WAIT_S):  # not wait_for: 3.11's can swallow a revoke's cancel
+                    await event.wait()
             except TimeoutError:
                 raise InfraUnavailable("the broker has not acknowledged this stream's chunks") from None
             recorded, event = self._acked.get(rid, (seq, event))

@@ -336,7 +336,8 @@ class EmitStage:
             if sent.dropped:
                 raise InfraUnavailable("an earlier chunk of this request is being sent again")
             try:
-                await asyncio.wait_for(sent.advanced.wait(), max(deadline - time.monotonic(), 0.0))
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):  # not wait_for: see runner.py
+                    await sent.advanced.wait()
             except TimeoutError:
                 raise InfraUnavailable("an earlier chunk of this request was not acknowledged") from None
 

@@ -157,7 +157,8 @@ class PostguardStage:
                 raise InfraUnavailable("a chunk released before this ending was not taken by the broker")
             stream.moved = asyncio.Event()
             try:
-                await asyncio.wait_for(stream.moved.wait(), max(0.0, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):  # not wait_for: see runner.py
+                    await stream.moved.wait()
             except TimeoutError:
                 raise InfraUnavailable("chunks released before this ending are not acknowledged") from None
 
