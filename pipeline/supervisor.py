@@ -62,11 +62,18 @@ class Supervisor:
         """Until a signal: start children that are due, restart those that died. Returns the exit code."""
         signal.signal(signal.SIGINT, self.stop)
         signal.signal(signal.SIGTERM, self.stop)
-        while not self._stopping:
-            now = time.monotonic()
-            for child in list(self.children):
-                self._tend(child, now)
-            time.sleep(0.2)
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                for child in list(self.children):
+                    self._tend(child, now)
+                time.sleep(0.2)
+        finally:  # also when tending raised: no child outlives its supervisor
+            self.stop()
+            self._reap()
+        return 0
+
+    def _reap(self) -> None:
         deadline = time.monotonic() + STOP_GRACE_S  # one grace period for all children, not one each
         for child in self.children:
             if child.process is not None:
@@ -75,12 +82,17 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     child.process.kill()
                     child.process.wait()
-        return 0
 
     def _tend(self, child: Child, now: float) -> None:
         if child.process is None:
-            if now >= child.due:
-                child.process = subprocess.Popen(list(child.argv), env=child.env)
+            if now >= child.due and not self._stopping:  # a signal may have come while the others were tended
+                try:
+                    child.process = subprocess.Popen(list(child.argv), env=child.env)
+                except OSError as exc:  # out of memory or processes for a moment: a failed start, tried again
+                    child.due = now + child.backoff
+                    log.error("%s could not be started (%s); retrying in %.0f s", child.name, exc.strerror, child.backoff)
+                    child.backoff = min(child.backoff * 2, MAX_BACKOFF_S)
+                    return
                 child.started = now
                 log.info("started %s (pid %d)", child.name, child.process.pid)
             return

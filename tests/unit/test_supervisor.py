@@ -44,3 +44,35 @@ def test_a_taken_bridge_port_stops_sluice_run_before_it_shares_it(monkeypatch: p
         settings = Settings(bridge=BridgeSettings(port=port), run=RunSettings(processes=2))
         assert supervisor.run_supervised(settings) == 1
     assert started == []
+
+
+def test_a_child_that_cannot_be_started_is_retried_and_leaves_no_other_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervisor, "STOP_GRACE_S", 1.0)
+    monkeypatch.setattr(supervisor.signal, "signal", lambda *_: None)
+    alive = Child("alive", [sys.executable, "-c", "import time; time.sleep(60)"])
+    missing = Child("missing", ["/nonexistent/sluice-child"])  # Popen raises, as with ENOMEM or EAGAIN
+    boss = Supervisor([alive, missing])
+    threading.Timer(1.0, boss.stop).start()
+    assert boss.run() == 0  # it raised FileNotFoundError out of run(), the first child still running
+    assert alive.process is not None and alive.process.poll() is not None
+    assert missing.process is None and missing.due > 0
+
+
+def test_a_failure_while_tending_stops_every_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervisor, "STOP_GRACE_S", 1.0)
+    monkeypatch.setattr(supervisor.signal, "signal", lambda *_: None)
+    alive = Child("alive", [sys.executable, "-c", "import time; time.sleep(60)"])
+    boss = Supervisor([alive])
+    tend = boss._tend
+    calls = []
+
+    def failing(child: Child, now: float) -> None:
+        calls.append(now)
+        if len(calls) > 3:
+            raise RuntimeError("a bug in the supervisor")
+        tend(child, now)
+
+    monkeypatch.setattr(boss, "_tend", failing)
+    with pytest.raises(RuntimeError):
+        boss.run()
+    assert alive.process is not None and alive.process.poll() is not None  # not orphaned
