@@ -282,7 +282,11 @@ class EmitStage:
         """A terminal event that finds chunks missing while an earlier message of its request is being
         retried (its produce or acknowledged write failed: the broker or Redis was away) waits for that retry: the
         request's later messages do not wait for it, and ending now would call a late chunk lost."""
-        if rid in self._unsure and (sent.order.gap() or message.chunks > sent.order.next_seq):
+        upto = self._unsure.get(rid)
+        if upto is not None and upto <= sent.stored:  # all it had forwarded is recorded: no retry of it is owed
+            del self._unsure[rid]  # (this very message's failure marked it: it waited for good, and its partition)
+            return
+        if upto is not None and (sent.order.gap() or message.chunks > sent.order.next_seq):
             raise InfraUnavailable("an earlier message of this request is being retried; its chunks may still come")
 
     def _terminal(self, message: Done | Failed, sent: _Sent, clock: Stopwatch) -> Done | Failed:

@@ -336,6 +336,23 @@ async def test_a_terminal_waits_for_a_chunk_whose_message_is_being_retried() -> 
 
 
 @pytest.mark.asyncio
+async def test_a_terminal_whose_own_try_failed_ends_a_stream_with_a_lost_chunk_and_does_not_wait_for_good() -> None:
+    """Chunk 1 never reached emit (lost upstream) and the ending's first try met a Redis blip: the reset
+    before its retry marked the request as in retry up to what emit had forwarded, all of it recorded, so
+    no write would ever end the doubt: the ending waited, and emit's partition behind it, until the deadline."""
+    store = FlakyStore()
+    stage = emit(store)
+    await replies(stage, chunk(0))
+    first = [o async for o in stage.handle(done(2))]
+    store.fail = 1
+    with pytest.raises(InfraUnavailable):
+        await first[0].acked()  # the blip: the ending's record failed
+    await stage.reset(RID)  # handling.py, before it tries the ending's message again
+    [ending] = [o.value for o in [o async for o in stage.handle(done(2))] if isinstance(o.value, Failed)]
+    assert ending.code is ErrorCode.stream_incomplete
+
+
+@pytest.mark.asyncio
 async def test_a_terminal_waits_for_a_chunk_whose_produce_failed() -> None:
     """Chaos found it too (broker outage): chunk 1's produce to the reply topic fails, so its `acked`
     never runs and only handling.py's `reset` says the message is being retried; chunk 2 goes out on
