@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
@@ -89,6 +90,8 @@ class LocalBackend:
         config = engine_config or EngineConfig(max_num_seqs=max_batch, max_parked=kv_capacity)
         runner = model if isinstance(model, ModelRunner) else ModelRunner.from_transformers(model, config)
         self._context_length = runner.model_config.max_position_embeddings
+        self._vocab_size = runner.model_config.vocab_size
+        self._handles_bound = 2 * (config.max_parked + config.max_num_seqs) + 64  # see `_prune_handles`
         self._engine = AsyncEngine(LLMEngine(runner), name=name)
         generation = None if isinstance(model, ModelRunner) else model.generation_config
         self._eos_ids = eos_ids if eos_ids is not None else _eos_ids(generation, tokenizer)
@@ -146,6 +149,7 @@ class LocalBackend:
         delta = self._text_stream(request).push(token)
         if delta.finish_reason is None:
             self._handles.setdefault(request.request_id, set()).add(handle)
+            self._prune_handles()
         else:
             self._engine.cancel(handle)
         return Prefilled(handle, token, delta.text, len(prompt_ids), delta.finish_reason)
@@ -176,6 +180,9 @@ class LocalBackend:
             self._engine.cancel(prefilled.handle)
             self._discard_stored(prefilled.handle)
             raise Cancelled(f"request {request.request_id} was cancelled")
+        ids = (*request.resume_token_ids, prefilled.first_token_id)  # from a Kafka message: an id past the
+        if not all(0 <= i < self._vocab_size for i in ids):  # vocabulary would fail the step of every request in it
+            raise InvalidRequest("a token id of the handoff is outside the model's vocabulary")
         stream = self._text_stream(request, prefilled)
         handle, tokens = await self._resume(request, prefilled)
         if request.request_id in self._cancelled:  # cancelled while the KV was read and imported
@@ -204,11 +211,14 @@ class LocalBackend:
     async def _resume(self, request: GenerationRequest, prefilled: Prefilled) -> tuple[str, AsyncIterator[int]]:
         """The token stream after `prefilled`: the sequence parked here, else imported from the KV store,
         else recomputed from prompt + tokens so far (same seeds, so the same tokens)."""
-        if self._engine.is_parked(prefilled.handle):
+        completion = (*request.resume_token_ids, prefilled.first_token_id)
+        prompt_ids = self._prompt_ids(request)
+        if self._engine.holds(prefilled.handle, (*prompt_ids, *completion), request.tenant):
             self.handoffs.local += 1
             return prefilled.handle, self._engine.decode(prefilled.handle)
-        completion = (*request.resume_token_ids, prefilled.first_token_id)
-        engine_request = self._engine_request(request, self._prompt_ids(request), completion)
+        if self._engine.is_parked(prefilled.handle):  # parked here, but not at this point of this request:
+            self._engine.cancel(prefilled.handle)  # a takeover after tokens were sent (it holds the first only)
+        engine_request = self._engine_request(request, prompt_ids, completion)
         handle = uuid.uuid4().hex
         if await self._import(prefilled.handle, engine_request, handle):
             self.handoffs.imported += 1
@@ -290,6 +300,16 @@ class LocalBackend:
         finally:
             self._forget(request_id, handle)
 
+    def _prune_handles(self) -> None:
+        """Forgets handles the engine no longer has. A prefill-only worker parks each prompt for a decode
+        that runs elsewhere; the engine drops the oldest over `max_parked`, and nothing here heard of it,
+        so every request ever prefilled stayed in `_handles`. Pruned when it outgrows what the engine can
+        hold, so the cost stays a few entries a request."""
+        if len(self._handles) <= self._handles_bound:
+            return
+        for request_id in [r for r, hs in self._handles.items() if not any(self._engine.knows(h) for h in hs)]:
+            del self._handles[request_id]
+
     def _forget(self, request_id: str, handle: str) -> None:
         handles = self._handles.get(request_id)
         if handles is not None:
@@ -312,7 +332,7 @@ class LocalBackend:
             raise InvalidRequest(
                 f"nothing to generate: max_tokens={request.max_tokens}, resume tokens={len(request.resume_token_ids)}"
             )
-        if request.temperature < 0.0 or not 0.0 < request.top_p <= 1.0:
+        if not (0.0 <= request.temperature < math.inf and 0.0 < request.top_p <= 1.0):  # NaN fails: one row's NaN failed the step
             raise InvalidRequest(f"bad sampling parameters: temperature={request.temperature}, top_p={request.top_p}")
         if prompt_tokens + request.max_tokens > self._context_length:
             raise InvalidRequest(

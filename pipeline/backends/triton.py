@@ -102,6 +102,8 @@ class TritonBackend:
         if rid in self._cancelled:
             raise Cancelled(f"request {rid} was cancelled")
         schema = await self._model_schema()
+        if rid in self._cancelled:  # cancelled while the model's config was read: no call to cancel yet
+            raise Cancelled(f"request {rid} was cancelled")
         payload = {
             "model_name": self._model,
             "request_id": rid,  # in Triton's logs and traces
@@ -120,7 +122,7 @@ class TritonBackend:
                 yield delta
                 if delta.finish_reason is not None:
                     return
-            if "finish_reason" in schema.outputs:
+            if "finish_reason" in schema.outputs or not responses:  # nothing at all is no answer, not an empty one
                 raise ModelError(f"{self._model}: the stream ended without a final response")
             yield Delta("", (), _inferred_finish(responses, request), None, responses)
         finally:

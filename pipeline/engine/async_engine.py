@@ -86,6 +86,17 @@ class AsyncEngine:
     def num_parked(self) -> int:
         return len(self.engine.scheduler.parked)
 
+    def knows(self, handle: str) -> bool:
+        """Whether `handle` names a sequence of this engine still (waiting, running or parked)."""
+        return handle in self._handles
+
+    def holds(self, handle: str, token_ids: tuple[int, ...], salt: str) -> bool:
+        """Whether `handle` names a parked sequence of exactly these tokens (prompt then completion) and
+        this salt (the tenant): a handle from a message must not continue another request's sequence."""
+        seq = self._handles.get(handle)
+        return (seq is not None and seq.status is SequenceStatus.PARKED and seq.salt == salt
+                and tuple(seq.token_ids) == token_ids)
+
     def is_parked(self, handle: str) -> bool:
         seq = self._handles.get(handle)
         return seq is not None and seq.status is SequenceStatus.PARKED

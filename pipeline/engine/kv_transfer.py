@@ -73,11 +73,12 @@ class KVState:
                 salt=header["salt"],
                 speculative=_speculative(header.get("speculative")),
             )
+            model, k, v = header["model"], tensors["k"], tensors["v"]
         except (KeyError, ValueError, TypeError) as exc:
             raise KVMismatch(f"not a KV state this engine can read: {exc}") from exc
         if header.get("version") != _VERSION:
             raise KVMismatch(f"KV state version {header.get('version')!r}, expected {_VERSION}")
-        return cls(request=request, model=header["model"], k=tensors["k"], v=tensors["v"])
+        return cls(request=request, model=model, k=k, v=v)
 
 
 def _safetensors_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[Buffer]:

@@ -105,9 +105,19 @@ class LLMEngine:
         """`import_kv`'s bookkeeping half (on the scheduler's thread): a sequence with blocks for the
         state's K/V, in no queue yet; write the K/V into them, then `finish_import`."""
         seq = self.scheduler.new_sequence(request)
-        computed = int(state.k.shape[1])
+        c = self.runner.model_config
+        computed = int(state.k.shape[1]) if state.k.dim() == 4 else -1
+        shape = (c.num_layers, computed, c.num_kv_heads, c.head_dim)  # what `read_kv` exports
+        if tuple(state.k.shape) != shape or tuple(state.v.shape) != shape or {state.k.dtype, state.v.dtype} != {self.runner.kv_dtype}:
+            # another shape of as many numbers would be written through a view of the pool, into other
+            # sequences' blocks
+            raise KVMismatch(f"K/V of shape {tuple(state.k.shape)} {state.k.dtype}, expected {shape} {self.runner.kv_dtype}")
         if computed != len(state.request.prompt_ids) + len(state.request.completion_ids) - 1:
             raise KVMismatch(f"{computed} tokens of KV for {len(seq.token_ids)} tokens (expected one fewer)")
+        total = len(request.prompt_ids) + max(request.max_tokens, len(request.completion_ids))
+        if total > self.scheduler.max_model_len or self.block_manager.blocks_for(total) > self.block_manager.num_blocks:
+            # as `Scheduler.add` refuses it: it would preempt itself and wait for good (the backend recomputes)
+            raise RequestTooLarge(f"{total} tokens exceed the context ({self.scheduler.max_model_len}) or the KV pool")
         if not self.block_manager.can_allocate(seq, computed, use_cache=False):
             raise RequestTooLarge(f"no room for {computed} imported tokens")
         self.block_manager.allocate(seq, computed, use_cache=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import secrets
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -25,7 +27,8 @@ class SamplingParams:
     seed: int = 0  # with the completion index, seeds each token's draw (see sampler.py)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0.0 or not 0.0 < self.top_p <= 1.0 or self.top_k < 0 or self.repetition_penalty <= 0.0:
+        if not (0.0 <= self.temperature < math.inf and 0.0 < self.top_p <= 1.0 and self.top_k >= 0
+                and 0.0 < self.repetition_penalty < math.inf):  # written so that NaN fails every test
             raise ValueError(f"bad sampling parameters: {self}")
 
     @property

@@ -57,7 +57,11 @@ def apply_penalty(logits: torch.Tensor, params: SamplingParams, history: Ids[int
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy draw uses: temperature, then top-k, then top-p (the nucleus always
     keeps the most likely token). Speculative decoding's rejection sampling compares these."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    logits = logits.float()
+    # Shifted so that the largest is 0 before the division: a temperature of 1e-40 (the API allows any
+    # above 0) then gives 0 and -inf, a one-hot draw, not inf / inf = NaN, which failed the whole step
+    # and every request batched with this one.
+    probs = torch.softmax((logits - logits.max(dim=-1, keepdim=True).values) / params.temperature, dim=-1)
     if params.top_k and params.top_k < probs.shape[-1]:
         kth = torch.topk(probs, params.top_k, dim=-1).values[..., -1:]
         probs = probs.masked_fill(probs < kth, 0.0)

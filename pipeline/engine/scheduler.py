@@ -136,6 +136,7 @@ class Scheduler:
         self.waiting = _Lanes()
         self.running: list[Sequence] = []
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # by seq_id, oldest first
+        self._trimmed: list[Sequence] = []  # parked sequences aborted over `max_parked`, for the next output
         self.step_count = 0
         self._next_id = 0
         self.proposer = NGramProposer()  # drafts for speculative sequences (prompt lookup, no model)
@@ -168,7 +169,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
-        dropped: list[Sequence] = []
+        dropped, self._trimmed = self._trimmed, []  # aborted since the last step: their handles are gone too
         self.running.sort(key=lambda s: (s.priority, s.arrival, s.seq_id))
         scheduled: set[int] = set()
         interactive = self._interactive_present()
@@ -422,7 +423,7 @@ class Scheduler:
 
     def _trim_parked(self) -> None:
         while len(self.parked) > self.config.max_parked:
-            self._drop_oldest_parked()
+            self._trimmed.append(self._drop_oldest_parked())  # reported like the ones dropped for blocks
 
     def _drop_oldest_parked(self) -> Sequence:
         _, seq = self.parked.popitem(last=False)

@@ -217,6 +217,18 @@ async def test_completion_form_and_invalid_requests(backend: LocalBackend) -> No
         await backend.prefill(replace(completion, resume_token_ids=(1, 2, 3)))
 
 
+@pytest.mark.asyncio
+async def test_a_handoff_naming_a_token_outside_the_vocabulary_is_refused_alone(backend: LocalBackend) -> None:
+    prefilled = await backend.prefill(replace(POEM, request_id="bad-ids"))
+    with pytest.raises(InvalidRequest):  # an embedding IndexError failed the step of every request in it
+        await collect(backend.decode(replace(POEM, request_id="bad-ids"), replace(prefilled, first_token_id=10**9)))
+    backend.kv_store.drop(prefilled.handle)
+    sampled = replace(POEM, request_id="tiny-t", temperature=1e-40, max_tokens=4)
+    assert len(ids_of(await collect(backend.generate(sampled)))) == 4  # not NaN: the likeliest token each time
+    with pytest.raises(InvalidRequest):  # from Triton's gRPC inputs: NaN passed `< 0.0`
+        await collect(backend.generate(replace(POEM, request_id="nan-t", temperature=float("nan"))))
+
+
 def test_the_tenant_salts_the_prefix_cache(backend: LocalBackend) -> None:
     """Prefix-cache blocks are keyed by the salt, so one tenant's prompt never serves another's."""
     salts = {t: backend._engine_request(chat("s", "hi", tenant=t), [1, 2, 3]).salt for t in ("acme", "globex")}

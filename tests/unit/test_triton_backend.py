@@ -73,3 +73,47 @@ def test_the_address_must_be_a_grpc_host_and_port() -> None:
     with pytest.raises(ValueError, match="host:port"):
         TritonBackend("http://127.0.0.1:8001", "sluice_llm")
     assert not TritonBackend("127.0.0.1:8001", "sluice_llm").resumes  # unknown until the model's config is read
+
+
+class _Closing:
+    """A gRPC stream the server closes without one response (cancel: a no-op)."""
+
+    def __aiter__(self) -> "_Closing":
+        return self
+
+    async def __anext__(self) -> object:
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        pass
+
+
+def _backend_with(schema: _ModelSchema, call: object, on_schema: object = None) -> TritonBackend:
+    backend = TritonBackend("127.0.0.1:1", "ensemble")
+
+    async def model_schema() -> _ModelSchema:
+        if on_schema is not None:
+            await on_schema(backend)  # type: ignore[operator]
+        return schema
+
+    class Client:
+        def stream_infer(self, inputs: object) -> object:
+            return call
+
+    backend._model_schema = model_schema  # type: ignore[method-assign]
+    backend._connected = lambda: Client()  # type: ignore[method-assign,assignment,return-value]
+    return backend
+
+
+@pytest.mark.asyncio
+async def test_a_stream_closed_without_a_response_is_no_answer_and_a_cancel_while_the_config_is_read_counts() -> None:
+    schema = ENSEMBLE
+    request = GenerationRequest(request_id="r1", prompt="hi", max_tokens=4)
+    with pytest.raises(ModelError):  # it ended as an empty answer with finish "stop"
+        [d async for d in _backend_with(schema, _Closing()).generate(request)]
+
+    async def cancel_meanwhile(backend: TritonBackend) -> None:
+        await backend.cancel("r1")
+
+    with pytest.raises(Cancelled):  # the cancel found no call yet and was lost; the stream then ran to its end
+        [d async for d in _backend_with(schema, _Closing(), cancel_meanwhile).generate(request)]

@@ -320,3 +320,40 @@ async def test_a_step_with_interactive_rows_is_never_stopped(loaded: Loaded) -> 
     tokens = [t async for t in engine.generate(EngineRequest(chat_ids(loaded, "Count to five."), 4))]
     assert len(tokens) == 4 and interrupts == [None] * 4  # an interactive-only engine passes no interrupt
     await engine.aclose()
+
+
+@pytest.mark.asyncio
+async def test_parked_sequences_dropped_over_the_bound_are_forgotten(loaded: Loaded) -> None:
+    """A prefill-only worker parks every prompt for a decode elsewhere: the engine drops the oldest over
+    `max_parked`, and their handles (each holding its sequence) must go with them, not pile up forever."""
+    engine = AsyncEngine(make_engine(loaded, max_parked=2))
+    handles = [(await engine.prefill(EngineRequest(chat_ids(loaded, f"Say {n}."), 8)))[1] for n in range(6)]
+    await engine.prefill(EngineRequest(chat_ids(loaded, "One more."), 8))  # a step after the last trim reports it
+    assert engine.num_parked == 2
+    assert sum(engine.knows(h) for h in handles) <= 2 and len(engine._handles) <= 3
+    await engine.aclose()
+
+
+@pytest.mark.asyncio
+async def test_an_imported_state_of_another_shape_or_past_the_pool_is_refused(loaded: Loaded) -> None:
+    """A K/V of as many numbers in another shape was written through a view of the pool, into other
+    sequences' blocks; one whose sequence could never fit this pool waited for good."""
+    import dataclasses
+
+    from pipeline.engine.errors import KVMismatch, RequestTooLarge
+    from pipeline.engine.kv_transfer import KVState
+
+    prompt = chat_ids(loaded, "Count to five.")
+    source, small = AsyncEngine(make_engine(loaded)), AsyncEngine(make_engine(loaded, num_blocks=8))
+    _, handle = await source.prefill(EngineRequest(prompt, 8))
+    state = KVState.from_buffer(await source.export_kv(handle))
+    layers, n, heads, dim = state.k.shape
+    odd = dataclasses.replace(state, k=state.k.reshape(layers * 2, n, heads // 2, dim) if heads % 2 == 0
+                              else state.k.reshape(layers, n, heads * dim // 2, 2))
+    with pytest.raises(KVMismatch):
+        source.engine.reserve_import(odd, odd.request)
+    long = dataclasses.replace(state.request, max_tokens=10_000)
+    with pytest.raises(RequestTooLarge):
+        small.engine.reserve_import(state, long)
+    for engine in (source, small):
+        await engine.aclose()

@@ -30,3 +30,19 @@ def test_repetition_penalty_follows_the_transformers_rule() -> None:
     logits = torch.tensor([2.0, -2.0, 1.0])
     out = apply_penalty(logits, SamplingParams(repetition_penalty=2.0), [0, 1, 1])
     assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_a_tiny_temperature_draws_the_likeliest_token_not_nan() -> None:
+    logits = torch.tensor([1.0, 3.0, 2.0, -5.0])
+    params = SamplingParams(temperature=1e-40, seed=3)
+    probs = token_probs(logits, params)
+    assert not torch.isnan(probs).any() and probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert sample_token(logits, params, position=0) == 1  # it raised in torch.multinomial, failing the whole step
+
+
+def test_a_temperature_or_top_p_that_is_not_a_number_is_refused() -> None:
+    import pytest
+
+    for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")}):
+        with pytest.raises(ValueError):  # NaN passed `< 0.0` and failed every row of its step in multinomial
+            SamplingParams(**bad)  # type: ignore[arg-type]

@@ -85,7 +85,10 @@ class TritonPythonModel:
         except Exception as exc:  # a bug here must still end the stream (else the client waits forever)
             pb_utils.Logger.log_error(f"sluice_llm: request failed: {exc!r}")
             error = pb_utils.TritonError(f"sluice.ModelError: unexpected {exc!r}", pb_utils.TritonError.INTERNAL)
-            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            try:
+                sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception as closed:  # the failure was the final send itself: the sender is closed already
+                pb_utils.Logger.log_error(f"sluice_llm: could not report the failure: {closed!r}")
         finally:
             self._live.pop(request_id, None)
 
@@ -141,9 +144,12 @@ class TritonPythonModel:
     async def _watch_cancellations(self) -> None:
         while self._live:
             for request_id, request in list(self._live.items()):
-                if request.is_cancelled():
-                    self._live.pop(request_id, None)
-                    await self._backend.cancel(request_id)
+                try:
+                    if request.is_cancelled():
+                        self._live.pop(request_id, None)
+                        await self._backend.cancel(request_id)
+                except Exception as exc:  # one request's failure must not end the watch for the others
+                    pb_utils.Logger.log_error(f"sluice_llm: cancellation check failed: {exc!r}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._backend.engine.next_step(), CANCEL_CHECK_MAX_S)
 
