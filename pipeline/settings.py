@@ -70,6 +70,9 @@ class LimitSettings:
     max_prompt_bytes: int = 32768
     max_messages: int = 64
     max_tokens_cap: int = 1024
+    # The longest deadline a request may ask for: every wait that lasts "until the deadline" (a retry
+    # through an outage, a terminal event held for a late chunk) is bounded by it.
+    max_deadline_s: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,9 @@ class Settings:
         if self.limits.max_prompt_bytes > MAX_PROMPT_BYTES:
             raise SettingsError(f"limits.max_prompt_bytes may be at most {MAX_PROMPT_BYTES} (a request travels as one "
                                 f"Kafka record, 1 MiB at most by default), got {self.limits.max_prompt_bytes}")
+        if not self.batch.line_deadline_s <= self.limits.max_deadline_s:  # else ingest refuses every line
+            raise SettingsError(f"batch.line_deadline_s ({self.batch.line_deadline_s:g}) may be at most "
+                                f"limits.max_deadline_s ({self.limits.max_deadline_s:g})")
         if self.profile not in self.profiles:
             raise SettingsError(f"profile {self.profile!r} is not in [profiles] ({', '.join(self.profiles)})")
         for b in self.backends:

@@ -27,6 +27,19 @@ CANDIDATES = 16  # nearest entries examined per lookup
 _salient = msgspec.msgpack.Decoder(Salient)
 
 
+def _readable(entry: Entry) -> bool:
+    """Whether a lookup can use the entry: a vector of the model's size with finite values, a summary
+    that decodes, an ending a hit can replay. One that cannot (the topic is compacted and replayed at
+    every start) made every lookup that reached it fail as `internal` until it expired."""
+    if not entry.vector or len(entry.vector) != DIMS * 2 or entry.finish_reason not in ("stop", "length"):
+        return False
+    try:
+        _salient.decode(entry.salient)
+    except msgspec.DecodeError:
+        return False
+    return bool(np.isfinite(to_vector(entry.vector)).all())
+
+
 def to_vector(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.float16).astype(np.float32)
 
@@ -67,7 +80,7 @@ class SemanticIndex:
         """One record of `llm.cache.entries`, in any order relative to the others."""
         if isinstance(record, Purge):
             self._purge(record)
-        elif record.vector and len(record.vector) == DIMS * 2 and not self._was_purged(record):
+        elif _readable(record) and not self._was_purged(record):
             self._add(record)
 
     def search(self, tenant: str, model: str, context: str, vector: np.ndarray, salient: Salient, threshold: float) -> Found | None:

@@ -29,6 +29,7 @@ from topics.requests import Request
 
 MAX_STOP = 4  # stop sequences a request may carry (OpenAI's own limit)
 MAX_STOP_BYTES = 256  # the longest one
+MAX_CLOCK_SKEW_S = 300.0  # how far in the future a request's created_at may be (another host's clock)
 
 
 class IngestStage:
@@ -67,6 +68,10 @@ class IngestStage:
         size = sum(len(m.content.encode()) for m in request.messages) + len((request.prompt or "").encode())
         if size > limits.max_prompt_bytes:
             raise StageError(ErrorCode.invalid_request, f"prompt is {size} bytes; the limit is {limits.max_prompt_bytes}")
+        if not request.deadline_s <= limits.max_deadline_s:
+            raise StageError(ErrorCode.invalid_request, f"deadline_s may be at most {limits.max_deadline_s:g}")
+        if not 0 < request.created_at <= time.time() + MAX_CLOCK_SKEW_S:  # 0 made the deadline move with the clock
+            raise StageError(ErrorCode.invalid_request, "created_at must be the request's time of creation (unix seconds)")
         if request.sampling.max_tokens > limits.max_tokens_cap:
             raise StageError(ErrorCode.invalid_request, f"max_tokens may be at most {limits.max_tokens_cap}")
         if request.model not in self._models:

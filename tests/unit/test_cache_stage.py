@@ -236,3 +236,19 @@ async def test_without_a_semantic_tier_an_answer_goes_to_the_exact_tier_only(emb
     assert produced == []
     assert (await pipeline.ask(chat("What is the capital of Austria?", "r3")))[0] == "miss"  # acme: semantic on
     assert produced == ["Entry"]
+
+
+async def test_an_entry_a_lookup_could_not_read_is_not_indexed(embedder) -> None:  # type: ignore[no-untyped-def]
+    from pipeline.cache.index import SemanticIndex
+    from pipeline.guard.embedder import DIMS
+
+    p = Pipeline(embedder)
+    await p.ask(chat("How do I reset my password?", "g1"))
+    [entry] = [e for t in p.cache.index._tenants.values() for e in t.entries.values()]
+    index = SemanticIndex()
+    for bad in (msgspec.structs.replace(entry, salient=b""), msgspec.structs.replace(entry, finish_reason="x"),
+                msgspec.structs.replace(entry, vector=b"\xff\x7f" * DIMS)):  # NaN
+        index.apply(bad)  # each made every lookup that reached it fail as `internal`
+    assert len(index) == 0
+    index.apply(entry)
+    assert len(index) == 1

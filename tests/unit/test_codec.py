@@ -52,3 +52,13 @@ def test_the_sdk_validates_requests_as_it_builds_them() -> None:
     assert client.request(prompt="hi", max_tokens=3).sampling.max_tokens == 3
     with pytest.raises(msgspec.ValidationError, match="max_tokens"):
         client.request(prompt="hi", max_tokens=0)
+
+
+def test_a_cancellation_names_a_request_id_not_a_megabyte() -> None:
+    from topics.control import Cancel, CancelReason
+
+    for good in ("abc-123", "acme/abc-123"):
+        assert codec.decode(codec.encode(Cancel(id=good, reason=CancelReason.client_gone, at=1.0)), Cancel).id == good
+    for bad in ("x/" + "A" * 1_000_000, "", "a/b/c", "with space"):  # each decode and prefill worker keeps 10,000
+        with pytest.raises(codec.SchemaError):
+            codec.decode(codec.encode(Cancel(id=bad, reason=CancelReason.client_gone, at=1.0)), Cancel)

@@ -171,6 +171,9 @@ async def test_work_cancelled_while_the_limits_are_asked_leaves_no_claim_running
         ({"sampling": Sampling(stop=tuple(f"s{i}" for i in range(100_000)))}, ErrorCode.invalid_request),  # per token
         ({"sampling": Sampling(stop=("x" * (ingest.MAX_STOP_BYTES + 1),))}, ErrorCode.invalid_request),
         ({"sampling": Sampling(stop=("",))}, ErrorCode.invalid_request),
+        ({"deadline_s": 1e15}, ErrorCode.invalid_request),  # every wait "until the deadline" without end
+        ({"created_at": time.time() + 1e12}, ErrorCode.invalid_request),
+        ({"created_at": 0.0}, ErrorCode.invalid_request),  # a deadline that moved with the clock
         ({"created_at": 1.0}, ErrorCode.deadline_exceeded),
     ],
 )
