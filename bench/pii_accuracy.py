@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.guard.pii import Finding, PiiAnalyzer
-from pipeline.guard.redact import without_overlaps
+from pipeline.guard.redact import merged
 
 DATA = Path(__file__).resolve().parent / "data" / "pii_labelled.jsonl"
 
@@ -50,13 +50,13 @@ def score(items: list[Labelled], found: list[list[Finding]]) -> tuple[Counter[st
     errors = []
     for item, findings in zip(items, found, strict=True):
         unmatched = list(item.spans)
-        for f in without_overlaps(findings):  # what redaction acts on
-            hit = next((s for s in unmatched if s[0] == f.entity and f.start < s[2] and s[1] < f.end), None)
+        for start, end, entity in merged(findings):  # what redaction acts on: overlapping findings as one span
+            hit = next((s for s in unmatched if s[0] == entity and start < s[2] and s[1] < end), None)
             if hit is None:
-                fp[f.entity] += 1
-                errors.append(f"FP {f.entity:<11} {item.text[f.start:f.end]!r} in {item.text!r}")
+                fp[entity] += 1
+                errors.append(f"FP {entity:<11} {item.text[start:end]!r} in {item.text!r}")
             else:
-                tp[f.entity] += 1
+                tp[entity] += 1
                 unmatched.remove(hit)
         for entity, start, end in unmatched:
             fn[entity] += 1
