@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 import secrets
 from dataclasses import dataclass, field
 from enum import IntEnum
