@@ -16,27 +16,31 @@ from __future__ import annotations
 from topics.stream import Chunk
 
 MAX_HELD = 4096  # chunks held for one request; past that the stream is declared broken
+MAX_HELD_CHARS = 4 * 1024 * 1024  # and their text: a count alone let 4,096 chunks of a megabyte each be held
 
 
 class Sequencer:
-    __slots__ = ("next_seq", "_held")
+    __slots__ = ("next_seq", "_held", "_chars")
 
     def __init__(self, next_seq: int = 0) -> None:
         self.next_seq = next_seq  # the seq the client expects next
         self._held: dict[int, Chunk] = {}
+        self._chars = 0  # text held
 
     def accept(self, chunk: Chunk) -> list[Chunk]:
         """The chunks to release now, in order (empty for a duplicate or an early chunk)."""
         if chunk.seq < self.next_seq or chunk.seq in self._held:
             return []
         if chunk.seq > self.next_seq:
-            if len(self._held) >= MAX_HELD:
+            if len(self._held) >= MAX_HELD or self._chars + len(chunk.text) > MAX_HELD_CHARS:
                 raise OverflowError("too many chunks held behind a gap")
             self._held[chunk.seq] = chunk
+            self._chars += len(chunk.text)
             return []
         ready = [chunk]
         self.next_seq += 1
         while (following := self._held.pop(self.next_seq, None)) is not None:
+            self._chars -= len(following.text)
             ready.append(following)
             self.next_seq += 1
         return ready

@@ -26,6 +26,9 @@ class Member:
     silent: bool = False  # it reported before and has said nothing fresh since: its workers may be gone
 
 
+MAX_WORKERS = 256  # reports kept per backend: every worker restart reports under a new name
+
+
 UNKNOWN = Member(load=0.0, ejected=False, ttft_p95_ms=0.0, known=False)
 
 
@@ -46,6 +49,12 @@ class HealthView:
         previous = workers.get(report.worker)
         if previous is None or report.at >= previous.at:
             workers[report.worker] = report
+        if previous is None and len(workers) > MAX_WORKERS:  # a new name: forget reports nothing reads any more,
+            horizon = now - self._settings.max_ejection_s - self._settings.health_stale_s  # (past any ejection term)
+            for worker in [w for w, r in workers.items() if r.at < horizon]:
+                del workers[worker]
+            while len(workers) > MAX_WORKERS:  # then the oldest: restarts mint a name each (stage:host:pid)
+                del workers[min(workers, key=lambda w: workers[w].at)]
 
     def member(self, backend: str, now: float) -> Member:
         s = self._settings

@@ -235,3 +235,13 @@ async def test_a_health_record_cannot_claim_the_future_or_a_negative_load() -> N
     assert not view.member("a", now + ROUTING.ejection_s + 1).ejected  # an ejection of the usual term, not forever
     view.apply(BackendHealth("a", "pa", "forged", now + 1, 0, 4, 0, 0, 0.0, 0.0, 0.0), now=now + 1)
     assert not view.member("a", now + 1).ejected  # its next report is not shut out by a timestamp from the future
+
+
+async def test_the_health_view_forgets_workers_past_a_bound() -> None:
+    from pipeline.routing.health import MAX_WORKERS
+
+    view = HealthView(ROUTING)
+    now = time.time()
+    for n in range(MAX_WORKERS * 3):  # a restart (or a forged record) per name
+        view.apply(BackendHealth("a", "pa", f"w{n}", now - 3600 + n, 0, 4, 0, 0, 0.0, 0.0, 0.0), now=now)
+    assert len(view._reports["a"]) <= MAX_WORKERS
