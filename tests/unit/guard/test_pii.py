@@ -101,3 +101,9 @@ def test_overlapping_findings_each_count_a_block_is_never_hidden_and_redaction_c
 def test_a_pgp_private_key_block_is_a_private_key(input_guard: InputGuard) -> None:
     pgp = "-----BEGIN PGP PRIVATE KEY BLOCK-----\n\nlQOYBF9aX8wBCAC5\n=abcd\n-----END PGP PRIVATE KEY BLOCK-----"
     assert "PRIVATE_KEY" in findings(input_guard, f"my key:\n{pgp}\nthanks")
+
+
+def test_the_output_scanner_boosts_a_match_by_its_context_words_as_the_input_guard_does() -> None:
+    scanner = PatternScanner()
+    assert [f.entity for f in scanner.scan("Your SSN is 536228761, keep it safe.")] == ["US_SSN"]  # 0.05 alone
+    assert scanner.scan("The order number is 536228761.") == []  # no context word: not an SSN
