@@ -228,10 +228,14 @@ class BatchWorker:
                 await asyncio.sleep(RETRY_S)
 
     async def _record_unrun(self, batch: Batch, lines: list[Line] | None, code: str, message: str) -> None:
-        if lines is None:
+        refused: list[Rejected] = []
+        if lines is None:  # parsed again: the lines refused at validation too, in case it never ran (cancelled first)
             parsed = await self._parse(batch)
-            lines = parsed[0] if parsed is not None else []
+            lines, refused = parsed if parsed is not None else ([], [])
         done = await self.store.recorded_keys(batch.id)
+        for bad in refused:
+            if bad.key not in done:
+                await self.store.record(batch.id, bad.key, rejected(batch.id, bad))
         for line in lines:
             if line.key not in done:
                 await self.store.record(batch.id, line.key, unrun(batch.id, line, code, message))

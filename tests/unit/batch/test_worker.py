@@ -226,3 +226,15 @@ async def test_an_input_file_deleted_under_a_running_job_fails_it(tmp_path: Path
     await run_until(harness, batch.id, {Status.failed, Status.completed})  # the next worker takes it over
     done = await harness.finished(batch.id)
     assert done.status is Status.failed and done.errors[0].code == "invalid_file"
+
+
+async def test_a_job_cancelled_before_validation_reports_its_refused_lines_too(tmp_path: Path) -> None:
+    harness = Harness(tmp_path)
+    batch = await harness.submit(jsonl(["a", "b"]) + b"{oops\n")
+    current = await harness.finished(batch.id)
+    assert await harness.store.update(msgspec.structs.replace(current, status=Status.cancelling, cancelling_at=1),
+                                      {Status.validating})
+    await run_until(harness, batch.id, {Status.cancelled})
+    errors = harness.lines((await harness.finished(batch.id)).error_file_id)
+    codes = sorted(e["error"]["code"] for e in errors)
+    assert codes == ["batch_cancelled", "batch_cancelled", "invalid_json"]  # the refused line was left out
