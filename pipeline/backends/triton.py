@@ -203,6 +203,10 @@ def _inputs(request: GenerationRequest, schema: _ModelSchema) -> list[InferInput
         "temperature": np.array([request.temperature], dtype=np.float32),
         "top_p": np.array([request.top_p], dtype=np.float32),
     }
+    if request.temperature == 0.0 and "top_k" in schema.inputs:
+        # TensorRT-LLM decodes greedily only with top_k 1 (or top_k and top_p both 0): temperature 0 with
+        # top_p 1 samples there, so sluice's greedy default, and a resume that asks again, would not be
+        values["top_k"] = np.array([1], dtype=np.int32)
     if request.seed is not None:
         values["random_seed"] = np.array([request.seed & (2**64 - 1)], dtype=np.uint64)
     if request.stop:

@@ -117,3 +117,10 @@ async def test_a_stream_closed_without_a_response_is_no_answer_and_a_cancel_whil
 
     with pytest.raises(Cancelled):  # the cancel found no call yet and was lost; the stream then ran to its end
         [d async for d in _backend_with(schema, _Closing(), cancel_meanwhile).generate(request)]
+
+
+def test_a_greedy_request_asks_tensorrt_llm_for_top_k_1() -> None:
+    greedy = _by_name(GenerationRequest("r", prompt="Hi", max_tokens=4), ENSEMBLE)
+    assert greedy["top_k"][:2] == ([1, 1], "INT32")  # temperature 0 with top_p 1 samples there
+    assert "top_k" not in _by_name(GenerationRequest("r", prompt="Hi", max_tokens=4, temperature=0.7), ENSEMBLE)
+    assert "top_k" not in _by_name(GenerationRequest("r", prompt="Hi", max_tokens=4), SLUICE_LLM)  # no such input
