@@ -97,7 +97,8 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False,
     auth_required = settings.gateway.auth_required
 
     async def models(request: HttpRequest) -> Response:
-        require_credential(request, auth_required)
+        if auth_required:  # a key that is valid, not merely present: the model list is for callers only
+            await batches.owner(request)
         return JSONResponse(models_body(settings.models))
 
     async def stream(websocket: WebSocket) -> None:

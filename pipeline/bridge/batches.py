@@ -52,7 +52,7 @@ from pipeline.bridge.openai_format import Unauthorized, decode_body, error_body
 from pipeline.gateway.build import redis_client
 from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.gateway import INVALID_KEY
-from pipeline.gateway.keys import KeyStore
+from pipeline.gateway.keys import KeyStore, confirmed
 from pipeline.gateway.redis_keys import RedisKeyStore
 from pipeline.sdk import Client
 from pipeline.settings import Settings
@@ -252,6 +252,7 @@ async def owner_of(credential: Credential, keys: KeyStore, settings: Settings) -
         return Owner(credential.tenant, Signer("jwt", credential.subject, credential.tenant, credential.models))
     try:
         entry = await keys.lookup(credential.subject)
+        entry = await confirmed(keys, credential.subject, entry) if entry is not None else None
     except StoreUnavailable:
         raise BatchUnavailable("credentials cannot be checked right now") from None
     if entry is None or not entry.valid(time.time()):

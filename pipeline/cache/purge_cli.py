@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import time
+
+import msgspec
 
 from pipeline.cache import keys
 from pipeline.cache.exact import RedisExactTier
@@ -28,13 +31,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     purge.add_argument("--model", default=None, help="only this model's answers")
 
 
+def purge_key(tenant: str, model: str | None) -> bytes:
+    """The purge's record key on the compacted topic: one per (tenant, model), unambiguous. It was
+    `purge/<tenant>/<model>`, which tenant `a/b` with model `c` and tenant `a` with model `b/c` (model
+    names like `org/name` are common) shared: compaction kept the later purge and lost the other, whose
+    purged answers came back at the next rebuild."""
+    return b"purge/" + hashlib.sha256(msgspec.json.encode([tenant, model])).hexdigest().encode()
+
+
 async def run(settings: Settings, args: argparse.Namespace) -> int:
     record = Purge(tenant=args.tenant, model=args.model, at=time.time())
     producer = Producer(settings, "sluice-cache-purge")
     await producer.start(asyncio.Event())
     try:
-        key = f"purge/{args.tenant}/{args.model or '*'}"
-        await producer.send_and_wait(registry.CACHE_ENTRIES, codec.encode(record), key=key.encode())
+        await producer.send_and_wait(registry.CACHE_ENTRIES, codec.encode(record), key=purge_key(args.tenant, args.model))
     finally:
         await producer.stop()
     exact = RedisExactTier(redis_client(settings))

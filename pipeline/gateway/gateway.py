@@ -30,7 +30,7 @@ from pipeline.gateway import principal as principal_token
 from pipeline.gateway.config import GatewaySettings, TenantPolicy
 from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier, looks_like_jwt
-from pipeline.gateway.keys import PREFIX, KeyEntry, KeyStore, hash_key, well_formed
+from pipeline.gateway.keys import PREFIX, KeyEntry, KeyStore, confirmed, hash_key, well_formed
 from pipeline.gateway.limits import Limiter, Refusal, Scope
 from pipeline.gateway.network import Address, NetworkRules, attest, client_block, parse_ip
 from pipeline.metrics import GATEWAY_DEGRADED
@@ -232,6 +232,8 @@ class Gateway:
             return cached[0]
         try:
             entry = await self._keys.lookup(key_hash)
+            if entry is not None:
+                entry = await confirmed(self._keys, key_hash, entry)  # once per `key_cache_s`
         except StoreUnavailable:
             if cached is not None and now - cached[1] < STALE_LIMIT_S:
                 GATEWAY_DEGRADED.labels("auth", "cached").inc()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -139,6 +140,17 @@ class KeyNotFound(LookupError):
     """`revoke` or `rotate` named a key id the store does not hold."""
 
 
+async def confirmed(store: KeyStore, key_hash: str, entry: KeyEntry) -> KeyEntry | None:
+    """The entry, if its key's record still lists this hash and is not revoked. The per-hash entries
+    are copies, written without a transaction: a revoke racing a rotation (or two rotations, or a revoke
+    cut short by Redis) left an entry that said "not revoked" for a key the record, and so `sluice keys`,
+    called revoked, with no expiry. The record is the truth (one GET more per lookup)."""
+    record = await store.get(entry.record.key_id)
+    if record is None or record.revoked or key_hash not in record.hashes:
+        return None
+    return entry
+
+
 class KeyManager:
     """create / rotate / revoke / list on any KeyStore. Returns raw keys once; stores only hashes."""
 
@@ -150,6 +162,12 @@ class KeyManager:
     async def create(
         self, tenant: str, *, models: tuple[str, ...] = (), rpm: int = 0, tpm: int = 0, budget: float = 0.0
     ) -> tuple[str, KeyRecord]:
+        # NaN or inf is written as null and breaks every later read of the records (`sluice keys list`);
+        # a negative limit read as "none"; a tenant must be a name
+        if not (tenant.strip() and tenant.isprintable() and "/" not in tenant):
+            raise ValueError(f"a tenant is a printable name without '/', got {tenant!r}")
+        if min(rpm, tpm) < 0 or not 0.0 <= budget < math.inf:
+            raise ValueError("rpm, tpm and budget must be finite and 0 (no limit) or more")
         raw = new_key()
         record = KeyRecord(
             key_id=new_key_id(), tenant=tenant, models=models, rpm=rpm, tpm=tpm, budget=budget,
@@ -161,6 +179,8 @@ class KeyManager:
 
     async def rotate(self, key_id: str, *, overlap_s: float | None = None) -> tuple[str, KeyRecord]:
         """A new key for the same record; the current ones stop working after the overlap."""
+        if overlap_s is not None and not 0.0 <= overlap_s < 366 * 86400:
+            raise ValueError("the overlap is 0 or more seconds, at most a year")
         record = await self._live(key_id)
         now = self._clock()
         until = now + (self._overlap if overlap_s is None else overlap_s)
@@ -174,7 +194,11 @@ class KeyManager:
         return raw, rotated
 
     async def revoke(self, key_id: str) -> KeyRecord:
-        record = await self._live(key_id)
+        """Revoked: the record says so (lookups check it: gateway `_confirmed`), then its hashes go. Run
+        again on a revoked record, it deletes what a cut-short run left."""
+        record = await self._store.get(key_id)
+        if record is None:
+            raise KeyNotFound(f"no key {key_id!r}")
         revoked = msgspec.structs.replace(record, revoked=True, hashes={}, verify_keys={})
         await self._store.save(revoked)
         for key_hash in record.hashes:

@@ -58,6 +58,9 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
         except KeyNotFound as exc:
             print(exc)
             return 1
+        except ValueError as exc:
+            print(f"refused: {exc}")
+            return 2
         return 0
     finally:
         await redis.aclose()

@@ -23,6 +23,7 @@ from typing import Literal, Protocol
 
 Resource = Literal["requests", "tokens", "budget"]
 _SAFE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_HASHED = re.compile(r"^h[0-9a-f]{24}$")  # what `tag` makes of an unsafe name: a name of that form is hashed too
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,10 @@ class Scope:
     @property
     def tag(self) -> str:
         """`kind:name`, safe inside a Redis hash tag (names with other characters are hashed)."""
-        name = self.name if _SAFE.match(self.name) else "h" + hashlib.sha256(self.name.encode()).hexdigest()[:24]
+        # A safe name that looks like a hashed one ("h" + 24 hex digits) is hashed as well: else a tenant
+        # named after another's hash shared its windows, spend and budget.
+        safe = _SAFE.match(self.name) and not _HASHED.match(self.name)
+        name = self.name if safe else "h" + hashlib.sha256(self.name.encode()).hexdigest()[:24]
         return f"{self.kind}:{name}"
 
     @property

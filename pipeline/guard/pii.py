@@ -9,7 +9,6 @@ enough for each chunk of the output stream (postguard loads no spaCy model).
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass
 
 import tldextract

@@ -122,6 +122,29 @@ async def test_key_store_round_trip_expiry_and_forgetting(key_store: KeyStore) -
     assert await key_store.lookup(hash_key("sk-sluice-unknown")) is None
 
 
+async def test_a_revoke_that_raced_a_rotation_leaves_no_key_that_works(key_store: KeyStore) -> None:
+    """The revoke read the record before the rotation saved it: the rotation's new hash entry stayed,
+    saying "not revoked", with no expiry, while the record (and `sluice keys list`) said revoked."""
+    import msgspec
+
+    from pipeline.gateway.config import GatewaySettings
+    from pipeline.gateway.gateway import Gateway
+    from tests.unit.helpers import request
+
+    manager = KeyManager(key_store, rotate_overlap_s=60.0)
+    raw, record = await manager.create("tenant-" + uuid.uuid4().hex[:6])
+    read_by_revoke = await key_store.get(record.key_id)
+    new, _ = await manager.rotate(record.key_id)  # saved between the revoke's read and its write
+    assert read_by_revoke is not None
+    await key_store.save(msgspec.structs.replace(read_by_revoke, revoked=True, hashes={}, verify_keys={}))
+    for key_hash in read_by_revoke.hashes:
+        await key_store.forget_hash(key_hash)
+    gateway = Gateway(GatewaySettings(auth_required=True, key_cache_s=0.0), key_store, MemoryLimiter(WINDOW_S))
+    with pytest.raises(Exception) as refused:
+        await gateway.admit(request("raced", api_key=new))
+    assert getattr(refused.value, "code", None) is not None and refused.value.code.value == "unauthorized"
+
+
 @pytest.mark.parametrize("client", ["redis", "lean"])
 async def test_rate_limit_keys_keep_a_window_of_ttl_set_about_once_a_second(settings: Settings, client: str) -> None:
     """PEXPIREs of the rate-limit keys on every admission and charge were a twelfth of what Redis appended to its

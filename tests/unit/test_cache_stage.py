@@ -252,3 +252,10 @@ async def test_an_entry_a_lookup_could_not_read_is_not_indexed(embedder) -> None
     assert len(index) == 0
     index.apply(entry)
     assert len(index) == 1
+
+
+async def test_purge_records_of_different_scopes_never_share_a_compaction_key() -> None:
+    from pipeline.cache.purge_cli import purge_key
+
+    assert purge_key("a/b", "c") != purge_key("a", "b/c")  # both were purge/a/b/c: compaction kept one
+    assert purge_key("a", None) != purge_key("a", "*") and purge_key("a", "m") == purge_key("a", "m")

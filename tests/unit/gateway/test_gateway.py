@@ -191,3 +191,28 @@ async def test_the_per_address_limit_counts_an_ipv6_client_by_its_64() -> None:
     other = r.gateway.admit(request("v6-b", api_key=raw, client_ip="2001:db8:1:2:ffff::9"))  # same /64, new address
     assert (await refusal(other)).code is ErrorCode.rate_limited
     await r.gateway.admit(request("v6-c", api_key=raw, client_ip="2001:db8:1:3::1"))  # another /64
+
+
+async def test_a_key_whose_record_is_revoked_is_refused_whatever_its_hash_entry_says() -> None:
+    """A revoke racing a rotation: the revoke read the record before the rotation saved the new hash, so
+    the new key's entry stayed (no expiry, "not revoked") while `sluice keys` called the key revoked."""
+    import msgspec
+
+    r = rig()
+    raw, record = await r.keys.create("acme")
+    store = r.keys._store
+    stale = await store.lookup(next(iter(record.hashes)))
+    await r.keys.revoke(record.key_id)
+    await store.save(msgspec.structs.replace(stale.record, revoked=False))  # the racing rotation's write of the entry
+    await store.save(msgspec.structs.replace(stale.record, revoked=True, hashes={}, verify_keys={}))  # revoke's record
+    assert (await refusal(r.gateway.admit(request("after", api_key=raw)))).code is ErrorCode.unauthorized
+    await r.keys.revoke(record.key_id)  # and revoking again works (it said "no active key")
+
+
+async def test_a_tenant_named_after_anothers_hashed_name_has_scopes_of_its_own() -> None:
+    import hashlib
+
+    victim = Scope("tenant", "Acme Corp")  # a space: stored under its hash
+    impostor = Scope("tenant", "h" + hashlib.sha256(b"Acme Corp").hexdigest()[:24])
+    assert victim.tag != impostor.tag  # they shared rate windows, spend and budget
+    assert Scope("tenant", "acme").tag == "tenant:acme"

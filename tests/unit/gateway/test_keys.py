@@ -80,3 +80,17 @@ def test_a_key_in_a_logged_exception_is_redacted_too() -> None:
     finally:
         log.removeHandler(handler)
     assert "sk-sluice-[redacted]" in out.getvalue() and "ABCDEFGHIJKLMNOP" not in out.getvalue()
+
+
+@pytest.mark.asyncio
+async def test_a_key_with_limits_that_are_not_numbers_or_a_tenant_that_is_not_a_name_is_refused() -> None:
+    manager = KeyManager(MemoryKeyStore(), rotate_overlap_s=60.0)
+    for kwargs in ({"budget": float("nan")}, {"budget": float("inf")}, {"budget": -1.0}, {"rpm": -5}):
+        with pytest.raises(ValueError):  # NaN was written as null, and `sluice keys list` failed for every key
+            await manager.create("acme", **kwargs)  # type: ignore[arg-type]
+    for tenant in ("", "a/b", "bad\nname"):
+        with pytest.raises(ValueError):
+            await manager.create(tenant)
+    _, record = await manager.create("acme")
+    with pytest.raises(ValueError):
+        await manager.rotate(record.key_id, overlap_s=-2e9)
