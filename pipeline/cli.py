@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from pipeline import settings as settings_module
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--max-tokens", type=int, default=256)
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--model", default=None)
-    ask.add_argument("--api-key", default=None, help="an API key from `sluice keys create`")
+    ask.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"),
+                       help="an API key from `sluice keys create`; default $SLUICE_API_KEY (an argument is visible to every local user in ps)")
     config = sub.add_parser("config", help="check the configuration")
     config.add_argument("action", choices=["check"])
     from pipeline.batch import cli as batch_cli

@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import io
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
     def bridge_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--base-url", default=None, help="the bridge's /v1 URL (default: the configured bridge)")
-        p.add_argument("--api-key", default=None, help="an API key from `sluice keys create`")
+        p.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"),
+                       help="an API key from `sluice keys create`; default $SLUICE_API_KEY (an argument is visible to every local user in ps)")
 
     submit = actions.add_parser("submit", help="upload a JSONL file and start a job on the bridge")
     submit.add_argument("input", type=Path)
@@ -66,7 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     run.add_argument("-o", "--output", type=Path, required=True)
     run.add_argument("--errors", type=Path, default=None, help="default: OUTPUT with .errors.jsonl")
     run.add_argument("--endpoint", default=ENDPOINT, choices=["/v1/chat/completions", "/v1/completions"])
-    run.add_argument("--api-key", default=None, help="an API key from `sluice keys create`")
+    run.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"),
+                       help="an API key from `sluice keys create`; default $SLUICE_API_KEY (an argument is visible to every local user in ps)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     actions.add_parser("worker", help="run batch jobs in this process")
 
