@@ -63,7 +63,7 @@ class JwtVerifier:
             raise InvalidToken("the token has expired") from None
         except jwt.ImmatureSignatureError:
             raise InvalidToken("the token is not valid yet") from None
-        except (jwt.PyJWTError, jwt.PyJWKClientError, KeyError, ValueError):
+        except (jwt.PyJWTError, jwt.PyJWKClientError, KeyError, ValueError, TypeError):  # TypeError: an HS token naming an RSA key
             raise InvalidToken("the token is not valid") from None
         tenant = claims.get(self._settings.tenant_claim)
         models = claims.get(self._settings.models_claim, [])

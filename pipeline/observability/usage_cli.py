@@ -26,12 +26,18 @@ from topics.usage import UsageRecord
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+MAX_SINCE_S = 3650 * 86400.0  # ten years: far past the topic's retention, short of the epoch
+
+
 def duration(text: str) -> float:
     """'90s', '15m', '1h', '7d' (or a bare number of seconds) in seconds."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
     if match is None:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (examples: 90s, 15m, 1h, 7d)")
-    return float(match.group(1)) * UNITS[match.group(2) or "s"]
+    seconds = float(match.group(1)) * UNITS[match.group(2) or "s"]
+    if not seconds <= MAX_SINCE_S:  # past it, the time index is asked for a time before 1970 (or infinity)
+        raise argparse.ArgumentTypeError(f"at most {MAX_SINCE_S // 86400:.0f}d: llm.usage keeps 30 days")
+    return seconds
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
