@@ -320,12 +320,9 @@ class Client:
         self._turn += 1
         while True:
             try:
-                left = deadline - time.time()
-                if left <= 0:
-                    raise KafkaTimeoutError(f"request {request.id} was not taken by the broker within its deadline")
                 # bounded: a producer being renewed in an outage waits for the broker with no end of its own
                 await asyncio.wait_for(self._producer.send_and_wait(registry.REQUESTS, value, key=request.id.encode(),
-                                                                    headers=headers, partition=partition), left)
+                                                                    headers=headers, partition=partition), deadline - time.time())
                 return
             except TimeoutError:
                 raise KafkaTimeoutError(f"request {request.id} was not taken by the broker within its deadline") from None

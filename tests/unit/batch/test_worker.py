@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -134,15 +135,22 @@ async def test_an_outcome_recorded_first_wins_and_a_late_one_after_the_end_is_re
     assert [o["custom_id"] for o in out] == ["c0", "c1"] and out[0]["from"] == "the worker that was killed"
 
 
-async def test_cancel_mid_job_keeps_what_finished_and_reports_the_rest(tmp_path: Path) -> None:
+async def held_mid_job(tmp_path: Path, lines: int, in_flight: int) -> tuple[Harness, FakeCompleter, Any, asyncio.Event, asyncio.Task[None]]:
+    """A job whose worker runs with `in_flight` lines held at the completer's gate: the harness, the
+    completer, the job, the worker's stop event and its task."""
     client = FakeCompleter()
     client.gate = asyncio.Event()
-    harness = Harness(tmp_path, client, max_in_flight=2)
-    batch = await harness.submit(jsonl([f"q{i}" for i in range(10)]))
+    harness = Harness(tmp_path, client, max_in_flight=in_flight)
+    batch = await harness.submit(jsonl([f"q{i}" for i in range(lines)]))
     stop = asyncio.Event()
     task = asyncio.create_task(harness.worker().run(stop))
-    while client.in_flight < 2:
+    while client.in_flight < in_flight:
         await asyncio.sleep(0.005)
+    return harness, client, batch, stop, task
+
+
+async def test_cancel_mid_job_keeps_what_finished_and_reports_the_rest(tmp_path: Path) -> None:
+    harness, client, batch, stop, task = await held_mid_job(tmp_path, lines=10, in_flight=2)
     current = await harness.finished(batch.id)
     assert await harness.store.update(msgspec.structs.replace(current, status=Status.cancelling, cancelling_at=1),
                                       {Status.in_progress})
@@ -211,14 +219,7 @@ async def test_a_line_the_broker_refuses_or_the_worker_fails_on_is_that_lines_er
 
 
 async def test_an_input_file_deleted_under_a_running_job_fails_it(tmp_path: Path) -> None:
-    client = FakeCompleter()
-    client.gate = asyncio.Event()
-    harness = Harness(tmp_path, client, max_in_flight=1)
-    batch = await harness.submit(jsonl([f"q{i}" for i in range(5)]))
-    stop = asyncio.Event()
-    task = asyncio.create_task(harness.worker().run(stop))
-    while client.in_flight < 1:
-        await asyncio.sleep(0.005)
+    harness, client, batch, stop, task = await held_mid_job(tmp_path, lines=5, in_flight=1)
     stop.set()  # the worker dies mid-job
     client.gate.set()
     await task
