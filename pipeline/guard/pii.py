@@ -3,7 +3,8 @@ package directory (a plain `AnalyzerEngine()` would try to download a model).
 
 Two ways in: `PiiAnalyzer.analyze` runs the NLP pass and every recogniser (the input guard, batched
 with `nlp.pipe`); `PatternScanner.scan` runs only the pattern recognisers, with no NLP pass, cheap
-enough for each chunk of the output stream (postguard loads no spaCy model).
+enough for each chunk of the output stream (postguard loads no spaCy model). Both read the text
+normalised (normalise.py: NFKC, invisible characters removed) and return offsets in the original.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import tldextract
 
 from pipeline.guard.embedder import package_dir
 from pipeline.guard.errors import GuardModelMissing
+from pipeline.guard.normalise import Normalised, normalise
 from pipeline.guard.person import NameListRecognizer, NerPersonRecognizer
 from pipeline.guard.presidio_lean import (
     AnalyzerEngine,
@@ -55,6 +57,12 @@ class Finding:
     start: int
     end: int
     score: float
+
+
+def _finding(plain: Normalised, entity: str, start: int, end: int, score: float) -> Finding:
+    """A finding on the normalised text, moved to the original's span (invisible characters inside it included)."""
+    start, end = plain.span(start, end)
+    return Finding(entity, start, end, score)
 
 
 class _OfflineEmailRecognizer(EmailRecognizer):
@@ -130,6 +138,9 @@ class PatternScanner:
         ]
 
     def scan(self, text: str) -> list[Finding]:
+        """Findings with offsets in `text`; the recognisers read it normalised."""
+        plain = normalise(text)
+        text = plain.text
         findings = []
         for recognizer in self.recognizers:
             context = frozenset(w.lower() for w in (getattr(recognizer, "context", None) or ()))
@@ -138,7 +149,7 @@ class PatternScanner:
                 if score < self.min_score and context and context & set(_WORD.findall(text[:r.start].lower())[-CONTEXT_WORDS_BEFORE:]):
                     score = min(round(score + CONTEXT_BOOST, 6), 1.0)  # 0.05 + 0.35 is 0.3999... in floats
                 if score >= self.min_score and r.entity_type in _OURS:
-                    findings.append(Finding(_OURS[r.entity_type], r.start, r.end, score))
+                    findings.append(_finding(plain, _OURS[r.entity_type], r.start, r.end, score))
         return sorted(findings, key=lambda f: f.start)
 
 
@@ -173,11 +184,14 @@ class PiiAnalyzer:
         self._entities = list(_OURS)
 
     def analyze(self, texts: list[str]) -> list[list[Finding]]:
+        """Findings per text, with offsets in that text; the NLP pass and the recognisers read it normalised."""
+        plain = [normalise(t) for t in texts]
         out: list[list[Finding]] = []
-        for text, artifacts in self._nlp.process_batch(texts, language="en", batch_size=max(len(texts), 1)):
+        batch = self._nlp.process_batch([p.text for p in plain], language="en", batch_size=max(len(texts), 1))
+        for p, (text, artifacts) in zip(plain, batch, strict=True):
             results = self._engine.analyze(
                 text, language="en", entities=self._entities, score_threshold=self.min_score,
                 nlp_artifacts=_with_word_lemmas(artifacts, self._nlp),
             )
-            out.append(sorted((Finding(_OURS[r.entity_type], r.start, r.end, r.score) for r in results), key=lambda f: f.start))
+            out.append(sorted((_finding(p, _OURS[r.entity_type], r.start, r.end, r.score) for r in results), key=lambda f: f.start))
         return out

@@ -1,5 +1,6 @@
 """Applies a per-entity policy to findings: allow (leave the text), redact (a typed placeholder such
-as `<EMAIL_1>`; the same value keeps the same placeholder within a request), or block."""
+as `<EMAIL_1>`; the same value keeps the same placeholder within a request, however it was written:
+full-width or with zero-width characters in it), or block."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pipeline.guard.entities import DEFAULT_POLICY, Action
+from pipeline.guard.normalise import normalise
 from pipeline.guard.pii import Finding
 
 
@@ -61,13 +63,15 @@ def merged(findings: list[Finding]) -> list[tuple[int, int, str]]:
 def apply_policy(text: str, findings: list[Finding], policy: Mapping[str, Action], placeholders: Placeholders) -> Redacted:
     """Every finding counts, overlapping or not: a `block` one blocks (an allowed finding over it, or a
     longer one of another entity, no longer hides it), the `redact` ones are replaced, merged where
-    they overlap; `allow` ones are left as they are."""
+    they overlap; `allow` ones are left as they are. A placeholder replaces the finding's whole span of
+    `text` (pii.py maps findings back to the text as written), and is numbered by the value as the
+    recognisers read it, so "ｊｏｈｎ＠ｅｘａｍｐｌｅ．ｃｏｍ" and "john@example.com" are one address."""
     actions = [(f, policy.get(f.entity, DEFAULT_POLICY.get(f.entity, "redact"))) for f in sorted(findings, key=lambda f: f.start)]
     blocked = tuple(dict.fromkeys(f.entity for f, action in actions if action == "block"))
     parts: list[str] = []
     at = redacted = 0
     for start, end, entity in merged([f for f, action in actions if action == "redact"]):
-        parts += [text[at:start], placeholders(entity, text[start:end])]
+        parts += [text[at:start], placeholders(entity, normalise(text[start:end]).text)]
         at = end
         redacted += 1
     parts.append(text[at:])

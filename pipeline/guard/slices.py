@@ -3,7 +3,8 @@
 A piece is the unit the guard's fair queue (batcher.py) schedules, so no single piece can hold the
 worker for long: PII runs over slices of at most `PII_SLICE` characters that overlap by `PII_OVERLAP`
 (an entity shorter than the overlap is read whole in one slice; findings are mapped back to the
-message's offsets and duplicates merged), and injection over the classifier's windows
+message's offsets and duplicates merged; slices are counted in characters as the recognisers read them,
+normalise.py, so invisible characters padding an entity cannot stretch it past the overlap), and injection over the classifier's windows
 (`injection.segments`). A text no longer than one window is one piece with both checks, as before.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.guard.injection import SEGMENT_CHARS, InjectionVerdict, classifier_applies, matches_pattern, segments
+from pipeline.guard.normalise import normalise
 from pipeline.guard.pii import Finding
 
 PII_SLICE = 1000
@@ -52,8 +54,10 @@ def pieces_of(check: TextCheck) -> list[Piece]:
     text = check.text
     if len(text) <= SEGMENT_CHARS:
         return [Piece(text, 0, True, check.injection)]
+    plain = normalise(text)
     step = PII_SLICE - PII_OVERLAP
-    pieces = [Piece(text[at : at + PII_SLICE], at, True, False) for at in range(0, max(len(text) - PII_OVERLAP, 1), step)]
+    spans = (plain.span(at, min(at + PII_SLICE, len(plain.text))) for at in range(0, max(len(plain.text) - PII_OVERLAP, 1), step))
+    pieces = [Piece(text[start:end], start, True, False) for start, end in spans]
     if check.injection:
         pieces += [Piece(window, 0, False, True) for window in segments(text)]
     return pieces

@@ -7,6 +7,11 @@ answer that has left them ends, releasing nothing more). When
 nothing is flagged, everything but the newest `holdback` chunks is released, with PII redacted by
 policy; a finding that crosses the release point is held back whole. When something is flagged,
 only the text before the flagged span is released and the stream ends (`Step.violation`).
+
+The PII recognisers read `pending` normalised (full-width forms folded, invisible characters removed:
+normalise.py) and their findings come back as spans of `pending` as written, zero-width characters
+inside them included; so holding back, releasing and redacting all act on the text as it arrived, and
+an entity split by an invisible character, in one chunk or across two, is held back and replaced whole.
 """
 
 from __future__ import annotations
