@@ -15,8 +15,9 @@ tracers make `LeanSpan`s:
                   message can quote a prompt); no exception event
     events, links kept, bounded like attributes (sluice's stages make none)
 
-`observability.recorder = "sdk"` installs the SDK's own tracer instead (its span limits and exception
-events, at its cost).
+`observability.recorder = "sdk"` installs the SDK's own tracer instead (its span limits, at its cost);
+the stages' spans then carry an exception's class name only too (`pipeline.tracing._StageSpan` keeps
+the SDK from recording the exception itself).
 """
 
 from __future__ import annotations

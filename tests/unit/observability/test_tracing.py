@@ -1,6 +1,7 @@
 """The spans the runner makes: a CONSUMER span per record continuing the trace in its headers, with
 OpenTelemetry's messaging attributes; a PRODUCER span per produced message whose headers carry the trace
-on; no span outside a trace; the dashboard's waterfall from recorded spans."""
+on; no span outside a trace; an exception's class name in a span, never its message, with either
+recorder; the dashboard's waterfall from recorded spans."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from pipeline import tracing
+from pipeline.observability.lean import LeanTracerProvider
 from pipeline.observability.recent import RecentTraces
 
 
@@ -77,6 +81,30 @@ def test_a_record_without_headers_starts_a_trace(exporter: InMemorySpanExporter)
         pass
     [span] = exporter.get_finished_spans()
     assert span.parent is None and span.name == "ingest"
+
+
+SECRET = "sk-live-0123456789abcdef"
+
+
+@pytest.mark.parametrize("recorder", [TracerProvider, LeanTracerProvider], ids=["sdk", "lean"])
+@pytest.mark.parametrize("span_of", [lambda: tracing.consume_span(record([]), "guard"),
+                                     lambda: tracing.handover_span("llm.admitted", "guard")], ids=["consumed", "handed_over"])
+def test_a_span_ended_by_an_exception_keeps_its_class_name_not_its_message(
+    recorder: type[TracerProvider], span_of, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exception's message can quote a prompt or a key (a decode error quoting its input, a Redis
+    error): the span says that it failed and with which class of error, nothing of the message."""
+    memory = InMemorySpanExporter()
+    provider = recorder()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    monkeypatch.setattr(tracing, "tracer", provider.get_tracer("sluice"))  # the process's provider is set once
+    with pytest.raises(ValueError), span_of():
+        raise ValueError(f"Expecting value: line 1 column 1: {{'api_key': '{SECRET}'}}")
+    [span] = memory.get_finished_spans()
+    assert span.status.status_code is StatusCode.ERROR and span.status.description == "ValueError"
+    assert list(span.events) == []
+    assert not any(SECRET in str(value) for value in span.attributes.values())
+    assert SECRET.encode() not in encode_spans([span]).SerializeToString()  # all that OTLP would carry
 
 
 def test_waterfall_of_the_last_finished_trace(exporter: InMemorySpanExporter) -> None:
