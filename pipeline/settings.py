@@ -294,7 +294,7 @@ class Settings:
             raise SettingsError("; ".join(problems))
         if problems := self.batch.problems():
             raise SettingsError("; ".join(problems))
-        if problems := self.observability.problems():
+        if problems := self.observability.problems(self.bridge.metrics_token):
             raise SettingsError("; ".join(problems))
         return self
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 
@@ -23,11 +24,14 @@ class ObservabilitySettings:
     export_queue: int = 8192  # spans held for export; past it the newest are dropped, never waited for
     export_delay_ms: int = 1000  # how often the batch processor exports
     metrics_port: int = 0  # `sluice worker` processes serve /metrics on this port (0: none; the bridge serves its own)
+    # The address they bind: loopback unless bridge.metrics_token is set (they then require it, as the bridge's /metrics)
+    metrics_host: str = "127.0.0.1"
     lag_interval_s: float = 5.0  # how often consumer lag is read from each stage's consumer
     # Tenants named in metric labels besides [gateway.tenants.*] and the anonymous tenant; any other is "other"
     tenant_labels: tuple[str, ...] = ()
 
-    def problems(self) -> list[str]:
+    def problems(self, metrics_token: str = "") -> list[str]:
+        """What cannot work, or would serve a worker's /metrics to anyone; `metrics_token`: bridge.metrics_token."""
         found = []
         if not 0.0 <= self.sample_ratio <= 1.0:
             found.append(f"observability.sample_ratio must be between 0 and 1, got {self.sample_ratio}")
@@ -39,6 +43,18 @@ class ObservabilitySettings:
             found.append("observability.export_batch, export_queue and export_delay_ms must be positive, batch <= queue")
         if not 0 <= self.metrics_port < 65536:
             found.append(f"observability.metrics_port must be a port number, got {self.metrics_port}")
+        if self.metrics_port and not metrics_token and not loopback(self.metrics_host):
+            found.append(f"observability.metrics_host {self.metrics_host!r} is not a loopback address: a worker's /metrics "
+                         "there needs bridge.metrics_token (SLUICE_METRICS_TOKEN), which it then requires as the "
+                         "bridge's /metrics does; or keep metrics_host = \"127.0.0.1\"")
         if self.lag_interval_s <= 0 or self.otlp_timeout_s <= 0:
             found.append("observability.lag_interval_s and otlp_timeout_s must be positive")
         return found
+
+
+def loopback(host: str) -> bool:
+    """Whether binding `host` listens on a loopback address only (a name other than localhost, or "": no)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
