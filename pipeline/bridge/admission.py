@@ -7,6 +7,11 @@ answered at once with 503 and `Retry-After`, before it reaches Kafka, so the req
 keep their latency and a client (or a load balancer in front of several bridges) tries again or
 elsewhere. It counts HTTP requests until their response ends and WebSocket requests until their
 terminal message; the refusals are `sluice_messages_total{stage="bridge",outcome="overloaded"}`.
+
+A place is taken only once the caller has passed the bridge's own credential check and its request is
+read whole (an HTTP body, bounded by size and `bridge.body_timeout_s`; a WebSocket message arrives
+whole): a caller without a valid-looking credential, or one that uploads slowly, holds no place that a
+valid caller needs. An HTTP request is still refused before its body is read when no place is free then.
 """
 
 from __future__ import annotations
@@ -31,11 +36,16 @@ class Admission:
         self.limit = limit
         self.open = 0
 
-    def enter(self) -> None:
-        """Takes a place, or raises `Overloaded`; every `enter` that returns is paired with one `leave`."""
+    def check(self) -> None:
+        """Raises `Overloaded` if no place is free now, without taking one: a request is refused before
+        its body is read, and takes its place (`enter`) only once the body is in."""
         if self.limit and self.open >= self.limit:
             MESSAGES.labels("bridge", "overloaded").inc()
             raise Overloaded(f"this bridge has {self.open} requests open, its limit; retry in {RETRY_AFTER_S} s")
+
+    def enter(self) -> None:
+        """Takes a place, or raises `Overloaded`; every `enter` that returns is paired with one `leave`."""
+        self.check()
         self.open += 1
 
     def leave(self) -> None:

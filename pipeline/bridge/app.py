@@ -9,7 +9,8 @@
 Every request goes through `Client`, so it takes the same path as any other: ingest checks the model,
 the limits and (later) the API key, and its refusals come back as error terminal events that the
 bridge turns into OpenAI errors with the status from `topics.errors.http_status`. The bridge itself
-refuses only what it cannot parse and bodies over `body_cap()`.
+refuses only what it cannot parse, bodies over `body_cap()`, credentials it can tell are bad
+(credentials.py), and requests over `bridge.max_in_flight` (admission.py).
 """
 
 from __future__ import annotations
@@ -148,11 +149,15 @@ def _completions(
     client: Client, parse: Parser, cap: int, settings: Settings, credentials: Credentials, admission: Admission,
 ) -> Endpoint:
     async def endpoint(request: HttpRequest) -> Response:
+        # The credential (as far as the bridge checks it) and the whole body come before a place is taken:
+        # a caller without a credential, a slow token check or a slow upload holds none (admission.py).
         require_credential(request, settings.gateway.auth_required)  # before the body is read or validated
-        admission.enter()  # over the bound: 503 now, before the body is read or anything reaches Kafka
+        credential = await credentials.resolve(bearer_token(request))
+        admission.check()  # none free: 503 now, before the body is read
+        body = await read_capped(request, cap, settings.bridge.body_timeout_s)
+        admission.enter()  # over the bound (filled while the body came): 503, before anything reaches Kafka
         try:
-            credential = await credentials.resolve(bearer_token(request))
-            parsed = parse(decode_body(await read_capped(request, cap, settings.bridge.body_timeout_s)))
+            parsed = parse(decode_body(body))
             no_cache, no_store = cache_directives(request)
             sdk_request = client.request(**parsed.request_kwargs(), no_cache=no_cache, no_store=no_store, task=task_header(request))
             sdk_request = with_client_info(sdk_request, request, settings.gateway.client_info_secret)

@@ -1,19 +1,24 @@
 """The bridge's app on an SDK client whose Kafka is replaced by an in-memory answer: what it refuses
 before anything reaches Kafka (bad bytes, foreign origins and Host headers), the cache directives it
-passes on, and what it answers when the broker refuses a request."""
+passes on, what it answers when the broker refuses a request, and when a request takes and gives back
+its admission place (`bridge.max_in_flight`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
+import httpx
 import pytest
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from starlette.testclient import TestClient
 
 from pipeline.bridge.app import create_app
+from pipeline.bridge.credentials import Credential, Credentials
+from pipeline.bridge.openai_format import Unauthorized
 from pipeline.sdk import Client
 from pipeline.settings import Settings
 from topics.requests import Request
@@ -155,3 +160,113 @@ def test_a_bridge_on_every_address_answers_any_host_unless_configured(bridge: tu
     # a page on another origin still may not post, and without a checked Host not even its "own" origin
     headers = {"host": "api.example.com", "origin": "http://api.example.com"}
     assert http.post("/v1/chat/completions", json=chat(), headers=headers).status_code == 403
+
+
+class HoldingClient(AnsweringClient):
+    """Answers a request only when the test calls `answer_all()`: until then its place stays taken."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.produced = asyncio.Event()
+
+    async def _produce(self, request: Request, headers: object = None) -> None:
+        self.sent.append(request)
+        self.produced.set()
+
+    def answer_all(self) -> None:
+        for request in self.sent:
+            self._answer(request)
+
+
+ONE_PLACE = dataclasses.replace(SETTINGS, bridge=dataclasses.replace(SETTINGS.bridge, max_in_flight=1))
+
+
+@contextlib.asynccontextmanager
+async def asgi_bridge(settings: Settings, client: Client) -> AsyncIterator[httpx.AsyncClient]:
+    """The app over httpx's ASGI transport, which hands the app a request body only as the test yields it."""
+    transport = httpx.ASGITransport(create_app(settings, client))
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8080", timeout=10) as http:
+        yield http
+
+
+@pytest.mark.asyncio
+async def test_a_full_bridge_is_a_503_with_retry_after_and_a_place_comes_back_when_an_answer_ends() -> None:
+    client = HoldingClient(ONE_PLACE)
+    async with asgi_bridge(ONE_PLACE, client) as http:
+        held = asyncio.create_task(http.post("/v1/chat/completions", json=chat()))
+        await asyncio.wait_for(client.produced.wait(), 5)  # the one place is taken until it is answered
+        refused = await http.post("/v1/chat/completions", json=chat())
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "unavailable" and len(client.sent) == 1
+
+        async def stalled() -> AsyncIterator[bytes]:
+            yield b'{"model":'
+            await asyncio.Event().wait()  # the rest never comes
+
+        headers = {"content-type": "application/json"}
+        refused = await asyncio.wait_for(http.post("/v1/chat/completions", content=stalled(), headers=headers), 5)
+        assert refused.status_code == 503  # with no place free, at once: its body is not waited for
+        client.answer_all()
+        assert (await held).status_code == 200
+        client.produced.clear()
+        again = asyncio.create_task(http.post("/v1/chat/completions", json=chat()))
+        await asyncio.wait_for(client.produced.wait(), 5)
+        client.answer_all()
+        assert (await again).status_code == 200
+
+
+@pytest.mark.parametrize("bearer", [None, "sk-sluice-" + "A" * 43])  # none needed; well-formed, looked up by ingest
+@pytest.mark.asyncio
+async def test_a_slow_upload_holds_no_place(bearer: str | None) -> None:
+    arrived, rest = asyncio.Event(), asyncio.Event()
+    body = json.dumps(chat()).encode()
+
+    async def slowly() -> AsyncIterator[bytes]:
+        yield body[:10]
+        arrived.set()
+        await rest.wait()  # the uploader stalls (it may, up to bridge.body_timeout_s)
+        yield body[10:]
+
+    headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {bearer}"} if bearer else {})
+    async with asgi_bridge(ONE_PLACE, AnsweringClient(ONE_PLACE)) as http:
+        uploading = asyncio.create_task(http.post("/v1/chat/completions", content=slowly(), headers=headers))
+        await asyncio.wait_for(arrived.wait(), 5)
+        assert (await http.post("/v1/chat/completions", json=chat())).status_code == 200  # not 503
+        rest.set()
+        assert (await uploading).status_code == 200
+
+
+@pytest.mark.asyncio
+async def test_a_credential_being_checked_holds_no_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    checking, checked = asyncio.Event(), asyncio.Event()
+    resolve = Credentials.resolve
+
+    async def slow_for_one(self: Credentials, bearer: str | None) -> Credential:
+        if bearer == "slow.jwt.token":  # as a JWT whose key the bridge fetches from a JWKS URL
+            checking.set()
+            await checked.wait()
+            raise Unauthorized("the token is not valid")
+        return await resolve(self, bearer)
+
+    monkeypatch.setattr(Credentials, "resolve", slow_for_one)
+    async with asgi_bridge(ONE_PLACE, AnsweringClient(ONE_PLACE)) as http:
+        token = {"authorization": "Bearer slow.jwt.token"}
+        slow = asyncio.create_task(http.post("/v1/chat/completions", json=chat(), headers=token))
+        await asyncio.wait_for(checking.wait(), 5)
+        assert (await http.post("/v1/chat/completions", json=chat())).status_code == 200  # not 503
+        checked.set()
+        assert (await slow).status_code == 401
+        assert (await http.post("/v1/chat/completions", json=chat())).status_code == 200  # its refusal took no place
+
+
+@pytest.mark.parametrize(("content", "headers"), [
+    (BAD_UTF8, {}),  # refused as it is parsed, after it took its place
+    (json.dumps(chat()).encode(), {"x-sluice-task": "Not A Task"}),
+])
+@pytest.mark.asyncio
+async def test_a_request_refused_after_it_took_its_place_gives_it_back(content: bytes, headers: dict[str, str]) -> None:
+    async with asgi_bridge(ONE_PLACE, AnsweringClient(ONE_PLACE)) as http:
+        headers = {"content-type": "application/json", **headers}
+        refused = await http.post("/v1/chat/completions", content=content, headers=headers)
+        assert refused.status_code == 400
+        assert (await http.post("/v1/chat/completions", json=chat())).status_code == 200
