@@ -30,6 +30,7 @@ class StageError(SluiceError):
         self.message = message
         self.retry_after_s = retry_after_s
         self.rate_limit = rate_limit
+        self.tenant: str | None = None  # who was refused, where the stage knows better than its message (ingest)
 
     @property
     def retriable(self) -> bool:

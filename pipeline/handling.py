@@ -2,7 +2,7 @@
 
     the payload cannot be read        -> llm.dlq (bounded), and an error terminal event if it names a
                                          request (invalid_request on llm.requests, internal elsewhere)
-    the handler refuses (StageError)  -> the request's terminal event with the error's code
+    the handler refuses (StageError)  -> the request's terminal event with the error's code (and its tenant, if set)
     RetriableError                    -> tried MAX_ATTEMPTS times, then dead-lettered
     Undeliverable                     -> llm.dlq, no terminal event (there is nowhere safe to send it)
     the broker or Redis is away       -> the whole message again with backoff until its deadline, then
@@ -39,7 +39,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
@@ -249,6 +249,8 @@ class Handling:
                 return "undeliverable"
             except StageError as exc:
                 if address is not None:
+                    if exc.tenant is not None:
+                        address = replace(address, tenant=exc.tenant)
                     await self.terminal(address, exc.code, exc.message, retry_after_s=exc.retry_after_s, rate_limit=exc.rate_limit)
                 return exc.code.value
             except TOO_LARGE as exc:

@@ -6,6 +6,12 @@ The id every later stage keys on is minted here: `<tenant>/<client id>` (topics.
 same client id sent again with other content is refused while the first is remembered (the state
 store's TTL); sent again byte for byte it is a redelivery, and the stages after ingest are idempotent
 per id (a finished request is not generated again).
+
+A refusal is the request's terminal event under the client's own id (the runner sends it); one made after
+authentication (a limit, a budget, a model the key may not use, an id in use) names the authenticated
+tenant (`StageError.tenant`), so its usage record counts under that tenant (`sluice usage --tenant`). Not
+the pipeline's id `<tenant>/<id>`: an id in use names a request that runs or ended, which a refusal must
+not end, nor be dropped as a repeat of.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections.abc import AsyncIterator
 
 from pipeline.errors import StageError, Undeliverable
 from pipeline.gateway.build import memory_gateway
-from pipeline.gateway.gateway import Gateway
+from pipeline.gateway.gateway import Gateway, Principal
 from pipeline.settings import Settings
 from pipeline.stage import Out, Stopwatch
 from pipeline.state import MemoryStateStore, StateStore
@@ -80,13 +86,22 @@ class IngestStage:
     async def handle(self, message: Request) -> AsyncIterator[Out]:
         clock = Stopwatch()
         now = time.time()
-        # Where auth is required, a caller proves who it is before validation tells it anything (models, caps).
         if message.reply_to not in self._replies:  # first of all: a refusal is only ever sent to a configured topic
             raise Undeliverable("reply_to is not a configured reply topic")
-        principal = await self._gateway.authenticate(message) if self._auth_first else None
-        self.check(message)
-        if principal is None:
-            principal = await self._gateway.authenticate(message)
+        if not self._auth_first:
+            self.check(message)
+        principal = await self._gateway.authenticate(message)  # a refusal up to here names no tenant
+        try:
+            admitted = await self._admit(message, principal, now, clock)
+        except StageError as exc:
+            exc.tenant = principal.tenant  # the terminal event names who was refused: usage counts it under them
+            raise
+        yield Out(self.topics.forward or "", admitted.id, admitted)
+
+    async def _admit(self, message: Request, principal: Principal, now: float, clock: Stopwatch) -> Admitted:
+        """`message` under its authenticated tenant, or StageError if it may not pass."""
+        if self._auth_first:  # where auth is required, a caller proves who it is before validation tells it anything
+            self.check(message)
         rid = request_key(principal.tenant, message.id)
         fingerprint = hashlib.sha256(codec.encode(message)).hexdigest()[:32].encode()
         # A request past its deadline is refused unless this very request was claimed before: then it is
@@ -109,8 +124,7 @@ class IngestStage:
         if not await claim:
             if (await self._store.read(rid)).get("fingerprint") != fingerprint:
                 raise StageError(ErrorCode.invalid_request, "this request id is already in use; send a new id")
-        admitted = Admitted(
+        return Admitted(
             id=rid, request=request, tenant=principal.tenant, principal=principal.name, admitted_at=now,
             timings={self.name: clock.ms()},
         )
-        yield Out(self.topics.forward or "", rid, admitted)

@@ -8,18 +8,31 @@ import pytest
 from pipeline.errors import StageError, Undeliverable
 from pipeline.gateway.build import memory_gateway
 from pipeline.gateway.gateway import Principal
+from pipeline.handling import Handling
 from pipeline.stages import ingest
+from pipeline.stages.emit import EmitStage
 from pipeline.stages.ingest import IngestStage
 from pipeline.state import MemoryStateStore
-from tests.unit.fakes import run_handler
+from tests.unit.fakes import HeldAcks, record_of, run_handler
+from tests.unit.gateway.helpers import rig
 from tests.unit.helpers import SETTINGS, node, request
-from topics import registry
+from topics import codec, registry
 from topics.errors import ErrorCode
 from topics.hops import Admitted
 from topics.requests import ChatMessage, Request, Sampling
+from topics.stream import Failed, StreamEvent
+from topics.usage import UsageRecord
 
 INGEST = node("ingest")
 STAGE = IngestStage(SETTINGS, INGEST.topics)
+
+
+async def refusal(stage: IngestStage, message: Request) -> tuple[ErrorCode, str]:
+    """How ingest refused `message`: the code, and the tenant its terminal event names ("": nobody was
+    authenticated; the runner then ends the request under the client's id with no tenant)."""
+    with pytest.raises(StageError) as refused:
+        await run_handler(stage, message)
+    return refused.value.code, refused.value.tenant or ""
 
 
 @pytest.mark.asyncio
@@ -44,9 +57,8 @@ async def test_a_reused_id_with_other_content_is_refused_and_a_redelivery_is_not
     await run_handler(stage, first)
     [again] = await run_handler(stage, first)  # the same record delivered twice
     assert again.value.id == "default/same"
-    with pytest.raises(StageError) as refused:
-        await run_handler(stage, request("same", messages=(ChatMessage(role="user", content="other"),)))
-    assert refused.value.code is ErrorCode.invalid_request
+    other = request("same", messages=(ChatMessage(role="user", content="other"),))
+    assert await refusal(stage, other) == (ErrorCode.invalid_request, "default")  # id "same": not default/same's end
 
 
 class Later:
@@ -68,18 +80,15 @@ async def test_a_copy_of_a_request_passed_on_is_not_refused_by_its_deadline(monk
     monkeypatch.setattr(ingest, "time", Later(first.deadline_s + 60))
     [again] = await run_handler(stage, first)
     assert again.value.id == "default/old"
-    with pytest.raises(StageError) as refused:  # another request past its deadline still is refused
-        await run_handler(stage, request("new-but-late", created_at=time.time() - first.deadline_s - 1))
-    assert refused.value.code is ErrorCode.deadline_exceeded
+    late = request("new-but-late", created_at=time.time() - first.deadline_s - 1)  # another one still is refused
+    assert await refusal(stage, late) == (ErrorCode.deadline_exceeded, "default")
 
 
 @pytest.mark.asyncio
 async def test_a_request_refused_by_its_deadline_is_refused_again_when_seen_again() -> None:
     stage, late = IngestStage(SETTINGS, INGEST.topics), request("late", created_at=1.0)
     for _ in range(2):  # never claimed: the copy gets the same refusal, which emit drops as a repeat
-        with pytest.raises(StageError) as refused:
-            await run_handler(stage, late)
-        assert refused.value.code is ErrorCode.deadline_exceeded
+        assert await refusal(stage, late) == (ErrorCode.deadline_exceeded, "default")
 
 
 class Claims(MemoryStateStore):
@@ -125,16 +134,16 @@ async def test_a_refusal_is_what_the_client_hears_even_for_an_id_in_use() -> Non
     store = Claims()
     await run_handler(IngestStage(SETTINGS, INGEST.topics, store=store), request("taken"))
     stage = IngestStage(SETTINGS, INGEST.topics, AdmitsOnceClaimed(store, refuse=True), store)  # type: ignore[arg-type]
-    with pytest.raises(StageError) as refused:
-        await run_handler(stage, request("taken", messages=(ChatMessage(role="user", content="other"),)))
-    assert refused.value.code is ErrorCode.rate_limited
+    other = request("taken", messages=(ChatMessage(role="user", content="other"),))
+    assert await refusal(stage, other) == (ErrorCode.rate_limited, "default")
 
 
 @pytest.mark.asyncio
 async def test_a_refused_request_sent_again_byte_for_byte_is_admitted() -> None:
     store, first = Claims(), request("retried")
-    with pytest.raises(StageError):
-        await run_handler(IngestStage(SETTINGS, INGEST.topics, AdmitsOnceClaimed(store, refuse=True), store), first)  # type: ignore[arg-type]
+    gateway = AdmitsOnceClaimed(store, refuse=True)
+    refusing = IngestStage(SETTINGS, INGEST.topics, gateway, store)  # type: ignore[arg-type]
+    assert (await refusal(refusing, first))[0] is ErrorCode.rate_limited
     [out] = await run_handler(IngestStage(SETTINGS, INGEST.topics, store=store), first)  # its id stayed claimed
     assert out.value.id == "default/retried"
 
@@ -179,17 +188,15 @@ async def test_work_cancelled_while_the_limits_are_asked_leaves_no_claim_running
 )
 @pytest.mark.asyncio
 async def test_refuses_with_a_terminal_code(overrides: dict[str, object], code: ErrorCode) -> None:
-    with pytest.raises(StageError) as caught:
-        await run_handler(STAGE, request(**overrides))
-    assert caught.value.code is code
+    assert (await refusal(STAGE, request(**overrides)))[0] is code
 
 
 @pytest.mark.asyncio
 async def test_counts_prompt_bytes_not_characters() -> None:
     limit = SETTINGS.limits.max_prompt_bytes
     emoji = "\N{GRINNING FACE}"  # 4 bytes in UTF-8
-    with pytest.raises(StageError):
-        await run_handler(STAGE, request(messages=(ChatMessage(role="user", content=emoji * (limit // 4 + 1)),)))
+    message = request(messages=(ChatMessage(role="user", content=emoji * (limit // 4 + 1)),))
+    assert (await refusal(STAGE, message))[0] is ErrorCode.invalid_request
 
 
 @pytest.mark.asyncio
@@ -226,3 +233,49 @@ async def test_with_auth_required_an_unauthenticated_caller_learns_nothing_from_
 async def test_with_auth_required_an_unconfigured_reply_topic_is_still_undeliverable_first() -> None:
     with pytest.raises(Undeliverable):
         await run_handler(IngestStage(AUTH_REQUIRED, INGEST.topics), request(reply_to=registry.ADMITTED))
+
+
+async def ingest_with_key(**limits: object) -> tuple[IngestStage, str]:
+    """Ingest with auth required, on a gateway whose one key belongs to the tenant "acme"."""
+    r = rig()
+    raw, _ = await r.keys.create("acme", **limits)  # type: ignore[arg-type]
+    return IngestStage(AUTH_REQUIRED, INGEST.topics, r.gateway), raw
+
+
+@pytest.mark.parametrize(("limits", "overrides", "code"), [
+    ({"rpm": 1}, {}, ErrorCode.rate_limited),  # the key's one request a minute went to "warm-up"
+    ({"models": ("another-model",)}, {}, ErrorCode.forbidden),
+    ({}, {"sampling": Sampling(max_tokens=SETTINGS.limits.max_tokens_cap + 1)}, ErrorCode.invalid_request),
+    ({}, {"created_at": 1.0}, ErrorCode.deadline_exceeded),
+])
+@pytest.mark.asyncio
+async def test_a_refusal_after_authentication_is_counted_under_the_tenant(
+    limits: dict[str, object], overrides: dict[str, object], code: ErrorCode,
+) -> None:
+    stage, raw = await ingest_with_key(**limits)
+    if "rpm" in limits:
+        await run_handler(stage, request("warm-up", api_key=raw))
+    producer = HeldAcks()
+    run = Handling(stage, SETTINGS, producer)  # type: ignore[arg-type]
+    task = asyncio.create_task(run.process(record_of(request("refused", api_key=raw, **overrides), registry.REQUESTS), None))
+    while not task.done():
+        producer.release()
+        await asyncio.sleep(0.01)
+    [(_, [value])] = producer.calls
+    refused = codec.decode(value, StreamEvent)
+    assert isinstance(refused, Failed) and refused.code is code and refused.tenant == "acme"
+    # the client's own id, as before authentication: it reaches the client and ends no request "acme/refused"
+    assert refused.id == "refused"
+    if code is ErrorCode.rate_limited:
+        assert refused.retry_after_s is not None and refused.rate_limit is not None
+    outs = await run_handler(EmitStage(SETTINGS, node("emit").topics), refused)
+    [usage] = [o for o in outs if isinstance(o.value, UsageRecord)]
+    assert (usage.key, usage.value.tenant, usage.value.outcome) == ("acme", "acme", code.value)
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_before_authentication_names_no_tenant() -> None:
+    stage, raw = await ingest_with_key()
+    with pytest.raises(StageError) as refused:  # the runner ends it under the client's id and the tenant ""
+        await run_handler(stage, request("wrong-key", api_key=raw[:-4] + "AAAA"))
+    assert refused.value.code is ErrorCode.unauthorized
