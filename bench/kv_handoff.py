@@ -64,7 +64,7 @@ def _worker(role: str, conn: Connection, store_dir: str, threads: int) -> None:
     import torch
 
     from pipeline.backends.local import LocalBackend
-    from pipeline.engine.kv_store import FileKVStore
+    from pipeline.engine.kv_files import FileKVStore
     from pipeline.models import convert_default_model
 
     torch.set_num_threads(threads)

@@ -26,7 +26,7 @@ def _build(settings: Settings, config: BackendSettings) -> Backend:
         if config.kv_store_dir:
             from pathlib import Path
 
-            from pipeline.engine.kv_store import FileKVStore
+            from pipeline.engine.kv_files import FileKVStore
 
             store = FileKVStore(Path(config.kv_store_dir), config.kv_store_mib * 2**20, config.kv_store_ttl_s)
         speculative = None

@@ -18,7 +18,7 @@ from pipeline.backends.base import Delta, GenerationRequest, Message, Prefilled
 from pipeline.backends.errors import Cancelled, InvalidRequest
 from pipeline.backends.local import HandoffCounts, LocalBackend
 from pipeline.backends.text_stream import TextStream
-from pipeline.engine.kv_store import FileKVStore
+from pipeline.engine.kv_files import FileKVStore
 from pipeline.models import GGUF_PACKAGE, convert_default_model, load_model
 
 MODEL_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "models"

@@ -1,16 +1,27 @@
 """The KV store contract, one suite over the in-memory and the file implementation: round trip, the
-byte bound (oldest evicted first), TTL, refused handles; and the file store's permissions."""
+byte bound (oldest evicted first), TTL, refused handles; and the file store's permissions, its bound
+under writers in several processes and threads, and what a killed writer leaves."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
 import stat
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from pipeline.engine.kv_store import FileKVStore, KVStore, MemoryKVStore
+from pipeline.engine import kv_files
+from pipeline.engine.kv_files import FileKVStore
+from pipeline.engine.kv_store import KVStore, MemoryKVStore
+
+ROOT = Path(__file__).resolve().parents[3]
 
 H = [f"{i:032x}" for i in range(10)]
 
@@ -98,7 +109,8 @@ def test_files_are_private_to_the_user(tmp_path: Path) -> None:
     store.put(H[0], [b"abc"])
     assert stat.S_IMODE((tmp_path / "kv").stat().st_mode) == 0o700
     assert stat.S_IMODE((tmp_path / "kv" / H[0]).stat().st_mode) == 0o600
-    assert [p.name for p in (tmp_path / "kv").iterdir()] == [H[0]]  # no temporary file left behind
+    assert stat.S_IMODE((tmp_path / "kv" / ".ledger").stat().st_mode) == 0o600
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == [".ledger", H[0]]  # no temporary file left behind
 
 
 def test_a_link_planted_under_a_handle_is_not_followed(tmp_path: Path) -> None:
@@ -128,6 +140,149 @@ def test_two_processes_share_one_bound(tmp_path: Path) -> None:
     _age_apart(a, H[0])
     b.put(H[1], [b"b" * 600])
     assert a.get(H[0]) is None and a.get(H[1]) == b"b" * 600 and a.num_bytes == 600
+
+
+def test_a_write_in_progress_counts_against_another_writers_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writer A is held in the middle of its write; writer B (another store object, as another process
+    would have) must fit its entry beside A's bytes in flight, not in their place."""
+    a, b = FileKVStore(tmp_path / "kv", 1000, 60.0), FileKVStore(tmp_path / "kv", 1000, 60.0)
+    assert a.put(H[0], [b"0" * 400])
+    _age_apart(a, H[0])
+    writing, go_on = threading.Event(), threading.Event()
+    write_all = kv_files._write_all
+
+    def held(fd: int, views: list[memoryview]) -> None:
+        if threading.current_thread().name == "writer-a":
+            writing.set()
+            go_on.wait(10.0)
+        write_all(fd, views)
+
+    monkeypatch.setattr(kv_files, "_write_all", held)
+    writer = threading.Thread(target=a.put, args=(H[1], [b"1" * 500]), name="writer-a")
+    writer.start()
+    assert writing.wait(10.0)
+    assert b.put(H[2], [b"2" * 500])  # room made by evicting H0, the only entry that may go
+    assert _on_disk(tmp_path / "kv") <= 1000
+    assert b.put(H[3], [b"3" * 500])  # room made by evicting H2: A's bytes in flight are not evicted
+    assert _on_disk(tmp_path / "kv") <= 1000
+    go_on.set()
+    writer.join(10.0)
+    assert _on_disk(tmp_path / "kv") <= 1000
+    assert [a.get(h) for h in H[:4]] == [None, b"1" * 500, None, b"3" * 500]
+
+
+def test_a_put_scans_the_directory_only_when_its_list_of_the_oldest_runs_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hot path stays cheap: one scan for the first put (no ledger yet), then one per ten evictions
+    here (the list a scan makes holds the ten entries there were), none while entries fit."""
+    store = FileKVStore(tmp_path / "kv", 1000, 60.0)
+    scans = []
+    scan = FileKVStore._scan
+
+    def counted(self: FileKVStore, ledger: object, now: float) -> None:
+        scans.append(len(self))
+        scan(self, ledger, now)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FileKVStore, "_scan", counted)
+    for i in range(30):
+        assert store.put(f"{i:032x}", [b"x" * 100])
+        assert store.num_bytes <= 1000
+    assert scans == [0, 10, 10] and len(store) == 10
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from pipeline.engine.kv_files import FileKVStore
+
+directory, max_bytes, index, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+store = FileKVStore(Path(directory), max_bytes, 60.0)
+sys.stdin.readline()  # every writer starts together
+for i in range(count):
+    store.put(f"{index:08x}{i:024x}", [bytes([i % 256]) * size])
+"""
+
+
+def test_writers_in_several_processes_stay_under_one_bound(tmp_path: Path) -> None:
+    """Four processes write into one directory at once; the bytes there (entries and writes in progress,
+    looked at under the store's lock, so that no rename is seen twice) never exceed the bound."""
+    directory, bound, size = tmp_path / "kv", 8 * 2**16, 2**16
+    FileKVStore(directory, bound, 60.0)
+    writers = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(directory), str(bound), str(n), "40", str(size)],
+                         cwd=ROOT, stdin=subprocess.PIPE, text=True)
+        for n in range(4)
+    ]
+    for writer in writers:
+        assert writer.stdin is not None
+        writer.stdin.write("go\n")
+        writer.stdin.close()
+    most = 0
+    while any(writer.poll() is None for writer in writers):
+        most = max(most, _on_disk(directory, locked=True))
+    assert [writer.wait(30.0) for writer in writers] == [0, 0, 0, 0]
+    most = max(most, _on_disk(directory, locked=True))
+    assert 0 < most <= bound
+    assert not list(directory.glob(".*.tmp"))
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+from pathlib import Path
+from pipeline.engine import kv_files
+
+def half_then_killed(fd, views):
+    os.write(fd, bytes(views[0][: len(views[0]) // 2]))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+kv_files._write_all = half_then_killed
+kv_files.FileKVStore(Path(sys.argv[1]), 1000, 60.0).put("%s", [b"k" * 600])
+"""
+
+
+def test_a_killed_writers_temporary_file_counts_until_it_is_stale_then_is_evicted(tmp_path: Path) -> None:
+    directory = tmp_path / "kv"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_WRITER % H[0], str(directory)], cwd=ROOT, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    (left,) = directory.glob(".*.tmp")
+    store = FileKVStore(directory, 1000, 60.0)
+    assert not store.put(H[1], [b"1" * 600])  # it may still be a writer at work: its bytes count
+    assert _on_disk(directory) <= 1000 and store.get(H[0]) is None
+    stale = time.time() - 61.0
+    os.utime(left, (stale, stale))  # older than the TTL: no writer is at work on it
+    assert store.put(H[1], [b"1" * 600])
+    assert not left.exists() and store.get(H[1]) == b"1" * 600 and store.num_bytes == 600
+
+
+def test_a_stale_temporary_file_is_removed_by_eviction(tmp_path: Path) -> None:
+    """What a writer killed mid-write left before there was a ledger (in the name any version of the
+    store writes), found by the scan of the first put."""
+    (tmp_path / "kv").mkdir(mode=0o700)
+    left = tmp_path / "kv" / f".{H[1]}.{12345}.tmp"
+    left.write_bytes(b"x" * 300)
+    stale = time.time() - 61.0
+    os.utime(left, (stale, stale))
+    store = FileKVStore(tmp_path / "kv", 1000, 60.0)
+    assert store.put(H[2], [b"2" * 700])
+    assert not left.exists() and store.num_bytes == 700
+
+
+def _on_disk(directory: Path, locked: bool = False) -> int:
+    """The bytes of every file a store wrote there (its ledger aside), read under the store's lock if `locked`."""
+    fd = os.open(directory / ".ledger", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if locked:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        total = 0
+        with os.scandir(directory) as listing:
+            for entry in listing:
+                if entry.name != ".ledger":
+                    try:
+                        total += entry.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        pass
+        return total
+    finally:
+        os.close(fd)
 
 
 def _mtime(store: FileKVStore, handle: str) -> float:
