@@ -7,6 +7,9 @@
                         starts (at least every CANCEL_CHECK_MAX_S); a cancelled one is cancelled in the
                         engine at once (its sequence leaves the batch, and the result of the step already
                         running is discarded for it), and its stream ends with the final flag
+    bound               at most max_batch + max_queue_size requests are held (generating, or waiting for
+                        a seat in the batch); one more is answered at once with `sluice.Overloaded` (code
+                        UNAVAILABLE) instead of waiting behind them: the client tries another backend
     errors              a request the engine refuses and a failed model step become error responses whose
                         message starts with the backend error's class (`sluice.InvalidRequest: ...`), so a
                         client maps them back to the same class and policy (pipeline/backends/triton.py)
@@ -32,7 +35,7 @@ import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
 from pipeline.backends.base import Delta, GenerationRequest, Message
-from pipeline.backends.errors import BackendError, Cancelled, InvalidRequest, ModelError
+from pipeline.backends.errors import BackendError, Cancelled, InvalidRequest, ModelError, Overloaded
 from pipeline.backends.local import LocalBackend
 from pipeline.models import MODEL_DIRNAME
 
@@ -41,6 +44,9 @@ from pipeline.models import MODEL_DIRNAME
 # 21), without 32 requests' polls every 25 ms (1,280 round trips a second) taking the model's CPU. When no
 # step starts for this long (nothing scheduled), they are asked anyway.
 CANCEL_CHECK_MAX_S = 0.25
+# Requests held beyond the batch's seats unless config.pbtxt's `max_queue_size` says otherwise: eight batches of
+# 32 waiting; a request past them is better sent to another backend (or retried) than queued.
+DEFAULT_MAX_QUEUE_SIZE = 256
 _ROLES = ("system", "user", "assistant")
 
 
@@ -53,8 +59,16 @@ class TritonPythonModel:
         if not model_dir.exists():
             raise pb_utils.TritonModelException(f"{model_dir} is missing: run `make setup` to convert the default model")
         torch.set_num_threads(int(params.get("torch_threads", "2")))
+        max_batch = int(params.get("max_batch", "32"))
+        max_queue_size = int(params.get("max_queue_size") or DEFAULT_MAX_QUEUE_SIZE)
+        if max_batch < 1 or max_queue_size < 0:
+            raise pb_utils.TritonModelException(
+                f"max_batch must be positive and max_queue_size not negative, got {max_batch} and {max_queue_size}"
+            )
+        self._bound = f"max_batch {max_batch} + max_queue_size {max_queue_size}"
+        self._max_held = max_batch + max_queue_size  # requests generating or waiting for a seat
         self._backend = LocalBackend.from_path(
-            model_dir, name=config["name"], max_batch=int(params.get("max_batch", "32")),
+            model_dir, name=config["name"], max_batch=max_batch,
             gather_arrivals_ms=float(params.get("gather_arrivals_ms", "0")),
         )
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -69,6 +83,8 @@ class TritonPythonModel:
         request_id = uuid.uuid4().hex  # Triton's request ids are the client's and need not be unique
         tokens = [0]  # completion tokens generated so far (for the log line of a cancellation)
         try:
+            if len(self._live) >= self._max_held:  # no await from here until it is counted in _live
+                raise Overloaded(f"sluice_llm holds {len(self._live)} requests ({self._bound}); retry elsewhere or later")
             generation, stream = self._parse(request, request_id)
             self._live[request_id] = request
             self._watch()
@@ -79,8 +95,7 @@ class TritonPythonModel:
             )
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except BackendError as exc:
-            code = pb_utils.TritonError.INVALID_ARG if isinstance(exc, InvalidRequest) else pb_utils.TritonError.INTERNAL
-            error = pb_utils.TritonError(f"sluice.{type(exc).__name__}: {exc}", code)
+            error = pb_utils.TritonError(f"sluice.{type(exc).__name__}: {exc}", _code(exc))
             sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # a bug here must still end the stream (else the client waits forever)
             pb_utils.Logger.log_error(f"sluice_llm: request failed: {exc!r}")
@@ -152,6 +167,16 @@ class TritonPythonModel:
                     pb_utils.Logger.log_error(f"sluice_llm: cancellation check failed: {exc!r}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._backend.engine.next_step(), CANCEL_CHECK_MAX_S)
+
+
+def _code(error: BackendError) -> Any:
+    """The Triton error code of a backend error (the client goes by the message's class name; the code is
+    for Triton's own logs and metrics)."""
+    if isinstance(error, InvalidRequest):
+        return pb_utils.TritonError.INVALID_ARG
+    if isinstance(error, Overloaded):
+        return pb_utils.TritonError.UNAVAILABLE
+    return pb_utils.TritonError.INTERNAL
 
 
 def _response(text: str, last: Delta | None = None, prompt_tokens: int = 0, completion_tokens: int = 0) -> Any:
