@@ -22,9 +22,19 @@ declares it. sluice_llm's extensions:
 Cancellation: `cancel` (and a consumer closing the iterator) cancels the gRPC call; Triton cancels the
 request and the model sees `request.is_cancelled()` (sluice_llm drops the sequence from its batch within
 the step). Errors: a stream's error message from sluice_llm starts with the backend error's class
-(`sluice.InvalidRequest: ...`) and is raised as that class; Triton's own refusals of a malformed request
-are `InvalidRequest`; anything else (an unknown or unloaded model, a failed step, the server gone, no
-response within `timeout_s`) is `ModelError`, retriable on another backend.
+(`sluice.InvalidRequest: ...`, `sluice.Overloaded: ...` when its queue is full) and is raised as that
+class; Triton's own refusals of a malformed request are `InvalidRequest`, of one over a queue's bound
+`Overloaded` (retriable: sent on to the route's next backend before a first chunk); anything else (an
+unknown or unloaded model, a failed step, the server gone, no response within `timeout_s`) is
+`ModelError`, retriable on another backend.
+
+Stop strings: the backend cuts the text itself, at the first occurrence of any of the request's stops,
+whatever the model does with `stop_words` (TensorRT-LLM matches them as token ids, leaves the matched
+stop in the text, and misses a stop the model writes with other tokens; sluice_llm's text never holds
+one, its engine cuts them, so there the cut changes no text, only when a tail that may begin a stop goes
+out). A tail that may begin a stop (at most the longest stop less one character; also a trailing
+U+FFFD, a character not yet complete) is held back until the next response or the end; once a stop
+completes, the delta ends with finish "stop" and the gRPC call is cancelled, so the model stops.
 """
 
 from __future__ import annotations
@@ -32,9 +42,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -44,17 +55,20 @@ from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException
 
 from pipeline.backends.base import Delta, FinishReason, GenerationRequest
-from pipeline.backends.errors import BackendClosed, BackendError, Cancelled, InvalidRequest, ModelError
+from pipeline.backends.errors import BackendClosed, BackendError, Cancelled, InvalidRequest, ModelError, Overloaded
+from pipeline.backends.text_stream import TextStream
 
 __all__ = ["TritonBackend"]
 
 _CANCELLED_MEMORY = 4096  # request ids remembered as cancelled (a cancel may come before its generate)
 _SLUICE_ERROR = re.compile(r"sluice\.(\w+): ")
 _SLUICE_ERRORS: dict[str, type[BackendError]] = {
-    cls.__name__: cls for cls in (Cancelled, InvalidRequest, ModelError, BackendClosed)
+    cls.__name__: cls for cls in (Cancelled, InvalidRequest, ModelError, BackendClosed, Overloaded)
 }
 # Triton's own words for a request it refuses as malformed (retrying it anywhere will not help).
 _TRITON_REFUSALS = ("unexpected inference input", "missing required input", "data-type", "unexpected shape")
+# ... and for one it refuses for load (a model whose scheduler has a queue policy with max_queue_size).
+_TRITON_OVERLOADED = ("exceeds maximum queue size",)
 _EXTENSION_OUTPUTS = ("finish_reason", "prompt_tokens", "completion_tokens")
 
 
@@ -113,18 +127,22 @@ class TritonBackend:
         call = self._connected().stream_infer(_once(payload))
         self._calls[rid] = call
         responses = 0
+        stops = _StopCut(request.stop) if request.stop else None
         try:
             while (result := await self._next(call, rid)) is not None:
                 responses += 1
                 delta = _delta(result)
                 if delta.finish_reason is None and _final(result):  # a model that does not say why it ended
                     delta = Delta(delta.text, (), _inferred_finish(responses, request), None, responses)
+                if stops is not None:
+                    delta = stops.cut(delta, responses)
                 yield delta
                 if delta.finish_reason is not None:
-                    return
+                    return  # the call is cancelled below: after a stop string the model may still be generating
             if "finish_reason" in schema.outputs or not responses:  # nothing at all is no answer, not an empty one
                 raise ModelError(f"{self._model}: the stream ended without a final response")
-            yield Delta("", (), _inferred_finish(responses, request), None, responses)
+            last = Delta("", (), _inferred_finish(responses, request), None, responses)
+            yield last if stops is None else stops.cut(last, responses)
         finally:
             call.cancel()  # the request's stream ends here, whatever ended the iteration (a no-op once done)
             self._calls.pop(rid, None)
@@ -183,6 +201,43 @@ class TritonBackend:
         if error is not None:
             raise _mapped(error.message())
         return result
+
+
+class _StopCut:
+    """A request's stop strings cut from a model's streamed text, with the local backend's holdback:
+    each response's text is one "token" of a `TextStream` whose `token_text` is that text (texts that
+    concatenate, which is what `token_text` asks for), so what may begin a stop waits for the next
+    response and the text ends just before the first stop, by the same code as the engine's."""
+
+    _END = -1  # the "token" that ends the stream (an end of sequence): what was held back goes out
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._texts: list[str] = []
+        self._stream = TextStream(
+            self._joined, completion_ids=(), sent_chars=0, stops=stops, max_tokens=sys.maxsize,
+            eos_ids=(self._END,), token_text=self._text,
+        )
+
+    def cut(self, delta: Delta, responses: int) -> Delta:
+        """`delta` with the text that may go out now: held back where a stop may be starting, cut before
+        a stop that completed (the delta then ends with finish "stop"), and with everything held back
+        when `delta` ends the stream."""
+        self._texts.append(delta.text)
+        sent = self._stream.push(len(self._texts) - 1)
+        if sent.finish_reason is not None:  # a stop string completed: the answer ends before it
+            if delta.finish_reason is None:
+                return Delta(sent.text, delta.token_ids, "stop", None, responses)
+            return replace(delta, text=sent.text, finish_reason="stop")
+        if delta.finish_reason is None:
+            return replace(delta, text=sent.text)
+        held = self._stream.push(self._END).text  # the end: nothing held back can begin a stop any more
+        return replace(delta, text=sent.text + held)
+
+    def _text(self, index: int) -> str:
+        return self._texts[index] if index >= 0 else ""
+
+    def _joined(self, indices: Sequence[int]) -> str:
+        return "".join(self._text(i) for i in indices)
 
 
 async def _once(payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -272,4 +327,6 @@ def _mapped(message: str) -> BackendError:
         return _SLUICE_ERRORS[match.group(1)](message[match.end():])
     if any(words in message.lower() for words in _TRITON_REFUSALS):
         return InvalidRequest(message)
+    if any(words in message.lower() for words in _TRITON_OVERLOADED):
+        return Overloaded(message)
     return ModelError(message)

@@ -1,13 +1,17 @@
-"""The triton backend's request building and error mapping, without a server (the real server:
-tests/integration/test_triton.py)."""
+"""The triton backend's request building, error mapping and stop-string cutting, without a server (the
+real server: tests/integration/test_triton.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
-from pipeline.backends.base import GenerationRequest, Message
-from pipeline.backends.errors import BackendClosed, Cancelled, InvalidRequest, ModelError
+from pipeline.backends.base import Delta, GenerationRequest, Message
+from pipeline.backends.errors import BackendClosed, Cancelled, InvalidRequest, ModelError, Overloaded
 from pipeline.backends.triton import TritonBackend, _inputs, _mapped, _ModelSchema
+from topics.errors import ErrorCode
 
 SLUICE_LLM = _ModelSchema(
     inputs=frozenset({"text_input", "max_tokens", "stream", "temperature", "top_p", "random_seed", "stop_words",
@@ -61,12 +65,19 @@ def test_chat_and_resume_go_only_to_a_model_that_takes_them() -> None:
         ("[request id: r] inference input 'max_tokens' data-type is 'FP32', but model 'x' expects 'INT32'", InvalidRequest),
         ("Request for unknown model: 'nope' is not found", ModelError),
         ("Executor failed: out of memory", ModelError),
+        ("sluice.Overloaded: sluice_llm holds 288 requests (max_batch 32 + max_queue_size 256); retry", Overloaded),
+        ("[request id: r] Exceeds maximum queue size", Overloaded),
     ],
 )
 def test_stream_errors_map_to_the_backend_error_with_their_policy(message: str, kind: type) -> None:
     error = _mapped(message)
     assert type(error) is kind
     assert "sluice." not in str(error)
+
+
+def test_a_full_queue_is_retriable_elsewhere() -> None:
+    error = _mapped("sluice.Overloaded: sluice_llm holds 288 requests (max_batch 32 + max_queue_size 256); retry")
+    assert error.retriable and error.code is ErrorCode.rate_limited  # the generation stage tries the next backend
 
 
 def test_the_address_must_be_a_grpc_host_and_port() -> None:
@@ -124,3 +135,103 @@ def test_a_greedy_request_asks_tensorrt_llm_for_top_k_1() -> None:
     assert greedy["top_k"][:2] == ([1, 1], "INT32")  # temperature 0 with top_p 1 samples there
     assert "top_k" not in _by_name(GenerationRequest("r", prompt="Hi", max_tokens=4, temperature=0.7), ENSEMBLE)
     assert "top_k" not in _by_name(GenerationRequest("r", prompt="Hi", max_tokens=4), SLUICE_LLM)  # no such input
+
+
+class _Result:
+    """One streamed response: its text, and what only some models send (sluice_llm's ending and counts)
+    or Triton flags (the final response of a decoupled model's request)."""
+
+    def __init__(self, text: str, *, final: bool = False, finish: str | None = None, counts: tuple[int, int] | None = None) -> None:
+        self.text, self.final, self.finish, self.counts = text, final, finish, counts
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        if name == "text_output":
+            return np.array([[self.text.encode()]], dtype=np.object_)
+        if name == "finish_reason" and self.finish is not None:
+            return np.array([[self.finish.encode()]], dtype=np.object_)
+        if name in ("prompt_tokens", "completion_tokens") and self.counts is not None:
+            return np.array([[self.counts[name == "completion_tokens"]]], dtype=np.int32)
+        return None
+
+    def get_response(self) -> SimpleNamespace:
+        return SimpleNamespace(parameters={"triton_final_response": SimpleNamespace(bool_param=self.final)})
+
+
+class _Stream:
+    """A gRPC stream that answers with `results` and remembers whether it was cancelled (and how many
+    responses were read before that)."""
+
+    def __init__(self, results: list[_Result]) -> None:
+        self._results = iter(results)
+        self.read = 0
+        self.cancelled = False
+
+    def __aiter__(self) -> "_Stream":
+        return self
+
+    async def __anext__(self) -> tuple[_Result, None]:
+        if self.cancelled:
+            raise AssertionError("read after cancel")
+        result = next(self._results, None)
+        if result is None:
+            raise StopAsyncIteration
+        self.read += 1
+        return result, None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+async def _deltas(schema: _ModelSchema, results: list[_Result], stop: tuple[str, ...], max_tokens: int = 16) -> list[Delta]:
+    request = GenerationRequest(request_id="r", prompt="hi", max_tokens=max_tokens, stop=stop)
+    return [d async for d in _backend_with(schema, _Stream(results)).generate(request)]
+
+
+def _texts(deltas: list[Delta]) -> list[tuple[str, str | None]]:
+    return [(d.text, d.finish_reason) for d in deltas]
+
+
+@pytest.mark.asyncio
+async def test_the_ensemble_text_is_cut_at_a_stop_that_spans_responses_and_the_stream_is_cancelled() -> None:
+    """TensorRT-LLM leaves the stop in the text and may go on after it: the backend holds back what may
+    begin a stop ("EN"), cuts before it, ends with "stop" and cancels the call (" never" is never read)."""
+    stream = _Stream([_Result(t) for t in ("Hello", " wor", "ld", "EN", "D and more", " never", "!")])
+    backend = _backend_with(ENSEMBLE, stream)
+    request = GenerationRequest(request_id="r", prompt="hi", max_tokens=16, stop=("END",))
+    deltas = [d async for d in backend.generate(request)]
+    assert _texts(deltas) == [("Hello", None), (" wor", None), ("ld", None), ("", None), ("", "stop")]
+    assert deltas[-1].completion_tokens == 5  # one token per response, as for any ending of the ensemble
+    assert stream.cancelled and stream.read == 5
+
+
+@pytest.mark.asyncio
+async def test_a_false_start_of_a_stop_is_sent_once_the_next_response_rules_it_out() -> None:
+    results = [_Result(t) for t in ("a\n", "b\n", "\n", "c")]
+    assert _texts(await _deltas(ENSEMBLE, results, ("\n\n",))) == [("a", None), ("\nb", None), ("", "stop")]
+
+
+@pytest.mark.asyncio
+async def test_the_first_stop_of_several_wins_and_a_stop_inside_one_response_is_cut() -> None:
+    results = [_Result("ab xyz b"), _Result("more")]
+    assert _texts(await _deltas(ENSEMBLE, results, ("xyz", "b "))) == [("a", "stop")]  # the earliest, not the first listed
+
+
+@pytest.mark.asyncio
+async def test_what_is_held_back_goes_out_with_the_end_and_the_ending_is_the_models() -> None:
+    final = [_Result("xE"), _Result("N", final=True)]  # Triton's final flag, after max_tokens responses
+    assert _texts(await _deltas(ENSEMBLE, final, ("END",), max_tokens=2)) == [("x", None), ("EN", "length")]
+    closed = [_Result("xE"), _Result("N")]  # the server closes the stream without a flagged response
+    assert _texts(await _deltas(ENSEMBLE, closed, ("END",))) == [("x", None), ("", None), ("EN", "stop")]
+    assert "".join(d.text for d in await _deltas(ENSEMBLE, closed, ())) == "xEN"
+
+
+@pytest.mark.asyncio
+async def test_sluice_llm_text_already_cut_passes_through_with_its_ending_and_counts() -> None:
+    """sluice_llm cuts stops itself, so its text holds none: cutting again changes no text, ending or
+    count (an "a" that may begin "ab" only waits one response longer)."""
+    results = [_Result("a"), _Result("a"), _Result("", final=True, finish="stop", counts=(7, 3))]
+    deltas = await _deltas(SLUICE_LLM, results, ("ab",))
+    assert _texts(deltas) == [("", None), ("a", None), ("a", "stop")]
+    assert (deltas[-1].prompt_tokens, deltas[-1].completion_tokens) == (7, 3)
+    plain = await _deltas(SLUICE_LLM, [_Result("a"), _Result("a"), _Result("", final=True, finish="stop", counts=(7, 3))], ())
+    assert "".join(d.text for d in plain) == "aa" and plain[-1].finish_reason == "stop"
