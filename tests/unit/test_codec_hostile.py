@@ -113,3 +113,14 @@ def test_an_unknown_kind_is_named_without_echoing_it() -> None:
     with pytest.raises(codec.SchemaError) as caught:
         codec.decode(payload, Request)
     assert str(caught.value) == "unknown message kind or schema version - at `$.kind`"
+
+
+@pytest.mark.parametrize("field", ["model", "reply_to", "tenant", "api_key", "client_ip", "client_attestation", "key_id"])
+def test_every_string_a_refusal_may_copy_is_bounded(field: str) -> None:
+    """A refusal before authentication copies the request's model (and its terminal event its reply topic):
+    a request just under the broker's record limit with a 1 MB model made a refusal over it, which the
+    runner retried for ever, holding ingest's partition. Such a request is unreadable instead (dead-lettered)."""
+    fields = msgspec.json.decode(VALID)
+    fields[field] = "a" * 1_048_000
+    with pytest.raises(codec.SchemaError):
+        codec.decode(msgspec.json.encode(fields), Request)
