@@ -88,7 +88,9 @@ class DecodeStage:
         # Cancellations seen, kept a while: one may arrive before its request reaches decode.
         self._cancelled = Cancellations()
         self._active: set[str] = set()
-        self._fenced: set[str] = set()
+        # The three marks below stop a running try of a request. Only that try's callbacks set them
+        # (`_current`), and `handle` clears them when the try ends: they never hold more ids than run.
+        self._fenced: set[str] = set()  # another worker owns the request now: stop, the runner retries later
         self._unrecorded: set[str] = set()  # progress could not be written (Redis away): stop, retry later
         self._refused: set[str] = set()  # the broker failed to take a chunk: stop, the runner retries later
         self._acked: dict[str, tuple[int, asyncio.Event]] = {}  # rid -> (next seq recorded, set on each record)
@@ -192,7 +194,7 @@ class DecodeStage:
                         # the backend's last delta: its terminal event follows at once, in the same batch,
                         # and records this chunk's progress with the ending (one round trip fewer)
                         ends = delta.finish_reason is not None
-                        yield Out(self.topics.stream or "", rid, chunk, acked=None if ends else self._record(rid, progress),
+                        yield Out(self.topics.stream or "", rid, chunk, acked=None if ends else self._record(rid, progress, held),
                                   with_next=ends, refused=refused)
                         pending = ()
                     elif pending:
@@ -211,9 +213,11 @@ class DecodeStage:
             retry_after = getattr(exc, "retry_after_s", None)
             failure = exc
         for out in self._ended(message, failure, sent=progress.next_seq, answered=error is None):
-            yield out
             if out.topic != registry.HEALTH:  # sent on to a fallback backend: its terminal is the fallback's
+                await self._still_owner(rid)  # unless a successor serves it: two pools would answer one request
+                yield out
                 return
+            yield out
         if error is not None:
             await self._still_owner(rid)
             yield self._terminal(rid, progress, address.failed(*error, chunks=progress.next_seq, usage=usage(progress),
@@ -258,10 +262,12 @@ class DecodeStage:
         self._check_still_recording(rid)
 
     async def _still_owner(self, rid: str) -> None:
-        """Before an error ending: a worker paused past its session and taken over learns it only from
-        the records after its next acknowledgements, and one that resumes to find its backend's stream
-        broken would end, with an error, a stream its successor is serving. One fenced no-op (position 0
-        never moves the recorded one) asks the store; errors are rare, so that round trip is too."""
+        """Before an error ending or a reroute: a worker paused past its session and taken over learns it
+        only from the records after its next acknowledgements, and one that resumes to find its backend's
+        stream broken would end, with an error, a stream its successor is serving, or send the request to
+        a fallback pool that then serves it beside the successor (two answers interleaved under one id).
+        One fenced no-op (position 0 never moves the recorded one) asks the store; errors are rare, so
+        that round trip is too."""
         self._check_still_recording(rid)
         if not await self._store.advance(rid, "next_seq", 0, {}, owner=self._owner):
             self._fenced.add(rid)
@@ -284,20 +290,28 @@ class DecodeStage:
         resuming from what was recorded), not `AHEAD_WAIT_S` after it ran AHEAD chunks past the refusal
         on a renewed producer (the 60 s broker outage's 41-43 s recovery tail). A refusal from an
         earlier try of the request changes nothing."""
-        if (waiting := self._acked.get(rid)) is not None and waiting[1] is held:
+        if self._current(rid, held):
             self._refused.add(rid)
             held.set()
+
+    def _current(self, rid: str, held: asyncio.Event) -> bool:
+        """Whether the try that `held` belongs to still runs: its acknowledgements and refusals may stop
+        it. Those of a try that ended (the runner awaits the last ones after `handle` returned, and a
+        revoke leaves them running) or of an earlier try must not mark the request: `handle` cleared the
+        marks already, so the id would stay (one per stream in flight at each takeover or Redis outage)
+        until a later try of it on this worker stopped on the stale mark at once."""
+        return (waiting := self._acked.get(rid)) is not None and waiting[1] is held
 
     @staticmethod
     def _advance(progress: Progress, tokens: tuple[int, ...], delta: Delta) -> Progress:
         return Progress(progress.tokens + tokens, progress.sent_chars + len(delta.text), progress.next_seq + 1,
                         digest_step(progress.digest, delta.text))
 
-    def _record(self, rid: str, progress: Progress):  # type: ignore[no-untyped-def]
+    def _record(self, rid: str, progress: Progress, held: asyncio.Event):  # type: ignore[no-untyped-def]
         """After the broker acknowledged a chunk: record how far the stream got, if this worker still owns it.
         Never backwards (`StateStore.advance` on the chunk count): acknowledgements can be recorded out of
         order (a later chunk's, or a try's from before a reset), and an earlier one written last made a
-        successor decode the chunks after it again."""
+        successor decode the chunks after it again. What it learns stops only its own try (`_current`)."""
         encoded = msgspec.msgpack.encode(progress)
 
         async def acked() -> None:
@@ -306,15 +320,18 @@ class DecodeStage:
                     rid, "next_seq", progress.next_seq, {"progress": encoded}, owner=self._owner
                 )
             except InfraUnavailable:
-                self._unrecorded.add(rid)
+                if self._current(rid, held):
+                    self._unrecorded.add(rid)
                 raise
             finally:
-                if (waiting := self._acked.get(rid)) is not None:  # wake a stream held back on its acks
-                    self._acked[rid] = (max(waiting[0], progress.next_seq), waiting[1])
-                    waiting[1].set()
+                if self._current(rid, held):  # wake the stream if it is held back on its acks
+                    recorded_seq, _ = self._acked[rid]
+                    self._acked[rid] = (max(recorded_seq, progress.next_seq), held)
+                    held.set()
             if not recorded:
                 log.info("stage=%s request=%s taken over by another worker; stopping", self.name, rid)
-                self._fenced.add(rid)
+                if self._current(rid, held):
+                    self._fenced.add(rid)
 
         return acked
 
@@ -323,8 +340,13 @@ class DecodeStage:
         recorded, so a worker that meets the request later sends this ending again (emit drops the
         repeat) instead of generating; only while this worker owns the request. The same call records
         `progress` unless a later one is (the last chunk, which goes in the ending's batch, records
-        nothing itself)."""
-        encoded = codec.encode(event)
+        nothing itself). The ending is recorded without its cache ticket (over a kilobyte with a semantic
+        tier's embedding, kept for the state TTL against a memory-capped Redis): it is recorded only once
+        the original, ticket included, was acknowledged, so a replay comes after it on the request's
+        partition, which emit reads in order, and emit stores the answer from the original or not at all
+        (a replay meets a finished request). Were a replay ever to reach emit first, the cost would be
+        one cache entry not stored."""
+        encoded = codec.encode(msgspec.structs.replace(event, ticket=None) if isinstance(event, Done) else event)
         recorded = msgspec.msgpack.encode(progress)
 
         async def acked() -> None:

@@ -1,27 +1,34 @@
 """prefill and decode over a scripted backend: numbering, terminal events, cancellation, and a stream
-that survives its decode worker (resume from the state store, fencing of a replaced worker)."""
+that survives its decode worker (resume from the state store, fencing of a replaced worker, in decode
+and in the generate stage that reroutes)."""
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from pipeline.backends.base import Delta
 from pipeline.backends.errors import ModelError
 from pipeline.errors import InfraUnavailable
+from pipeline.settings import BackendSettings
 from pipeline.stage import Out
 from pipeline.stages.decode import DecodeStage
+from pipeline.stages.generate import GenerateStage
 from pipeline.stages.generation import generation_request
 from pipeline.stages.prefill import PrefillStage
 from pipeline.state import MemoryStateStore
 from tests.unit.fakes import ScriptedBackend, run_handler
 from tests.unit.helpers import MODEL, node, request, routed
+from topics import codec, registry
+from topics.cache import Ticket
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
-from topics.hops import Prefilled
+from topics.hops import Prefilled, Route
 from topics.requests import Priority, Sampling
-from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, digest_step
+from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, StreamEvent, digest_step
 
 WORDS = ["Hello", " there", ",", " friend", "."]
 PREFILL, DECODE = node("prefill"), node("decode")
@@ -355,3 +362,101 @@ async def test_a_refusal_from_an_earlier_try_does_not_stop_the_next() -> None:
     old.refused()
     outs += [out async for out in second]
     assert [getattr(o.value, "seq", "end") for o in outs] == [1, 2, 3, 4, "end"]
+
+
+@pytest.mark.asyncio
+async def test_a_replaced_worker_whose_backend_fails_before_the_first_chunk_sends_the_request_nowhere() -> None:
+    """Paused past its session before its first chunk and taken over, a worker whose upstream then times
+    out (retriable, nothing sent) leaves the request to its successor: sent to the fallback pool, it was
+    served by two pools at once (mixed text, then usually `stream_incomplete`)."""
+    entered, resume = asyncio.Event(), asyncio.Event()
+
+    class Stalls:
+        name = "a"
+
+        async def generate(self, request):  # type: ignore[no-untyped-def]
+            entered.set()
+            await resume.wait()  # the worker is paused here
+            raise ModelError("upstream timed out (ReadTimeout)")
+            yield  # pragma: no cover
+
+        async def cancel(self, request_id: str) -> None:
+            pass
+
+    fallback = BackendSettings(name="b", model=MODEL, pool="pb", kind="openai", base_url="http://127.0.0.1:1/v1")
+    store = MemoryStateStore()
+    stage = GenerateStage(Stalls(), DECODE.topics, store, backends={"b": fallback})  # type: ignore[arg-type]
+    first = msgspec.structs.replace(routed(request()), route=Route("a", "pa", fallbacks=("b",)))
+    outs: list[Out] = []
+
+    async def serve() -> None:
+        async for out in stage.handle(first):
+            outs.append(out)
+
+    running = asyncio.create_task(serve())
+    await entered.wait()
+    await store.take(first.id, "generate.pa:successor")  # the successor took the stream over and serves it
+    resume.set()
+    with pytest.raises(InfraUnavailable):  # not committed: the partition's owner finishes it
+        await running
+    assert outs == []  # nothing sent to pool pb
+    resume.clear()
+    entered.clear()
+    second = msgspec.structs.replace(routed(request("r2")), route=Route("a", "pa", fallbacks=("b",)))
+    running = asyncio.create_task(run_handler(stage, second))
+    await entered.wait()
+    resume.set()
+    [onward] = await running  # still owned: the request moves on to the fallback as before
+    assert onward.topic == registry.routed_topic("pb") and onward.value.route == Route("b", "pb")
+
+
+class Flaky(MemoryStateStore):
+    """A store whose writes fail while `away` (Redis restarting)."""
+
+    away = False
+
+    async def advance(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.away:
+            raise InfraUnavailable("redis is restarting")
+        return await super().advance(*args, **kwargs)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("late", ["taken over", "redis away"])
+async def test_acknowledgements_that_land_after_the_try_ended_leave_nothing_behind(late: str) -> None:
+    """The runner awaits a stream's last acknowledgements after `handle` returned (a revoke leaves them
+    running): what they learn must neither stay in memory, one id per stream at every takeover or Redis
+    outage, nor stop the request's next try on this worker."""
+    backend, store = ScriptedBackend(WORDS), Flaky()
+    handed = await prefilled(backend)
+    stage = decode_stage(backend, store)
+    outs = [out async for out in stage.handle(handed)]  # the try ends before the broker acknowledges
+    if late == "taken over":
+        await store.take(handed.id, "decode.local:successor")
+    else:
+        store.away = True
+    for out in outs[:-1]:
+        if out.acked is not None:
+            with contextlib.suppress(InfraUnavailable):  # the runner's: the message is tried again
+                await out.acked()
+    assert not stage._fenced and not stage._unrecorded
+    store.away = False
+    again = await run_handler(stage, handed)  # the request comes back to this worker
+    assert [getattr(o.value, "seq", "end") for o in again] == [1, 2, 3, 4, "end"]
+
+
+@pytest.mark.asyncio
+async def test_the_recorded_ending_leaves_the_cache_ticket_out_and_the_sent_one_keeps_it() -> None:
+    """The ticket (a 768-byte embedding with a semantic tier) is emit's, on the ending it receives first;
+    the recorded copy, kept for the state TTL, only replays the ending, which emit then drops."""
+    ticket = Ticket("key", "context", 60.0, vector=bytes(768))
+    backend, store = ScriptedBackend(WORDS), MemoryStateStore()
+    outs = await run_handler(PrefillStage(backend, PREFILL.topics, name=PREFILL.name),
+                             msgspec.structs.replace(routed(request()), cache=ticket))
+    [handed] = [o.value for o in outs if o.topic == PREFILL.topics.forward]
+    sent = (await run_handler(decode_stage(backend, store), handed))[-1].value
+    assert isinstance(sent, Done) and sent.ticket == ticket
+    recorded = codec.decode((await store.read(handed.id))["finished"], StreamEvent)
+    assert recorded == msgspec.structs.replace(sent, ticket=None)
+    [replayed] = await run_handler(decode_stage(backend, store), handed)
+    assert replayed.value == recorded
