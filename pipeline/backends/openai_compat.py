@@ -5,9 +5,10 @@ turns each event into a `Delta`; the last one carries the upstream's usage (`str
 include_usage`). A request whose client waits for the whole answer (`stream` false) is asked for in
 one piece: one JSON body, one `Delta`. `base_url` and the key's environment variable come from the config file only: no
 request field names an address. Cancelling closes the upstream stream (the server sees the client
-leave and stops). Errors: 429 is `Overloaded` with the upstream's `retry-after`, 5xx and timeouts
-`ModelError` (retriable: route may try another backend), other 4xx `InvalidRequest`. The upstream's
-error body is never passed on (it may echo the prompt); its status is.
+leave and stops); a request cancelled before its stream began is never asked for. Errors: 429 is
+`Overloaded` with the upstream's `retry-after`, 5xx and timeouts `ModelError` (retriable: route may
+try another backend), other 4xx `InvalidRequest`. The upstream's error body is never passed on (it
+may echo the prompt); its status is.
 
 No token ids: the upstream speaks text. A successor that takes a stream over asks again and drops
 what was delivered (pipeline.stages.generate).
@@ -19,6 +20,7 @@ import json
 import logging
 import math
 import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +30,7 @@ from pipeline.backends.base import Delta, GenerationRequest
 from pipeline.backends.errors import BackendError, Cancelled, Filtered, InvalidRequest, ModelError, Overloaded
 
 log = logging.getLogger(__name__)
+_CANCELLED_MEMORY = 4096  # request ids remembered as cancelled (a cancel may come before its generate)
 
 
 class OpenAIBackend:
@@ -44,7 +47,7 @@ class OpenAIBackend:
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", headers=headers, timeout=timeout,
                                        transport=transport, follow_redirects=False, trust_env=False)
         self._running: dict[str, httpx.Response] = {}
-        self._cancelled: set[str] = set()
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # the last _CANCELLED_MEMORY cancelled
 
     @classmethod
     def from_env(cls, name: str, base_url: str, model: str, api_key_env: str, timeout_s: float) -> OpenAIBackend:
@@ -58,7 +61,11 @@ class OpenAIBackend:
         await self._http.aclose()
 
     async def cancel(self, request_id: str) -> None:
-        self._cancelled.add(request_id)
+        """A running request's stream ends with `Cancelled`; a later `generate` of it refuses to start."""
+        self._cancelled[request_id] = None
+        self._cancelled.move_to_end(request_id)
+        while len(self._cancelled) > _CANCELLED_MEMORY:
+            self._cancelled.popitem(last=False)
         if (response := self._running.get(request_id)) is not None:
             await response.aclose()  # the read in `generate` ends; the upstream sees the client leave
 
@@ -79,7 +86,8 @@ class OpenAIBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         path, body = self._body(request)
         rid = request.request_id
-        self._cancelled.discard(rid)
+        if rid in self._cancelled:  # cancelled before its stream began: nothing is asked (or paid for)
+            raise Cancelled(rid)
         try:
             async with self._http.stream("POST", path, json=body) as response:
                 self._running[rid] = response
@@ -125,7 +133,6 @@ class OpenAIBackend:
             raise ModelError("the upstream sent an event that is not JSON") from None
         finally:
             self._running.pop(rid, None)
-            self._cancelled.discard(rid)
 
 
 def _event(event: Any, finish: str | None) -> tuple[Delta | None, str | None]:

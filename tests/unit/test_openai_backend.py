@@ -183,3 +183,31 @@ async def test_a_cancellation_before_the_upstream_answers_stops_the_request_when
             with pytest.raises(Cancelled):
                 await asyncio.wait_for(running, 5.0)
         await backend.aclose()
+
+
+
+async def test_a_cancel_before_the_stream_began_stops_it_before_the_upstream_is_asked() -> None:
+    """As the other backends do: a cancel that lands while the stage prepares the request (it was
+    forgotten when the stream began, and the whole answer streamed and paid for)."""
+    async with FakeUpstream(free_port()) as fake:
+        backend = OpenAIBackend("up", fake.base_url, "m")
+        await backend.cancel("early")
+        with pytest.raises(Cancelled):
+            await collect(backend, ask(rid="early"))
+        assert fake.state.served == 0
+        await backend.aclose()
+
+
+async def test_cancels_are_remembered_within_a_bound() -> None:
+    """A cancel that lands after its stream ended is kept only among the most recent (it stayed for
+    good: one id per request cancelled as it ended)."""
+    from pipeline.backends.openai_compat import _CANCELLED_MEMORY
+
+    async with FakeUpstream(free_port()) as fake:
+        backend = OpenAIBackend("up", fake.base_url, "m")
+        assert len(await collect(backend, ask(rid="ended"))) > 1
+        await backend.cancel("ended")  # the stream ended already
+        for i in range(_CANCELLED_MEMORY):
+            await backend.cancel(f"gone-{i}")
+        assert len(backend._cancelled) == _CANCELLED_MEMORY and "ended" not in backend._cancelled
+        await backend.aclose()
