@@ -101,12 +101,14 @@ class DecodeStage:
 
     async def on_control(self, message: Cancel) -> None:
         """Every decode worker hears every cancellation: it stops the request if it runs it, and records
-        it (in the store when the id is the pipeline's, so a worker that starts later knows too)."""
+        it (in the store when the id is the pipeline's, so a worker that starts later knows too). Only for
+        a request ingest admitted (its state exists): anyone who may write llm.control could otherwise
+        fill Redis with a key an hour per made-up id, pushing out live requests' state."""
         self._cancelled.heard(message)
         for rid in [r for r in self._active if message.id in (r, client_id_of(r))]:
             await self._backend.cancel(rid)  # first: a store write that fails (Redis away) must not keep it running
         if "/" in message.id:
-            await self._store.write(message.id, {"cancel": message.reason.value.encode()})
+            await self._store.amend(message.id, {"cancel": message.reason.value.encode()})
 
     def _cancel_reason(self, rid: str, stored: dict[str, bytes]) -> CancelReason | None:
         if (raw := stored.get("cancel")) is not None:

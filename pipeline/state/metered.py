@@ -39,6 +39,9 @@ class MeteredStore:
             self._fenced.inc()
         return written
 
+    async def amend(self, key: str, fields: Mapping[str, bytes]) -> bool:
+        return await self._inner.amend(key, fields)
+
     async def claim(self, key: str, field: str, value: bytes) -> bool:
         return await self._inner.claim(key, field, value)
 

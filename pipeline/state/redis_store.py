@@ -61,6 +61,7 @@ class RedisStateStore:
         self._write_owned = _Script("write_owned.lua")
         self._advance = _Script("advance.lua")
         self._claim = _Script("claim.lua")
+        self._amend = _Script("amend.lua")
         self._take = _Script("take.lua")
 
     def _key(self, key: str) -> str:
@@ -100,6 +101,10 @@ class RedisStateStore:
         first = [item for name, value in (always or {}).items() for item in (name, value)]
         pairs = [item for name, value in fields.items() for item in (name, value)]
         return int(await self._eval(self._advance, key, owner, field, position, len(first) // 2, *first, *pairs)) == 1
+
+    async def amend(self, key: str, fields: Mapping[str, bytes]) -> bool:
+        pairs = [item for name, value in fields.items() for item in (name, value)]
+        return int(await self._eval(self._amend, key, *pairs)) == 1
 
     async def claim(self, key: str, field: str, value: bytes) -> bool:
         return int(await self._eval(self._claim, key, field, value)) == 1

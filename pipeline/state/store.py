@@ -46,6 +46,10 @@ class StateStore(Protocol):
         position); refreshes the TTL either way. True when the key now holds `position` or a later one;
         False when fenced."""
 
+    async def amend(self, key: str, fields: Mapping[str, bytes]) -> bool:
+        """Sets `fields` (and refreshes the TTL) only if `key` exists; True when written. A write for an id
+        nobody admitted (a cancellation anyone may send) leaves nothing behind."""
+
     async def claim(self, key: str, field: str, value: bytes) -> bool:
         """Sets `field` only if it is absent (and refreshes the TTL); True when this call set it. A claim
         that returns False writes nothing, the TTL included."""
@@ -125,6 +129,13 @@ class MemoryStateStore:
             self._put(key, {**current, **fields, field: b"%d" % position})
         else:
             self._put(key, current)  # `always` and the TTL only
+        return True
+
+    async def amend(self, key: str, fields: Mapping[str, bytes]) -> bool:
+        current = self._live(key)
+        if current is None:
+            return False
+        self._put(key, {**current, **fields})
         return True
 
     async def claim(self, key: str, field: str, value: bytes) -> bool:

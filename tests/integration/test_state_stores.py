@@ -89,6 +89,15 @@ async def test_claim_succeeds_once(store: StateStore) -> None:
     assert await store.read(k) == {"emitted": b"w1", "charged": b"w2"}
 
 
+async def test_amend_writes_only_a_key_that_exists(store: StateStore) -> None:
+    k = key()
+    assert await store.amend(k, {"cancel": b"client_gone"}) is False
+    assert await store.read(k) == {}  # nothing left behind for a key nobody made
+    await store.claim(k, "fingerprint", b"f")
+    assert await store.amend(k, {"cancel": b"client_gone"}) is True
+    assert await store.read(k) == {"fingerprint": b"f", "cancel": b"client_gone"}
+
+
 async def test_take_returns_the_fields_before_and_sets_the_owner(store: StateStore) -> None:
     k = key()
     assert await store.take(k, "w1") == {}

@@ -222,7 +222,7 @@ async def test_a_cancellation_stops_decode_within_a_step() -> None:
 @pytest.mark.asyncio
 async def test_a_cancellation_stops_decode_even_when_the_store_cannot_record_it() -> None:
     class Away(MemoryStateStore):
-        async def write(self, *args: object, **kwargs: object) -> None:
+        async def amend(self, *args: object, **kwargs: object) -> bool:
             raise InfraUnavailable("redis is restarting")
 
     backend = ScriptedBackend(WORDS * 20, step_s=0.01)
@@ -460,3 +460,16 @@ async def test_the_recorded_ending_leaves_the_cache_ticket_out_and_the_sent_one_
     assert recorded == msgspec.structs.replace(sent, ticket=None)
     [replayed] = await run_handler(decode_stage(backend, store), handed)
     assert replayed.value == recorded
+
+
+@pytest.mark.asyncio
+async def test_a_cancellation_is_recorded_only_for_a_request_the_pipeline_admitted() -> None:
+    """Anyone who may write llm.control can name any id: a record per made-up id would fill Redis (each
+    kept an hour) and push out live requests' state. Ingest's claim made the admitted one's key."""
+    stage = decode_stage(ScriptedBackend(WORDS))
+    store = stage._store
+    await store.claim("default/admitted", "fingerprint", b"f")
+    for rid in ("default/admitted", "default/made-up", "other/made-up-too"):
+        await stage.on_control(Cancel(id=rid, reason=CancelReason.client_gone, at=time.time()))
+    assert (await store.read("default/admitted"))["cancel"] == b"client_gone"
+    assert await store.read("default/made-up") == {} and await store.read("other/made-up-too") == {}
