@@ -47,6 +47,7 @@ class CacheSettings:
     sampled: bool = False  # temperature > 0 without a seed asks for a new answer each time: not cached
     max_entry_bytes: int = 65536  # answers longer than this are not stored
     max_entries_per_tenant: int = 100_000  # the semantic index of one tenant; the oldest go first
+    max_index_bytes: int = 256 * 2**20  # every tenant's semantic index in one cache worker, estimated; the oldest go first
     hit_billing: Literal["none", "full"] = "none"  # none: a hit charges no tokens or spend (it counts as a request)
     models: dict[str, ModelCache] = field(default_factory=dict)
     tenants: dict[str, TenantCache] = field(default_factory=dict)
@@ -70,6 +71,6 @@ class CacheSettings:
         found += [f"{name} must be in (0, 1], got {value}" for name, value in thresholds if not 0 < value <= 1]
         ttls = [("cache.ttl_s", self.ttl_s)] + [(f"cache.models.{k}.ttl_s", v.ttl_s) for k, v in self.models.items() if v.ttl_s is not None]
         found += [f"{name} must be positive, got {value}" for name, value in ttls if value <= 0]
-        if self.max_entry_bytes < 1 or self.max_entries_per_tenant < 1:
-            found.append("cache.max_entry_bytes and cache.max_entries_per_tenant must be at least 1")
+        if min(self.max_entry_bytes, self.max_entries_per_tenant, self.max_index_bytes) < 1:
+            found.append("cache.max_entry_bytes, cache.max_entries_per_tenant and cache.max_index_bytes must be at least 1")
         return found

@@ -53,7 +53,7 @@ class CacheStage:
         self._settings = settings
         self._exact = exact
         self._embedder = embedder  # None: no semantic tier in this process
-        self.index = SemanticIndex(settings.max_entries_per_tenant)
+        self.index = SemanticIndex(settings.max_entries_per_tenant, settings.max_index_bytes)
         if embedder is not None:  # at start rather than in the first lookup; not at all without a semantic tier
             synonyms.load()  # the trap check's WordNet tables (about 0.7 s, 17 MB)
             spelling.load()  # the word list questions are corrected against (about 0.1 s, 11 MB)
