@@ -20,7 +20,7 @@ class TenantPolicy:
 
     rpm: int = 0
     tpm: int = 0
-    budget: float = 0.0  # currency units, accumulated over the tenant's lifetime
+    budget: float = 0.0  # currency units, spent since the budget was set (without one no spend is kept)
     models: tuple[str, ...] = ()  # empty: every configured model
     allow_cidrs: tuple[str, ...] = ()  # non-empty: only these client addresses
     deny_cidrs: tuple[str, ...] = ()

@@ -5,7 +5,8 @@
     admit(request)  network rules -> authenticate (API key, JWT, or anonymous) -> authorise the model
                     -> tenant network rules -> limits and budgets; returns the request to forward, with
                     the authenticated tenant and key id and without the credential; raises StageError.
-    finish(event)   charges completion tokens (and the prompt-token estimate's shortfall) and spend.
+    finish(event)   charges completion tokens (and the prompt-token estimate's shortfall), and spend to
+                    the scopes with a budget.
 
 Redis being away is a `StoreUnavailable`: limits follow `on_redis_down` (wait: the runner retries the
 request until Redis answers or its deadline passes; open: admit; closed: refuse
@@ -62,7 +63,7 @@ class Principal:
 class Ticket(msgspec.Struct, frozen=True):
     """What admission remembers for the charge at the end: the scopes and the prompt estimate."""
 
-    scopes: list[tuple[str, str, bool]]  # (kind, name, billed)
+    scopes: list[tuple[str, str, bool]]  # (kind, name, billed: spend is added to it, `Scope.billed`)
     prompt_estimate: int
 
 
@@ -159,7 +160,7 @@ class Gateway:
                 claims = await self._jwt.verify(credential)
             except InvalidToken as exc:
                 raise StageError(ErrorCode.unauthorized, str(exc)) from None
-            scope = Scope("key", "jwt:" + claims.subject, billed=True)
+            scope = Scope("key", "jwt:" + claims.subject)  # no budget: no spend kept (llm.usage has every charge)
             return Principal("jwt:" + claims.subject, claims.tenant, None, claims.models, scope)
         if not self._settings.auth_required:
             return Principal(self._settings.anonymous_tenant, self._settings.anonymous_tenant)  # name: the tenant
@@ -182,7 +183,7 @@ class Gateway:
         if token.kind == "jwt":
             if self._jwt is None or not token.tenant:
                 raise StageError(ErrorCode.unauthorized, "the credentials are not valid")
-            scope = Scope("key", "jwt:" + token.subject, billed=True)
+            scope = Scope("key", "jwt:" + token.subject)
             return Principal("jwt:" + token.subject, token.tenant, None, token.models, scope)
         return await self._by_hash(token.subject)
 
@@ -222,7 +223,7 @@ class Gateway:
         if entry is None or not entry.valid(self._clock()):
             raise StageError(ErrorCode.unauthorized, INVALID_KEY)
         r = entry.record
-        scope = Scope("key", r.key_id, r.rpm, r.tpm, r.budget, billed=True)
+        scope = Scope("key", r.key_id, r.rpm, r.tpm, r.budget, billed=r.budget > 0)
         return Principal("key:" + r.key_id, r.tenant, r.key_id, r.models, scope)
 
     async def _lookup(self, key_hash: str) -> KeyEntry | None:
@@ -253,7 +254,7 @@ class Gateway:
     def scopes(self, principal: Principal, policy: TenantPolicy, ip: Address | None) -> list[Scope]:
         s = self._settings
         scopes = [principal.key_scope] if principal.key_scope is not None else []
-        scopes.append(Scope("tenant", principal.tenant, policy.rpm, policy.tpm, policy.budget, billed=True))
+        scopes.append(Scope("tenant", principal.tenant, policy.rpm, policy.tpm, policy.budget, billed=policy.budget > 0))
         if ip is not None and (s.ip_rpm or s.ip_tpm):
             scopes.append(Scope("ip", client_block(ip), s.ip_rpm, s.ip_tpm))
         if s.global_rpm or s.global_tpm:

@@ -52,9 +52,10 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
                 limiter = RedisLimiter(redis, settings.gateway.window_s)
                 print("key_id\ttenant\tmodels\trpm\ttpm\tbudget\tspent\tstatus\tkey ends")
                 for r in await manager.list():
-                    spent = await limiter.spent(Scope("key", r.key_id))
+                    # Spend is kept only against a budget (`sluice usage` sums every charge from llm.usage).
+                    spent = f"{await limiter.spent(Scope('key', r.key_id)):.4f}" if r.budget else "-"
                     status = "revoked" if r.revoked else f"active ({len(r.hashes)} keys)"
-                    print(f"{r.key_id}\t{r.tenant}\t{','.join(r.models) or '*'}\t{r.rpm}\t{r.tpm}\t{r.budget}\t{spent:.4f}\t{status}\t...{r.hint}")
+                    print(f"{r.key_id}\t{r.tenant}\t{','.join(r.models) or '*'}\t{r.rpm}\t{r.tpm}\t{r.budget}\t{spent}\t{status}\t...{r.hint}")
         except KeyNotFound as exc:
             print(exc)
             return 1

@@ -4,7 +4,9 @@ Every limit is a *sliding window log* over `window_s`: a scope (a key, a tenant,
 everything) admits a request only if fewer than `rpm` requests and at most `tpm - tokens` tokens were
 recorded in the last window. A log is exact (no burst at a window edge, unlike fixed windows or a
 token bucket with a burst), and a refusal knows exactly when the oldest entry that blocks it leaves
-the window, which is the retry-after. Budgets are a running spend per scope with no window.
+the window, which is the retry-after. Budgets are a running spend per scope with no window, kept only
+for a scope that has a budget: `llm.usage` records every charge for billing, and a spend kept for every
+scope left a key with no TTL in Redis per JWT subject ever seen.
 
 Admission across scopes is all or nothing: each scope is checked and recorded atomically on its own
 (one Lua script per scope in Redis, so scopes may live on different Redis Cluster slots), and if a
@@ -33,7 +35,7 @@ class Scope:
     rpm: int = 0  # 0: no limit
     tpm: int = 0
     budget: float = 0.0
-    billed: bool = False  # spend accumulates here (keys and tenants; not addresses or the global scope)
+    billed: bool = False  # spend accumulates here: a key or a tenant with a budget (the gateway decides)
 
     @property
     def tag(self) -> str:

@@ -129,7 +129,7 @@ async def post(bridge: SecureBridge, body: dict[str, object], key: str | None, *
 
 
 async def test_a_created_key_gets_an_answer_and_its_usage_is_charged(secure_bridge: SecureBridge) -> None:
-    key, record = await secure_bridge.keys.create("acme", tpm=100_000)
+    key, record = await secure_bridge.keys.create("acme", tpm=100_000, budget=100.0)  # spend is kept against a budget
     response = await post(secure_bridge, chat(key), key)
     assert response.status_code == 200, response.text
     for _ in range(100):  # emit charges right after it sends the terminal event

@@ -1,6 +1,7 @@
 -- Admit one request in one scope, atomically, on Redis's own clock (a sliding window log).
 -- KEYS[1] request log (zset member -> ms), KEYS[2] token log (zset "member:p|n" -> ms),
--- KEYS[3] tokens in the token log (integer), KEYS[4] spend (float, no TTL: budgets do not expire).
+-- KEYS[3] tokens in the token log (integer), KEYS[4] spend (float, no TTL: budgets do not expire; only
+-- read here, and written by charge.lua only for a scope with a budget).
 -- All four share one hash tag, so the script runs on one Redis Cluster slot.
 -- ARGV: window ms, rpm, tpm, budget (0 = none), member (request id), prompt tokens.
 -- Returns {admitted 1/0, resource, limit, remaining, retry-after ms (-1: never)}.

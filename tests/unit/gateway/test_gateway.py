@@ -139,7 +139,7 @@ async def test_tokens_per_minute_count_prompts_at_admission_and_completions_at_t
 
 
 async def test_budgets_refuse_once_spend_reaches_them() -> None:
-    r = rig(prices={MODEL: ModelPrice(prompt_per_1k=1.0, completion_per_1k=2.0)})
+    r = rig(prices={MODEL: ModelPrice(prompt_per_1k=1.0, completion_per_1k=2.0)}, tenants={"acme": TenantPolicy(budget=10.0)})
     raw, record = await r.keys.create("acme", budget=0.5)
     await r.gateway.admit(request("a", api_key=raw))
     done = Done(id="acme/a", reply_to="x", chunks=1, digest="", finish_reason=FinishReason.stop,
@@ -149,6 +149,22 @@ async def test_budgets_refuse_once_spend_reaches_them() -> None:
     assert await r.limiter.spent(Scope("key", record.key_id)) == pytest.approx(0.5)
     assert await r.limiter.spent(Scope("tenant", "acme")) == pytest.approx(0.5)
     assert (await refusal(r.gateway.admit(request("b", api_key=raw)))).code is ErrorCode.budget_exceeded
+
+
+async def test_only_a_scope_with_a_budget_keeps_a_running_spend() -> None:
+    """Every billed scope kept one, with no TTL in Redis (a key volatile-lru never evicts): one per JWT
+    subject ever seen, and per key or tenant that no budget reads. llm.usage records every charge."""
+    r = rig(prices={MODEL: ModelPrice(prompt_per_1k=1.0, completion_per_1k=2.0)}, tenants={"capped": TenantPolicy(budget=10.0)})
+    free, free_record = await r.keys.create("acme")
+    capped, capped_record = await r.keys.create("capped", budget=5.0)
+    for rid, raw, tenant in (("a", free, "acme"), ("b", capped, "capped")):
+        await r.gateway.admit(request(rid, api_key=raw))
+        await r.gateway.finish(Done(id=f"{tenant}/{rid}", reply_to="x", chunks=1, digest="", finish_reason=FinishReason.stop,
+                                    usage=Usage(prompt_tokens=100, completion_tokens=200), tenant=tenant, model=MODEL, created_at=1.0))
+    assert await r.limiter.spent(Scope("key", capped_record.key_id)) == pytest.approx(0.5)
+    assert await r.limiter.spent(Scope("tenant", "capped")) == pytest.approx(0.5)
+    assert await r.limiter.spent(Scope("key", free_record.key_id)) == 0.0
+    assert await r.limiter.spent(Scope("tenant", "acme")) == 0.0
 
 
 class DownLimiter:

@@ -15,13 +15,14 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from pipeline.errors import StageError
-from pipeline.gateway.config import GatewaySettings, JwtSettings
+from pipeline.gateway.config import GatewaySettings, JwtSettings, ModelPrice, TenantPolicy
 from pipeline.gateway.gateway import Gateway
 from pipeline.gateway.jwt_auth import JwtVerifier
 from pipeline.gateway.keys import MemoryKeyStore
-from pipeline.gateway.limits import MemoryLimiter
-from tests.unit.helpers import request
+from pipeline.gateway.limits import MemoryLimiter, Scope
+from tests.unit.helpers import MODEL, request
 from topics.errors import ErrorCode
+from topics.stream import Done, FinishReason, Usage
 
 pytestmark = pytest.mark.asyncio
 ISS, AUD = "https://idp.example", "sluice"
@@ -38,11 +39,15 @@ def rsa_key() -> rsa.RSAPrivateKey:
 
 @pytest.fixture
 def gateway(rsa_key: rsa.RSAPrivateKey, tmp_path: Path) -> Gateway:
+    return jwt_gateway(rsa_key, tmp_path, MemoryLimiter(60.0))
+
+
+def jwt_gateway(rsa_key: rsa.RSAPrivateKey, tmp_path: Path, limiter: MemoryLimiter, **gateway: object) -> Gateway:
     jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(rsa_key.public_key()))
     (tmp_path / "jwks.json").write_text(json.dumps({"keys": [{**jwk, "kid": "k1", "use": "sig", "alg": "RS256"}]}))
     settings = JwtSettings(enabled=True, issuer=ISS, audience=AUD, jwks_file=str(tmp_path / "jwks.json"))
-    gw = GatewaySettings(auth_required=True, jwt=settings)
-    return Gateway(gw, MemoryKeyStore(), MemoryLimiter(60.0), JwtVerifier(settings, tmp_path))
+    gw = GatewaySettings(auth_required=True, jwt=settings, **gateway)  # type: ignore[arg-type]
+    return Gateway(gw, MemoryKeyStore(), limiter, JwtVerifier(settings, tmp_path))
 
 
 def token(key: rsa.RSAPrivateKey, **claims: object) -> str:
@@ -90,3 +95,18 @@ async def test_hs256_signed_with_the_rsa_public_key_is_refused(gateway: Gateway,
 async def test_a_token_signed_by_another_key_is_refused(gateway: Gateway) -> None:
     other = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     assert await code_for(gateway, token(other)) is ErrorCode.unauthorized
+
+
+async def test_a_subject_keeps_no_running_spend(rsa_key: rsa.RSAPrivateKey, tmp_path: Path) -> None:
+    """Its scope `jwt:<sub>` can have no budget, yet each subject ever seen kept a spend with no TTL in
+    Redis (a key volatile-lru never evicts); its tenant, without a budget, one more. llm.usage has the charge."""
+    limiter = MemoryLimiter(60.0)
+    gateway = jwt_gateway(rsa_key, tmp_path, limiter, prices={MODEL: ModelPrice(prompt_per_1k=1.0, completion_per_1k=2.0)},
+                          tenants={"capped": TenantPolicy(budget=10.0)})
+    for rid, tenant in (("a", "acme"), ("b", "capped")):
+        await gateway.admit(request(rid, api_key=token(rsa_key, sub=f"svc-{rid}", tenant=tenant)))
+        await gateway.finish(Done(id=f"{tenant}/{rid}", reply_to="x", chunks=1, digest="", finish_reason=FinishReason.stop,
+                                  usage=Usage(prompt_tokens=100, completion_tokens=200), tenant=tenant, model=MODEL, created_at=1.0))
+    assert await limiter.spent(Scope("key", "jwt:svc-a")) == 0.0 and await limiter.spent(Scope("key", "jwt:svc-b")) == 0.0
+    assert await limiter.spent(Scope("tenant", "acme")) == 0.0
+    assert await limiter.spent(Scope("tenant", "capped")) == pytest.approx(0.5)  # a budget still counts it
