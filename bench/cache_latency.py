@@ -37,6 +37,7 @@ from dataclasses import replace
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 
 from bench.http_load import Pool
@@ -47,6 +48,7 @@ from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
 from pipeline.bridge import serve
 from pipeline.cache.index import from_vector
+from pipeline.cache.traps import salient
 from pipeline.guard.embedder import DIMS
 from pipeline.observability import recent
 from pipeline.producing import Producer
@@ -73,12 +75,13 @@ async def fill(settings: Settings, tenant: str, model: str, n: int) -> None:
     producer = Producer(settings, "bench-cache-fill")
     await producer.start(asyncio.Event())
     now = time.time()
+    summary = msgspec.msgpack.encode(salient("a filler question"))  # an entry without one is unreadable and skipped
     try:
         for i, vector in enumerate(vectors):
             last = i == n - 1
             entry = Entry(key=f"bench/{i}", tenant=tenant, model=model, context=f"filler-{i % 50}", chunks=("x",),
                           finish_reason="stop", prompt_tokens=1, completion_tokens=1, stored_at=now, expires_at=now + 3600,
-                          vector=from_vector(vector))
+                          vector=from_vector(vector), salient=summary)
             if last:
                 await producer.send_and_wait(registry.CACHE_ENTRIES, codec.encode(entry), key=entry.key.encode())
             else:
