@@ -15,6 +15,11 @@
 A record's fate is decided here and nothing escapes but cancellation, so no record stops a stage.
 The topics a stage hears besides its input (control, table, reports) are followed in `pipeline.following`.
 
+A terminal event built here for a request not yet authenticated (a `Request`, or a record whose id was
+salvaged) is under the client's bare id, and names the record it refuses (`Failed.nonce`): emit keeps one
+ending per refused record, not per id (`stage.state_id`). Where the stage is emit (`stage.Ending`), a
+terminal event sent here straight to the reply topic is told to it (`note_ended`), so it sends no other.
+
 Handover (`runtime.handover`, on by default): an output for the input topic of a request-part stage
 (guard, cache, route: no per-request state in memory, no order to keep) that runs in the same process
 is not produced; that stage's handling takes it in hand at once (`Handling.take`), with the same
@@ -54,6 +59,7 @@ from pipeline.settings import Settings
 from pipeline.stage import Address, Ending, Out, Resettable, Stage, address_of
 from topics import codec, dlq, registry
 from topics.errors import ErrorCode
+from topics.requests import Request
 from topics.stream import Done, Failed
 
 log = logging.getLogger(__name__)
@@ -102,8 +108,8 @@ class Handling:
         try:
             message = codec.decode(payload, self.stage.input_type)
         except Exception as exc:  # SchemaError, or anything a hostile payload provokes
-            rid, reply = codec.salvage_reply(payload)
-            address = Address(rid, reply) if rid and reply else None
+            rid, reply = codec.salvage_reply(payload)  # a client's id: a hop's is read from its request
+            address = Address(rid, reply, nonce=_nonce(record)) if rid and reply else None
             code = ErrorCode.invalid_request if self._reads_requests else ErrorCode.internal
             detail = str(exc) if isinstance(exc, codec.SchemaError) else type(exc).__name__
             await self.dead_letter(record, "SchemaError", detail, address, rid, code)
@@ -224,7 +230,7 @@ class Handling:
         it, and the sender's record is handled again, here or elsewhere)."""
         address = address_of(message)
         if isinstance(self.stage, Resettable) and address is not None:
-            await self.stage.reset(address.request_id)
+            await self.stage.reset(address.state_id)
 
     async def _handle_message(
         self, message: Any, record: ConsumerRecord[bytes, bytes] | Handed, span: trace.Span,
@@ -233,6 +239,8 @@ class Handling:
         address = address_of(message)
         if address is not None:
             span.set_attribute("request.id", address.request_id)
+            if isinstance(message, Request):  # not authenticated: a refusal is under the client's bare id
+                address = replace(address, nonce=_nonce(record))
         attempt, backoff = 0, FIRST_BACKOFF_S
         while True:
             attempt += 1
@@ -258,7 +266,7 @@ class Handling:
                 return "dead_letter"
             except INFRA as exc:
                 if address is not None and time.time() > address.deadline:
-                    if isinstance(self.stage, Ending) and self.stage.has_ended(address.request_id):
+                    if isinstance(self.stage, Ending) and self.stage.has_ended(address.state_id):
                         return "expired"  # its terminal event is on the reply topic already: not a second one
                     await self.terminal(address, ErrorCode.deadline_exceeded, "the request's deadline passed while the pipeline waited for its broker or store")
                     return "expired"
@@ -267,7 +275,7 @@ class Handling:
                 if before is not None:  # the messages before this one are tried again first, in order
                     await asyncio.wait([before])
                 if isinstance(self.stage, Resettable) and address is not None:
-                    await self.stage.reset(address.request_id)  # what it cached may not have been sent
+                    await self.stage.reset(address.state_id)  # what it cached may not have been sent
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug or an unreadable message: dead-letter it, tell the client
@@ -382,12 +390,16 @@ class Handling:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     async def terminal(self, address: Address, code: ErrorCode, message: str, **extra: Any) -> None:
-        """The request's error terminal event, into the stream (emit delivers it) or, from emit, its reply topic."""
+        """The request's error terminal event, into the stream (emit delivers it) or, from emit, its reply
+        topic: then emit is told (`Ending.note_ended`), or a later message of the request (decode's
+        ending sent again, its own deadline ending) would give the client a second one."""
         topic = self.stage.topics.stream or address.reply_to
         if topic == address.reply_to and topic not in self.settings.reply_topics:
             log.warning("stage=%s request=%s names an unconfigured reply topic", self.stage.name, address.request_id)
             return
         await self._send_surely(Out(topic, address.request_id, address.failed(code, message, **extra)))
+        if topic == address.reply_to and isinstance(self.stage, Ending):
+            self.stage.note_ended(address.state_id)
 
     async def dead_letter(
         self, record: ConsumerRecord[bytes, bytes] | Handed, error_type: str, error: str, address: Address | None,
@@ -488,6 +500,15 @@ def quiet(future: asyncio.Future[Any]) -> None:
 def _waits(out: Out) -> bool:
     """Whether `out` goes only once the outputs before it are acknowledged (see `_send_all`)."""
     return out.after_acks or isinstance(out.value, Done | Failed)
+
+
+def _nonce(record: ConsumerRecord[bytes, bytes] | Handed) -> str | None:
+    """The refused record, for a refusal under a client's bare id (`Failed.nonce`): a digest of its topic,
+    partition and offset (no offsets on the reply topic). None for a message handed over in memory, which
+    has no offset (no stage hands a request to one that reads requests)."""
+    if isinstance(record, Handed):
+        return None
+    return hashlib.sha256(f"{record.topic}:{record.partition}:{record.offset}".encode()).hexdigest()[:16]
 
 
 def _reason(exc: BaseException) -> str:

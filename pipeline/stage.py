@@ -7,8 +7,10 @@ and commits only after every produce is acknowledged. A stage gets its topics fr
 
 Capabilities beyond `handle` are declared protocols the runner checks with isinstance:
 `Controlled` (hears every cancellation), `Tabled` (reads a compacted topic whole), `Reporting`
-(publishes on a clock), `Resettable` (keeps per-request caches in front of its
-state store), `Closable` (has connections of its own to close).
+(publishes on a clock), `Ending` (knows whose terminal event it put out), `Resettable` (keeps
+per-request caches in front of its state store), `Closable` (has connections of its own to close).
+A stage keeps a request's state under `Address.state_id`: its id, or for a refusal under a client's
+bare id, that one refusal (`Failed.nonce`).
 """
 
 from __future__ import annotations
@@ -89,9 +91,13 @@ class Reporting(Protocol):
 class Ending(Protocol):
     """A stage that knows, in memory, whose terminal event it has already put on the reply topic: the
     runner asks it before it ends a request itself (a message that waited out an outage past the
-    request's deadline), so a request that has its ending gets no second one."""
+    request's deadline), so a request that has its ending gets no second one; and tells it when it did
+    put one there itself (that, or a dead-lettered message's error), so the stage sends none after it.
+    Both take the request's `Address.state_id`."""
 
-    def has_ended(self, request_id: str) -> bool: ...
+    def has_ended(self, state_id: str) -> bool: ...
+
+    def note_ended(self, state_id: str) -> None: ...
 
 
 @runtime_checkable
@@ -120,10 +126,16 @@ class Address:
     created_at: float = 0.0
     deadline_s: float = 300.0
     ticket: Ticket | None = None  # a cache miss's ticket: its Done carries it to emit
+    nonce: str | None = None  # a refusal under the client's bare id: the refused record (`Failed.nonce`)
 
     @property
     def deadline(self) -> float:
         return self.created_at + self.deadline_s if self.created_at else time.time() + self.deadline_s
+
+    @property
+    def state_id(self) -> str:
+        """What a stage keeps this request's state under (`state_id`)."""
+        return _state_id(self.request_id, self.nonce)
 
     def failed(
         self, code: ErrorCode, message: str, *, chunks: int = 0, usage: Usage = Usage(),
@@ -133,6 +145,7 @@ class Address:
             id=self.request_id, reply_to=self.reply_to, code=code, message=message, retriable=retriable(code),
             tenant=self.tenant, model=self.model, created_at=self.created_at, chunks=chunks, usage=usage,
             timings=timings or {}, retry_after_s=retry_after_s, rate_limit=rate_limit, deadline_s=self.deadline_s,
+            nonce=self.nonce,
         )
 
     def done(self, *, chunks: int, digest: str, finish: FinishReason, usage: Usage, timings: dict[str, float]) -> Done:
@@ -153,11 +166,29 @@ def address_of(message: object) -> Address | None:
         return Address(message.id, r.reply_to, message.tenant, r.model, r.created_at, r.deadline_s, message.cache)
     if isinstance(message, Request):  # not authenticated yet: the client's id, no tenant
         return Address(message.id, message.reply_to, "", message.model, message.created_at, message.deadline_s)
-    if isinstance(message, Done | Failed):
+    if isinstance(message, Failed):
+        return Address(message.id, message.reply_to, message.tenant, message.model, message.created_at, message.deadline_s,
+                       nonce=message.nonce)
+    if isinstance(message, Done):
         return Address(message.id, message.reply_to, message.tenant, message.model, message.created_at, message.deadline_s)
     if isinstance(message, Chunk):
         return Address(message.id, message.reply_to, message.tenant, message.model)
     return None
+
+
+def state_id(event: Chunk | Done | Failed) -> str:
+    """What a stage keeps the state of an event's request under: the request's id, or, for a refusal
+    under a client's bare id, the id and the refused record's nonce. Ingest refuses by the client's id
+    (before or without namespacing it), and one id can be refused many times (the same bytes sent again
+    after a 429, which ingest admits on purpose; another tenant's or a stranger's request under the same
+    id): keyed by id alone, every refusal after the first was taken for a redelivery of it and dropped,
+    and its client waited until its timeout. Keyed by record, a replay of the refused record (its group
+    sent back to an old offset) is still dropped."""
+    return _state_id(event.id, event.nonce if isinstance(event, Failed) else None)
+
+
+def _state_id(request_id: str, nonce: str | None) -> str:
+    return request_id if nonce is None else f"{request_id}@{nonce}"
 
 
 class Stopwatch:

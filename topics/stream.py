@@ -8,7 +8,11 @@ differently ends `stream_incomplete`, not as an answer.
 Every event carries the pipeline's request id (`<tenant>/<client id>`, topics.hops) and the tenant.
 Stages that end a request early (ingest rejects it, a handler fails) send a `Failed` into the stream
 topics, so emit is the only writer of reply topics. Ingest's refusals of requests it could not
-authenticate carry the client's own id and the tenant "" (nobody was authenticated).
+authenticate carry the client's own id and the tenant "" (nobody was authenticated). A refusal under
+the client's own id (all of ingest's, and the runner's for a record it could not read) also carries a
+`nonce` naming the record it refuses: one client id can be refused many times (the same bytes sent again
+after a 429, another tenant's or a stranger's request under the same id), so postguard and emit keep one
+terminal event per refused record, not per id.
 """
 
 from __future__ import annotations
@@ -102,6 +106,9 @@ class Failed(msgspec.Struct, frozen=True, tag="error.v2", tag_field="kind"):
     rate_limit: RateLimit | None = None  # set when code is rate_limited
     cost: float = 0.0  # set by emit: what the tokens used before the error are billed
     deadline_s: float = 300.0  # the request's: how long a stage after decode waits out an outage with it
+    # Set on a refusal under the client's own id (no "<tenant>/"): an opaque digest of the refused record
+    # (topic, partition, offset), so a replay of that record is dropped and another record's refusal is not.
+    nonce: str | None = None
 
 
 StreamEvent = Chunk | Done | Failed

@@ -12,7 +12,11 @@ Positions are written one at a time per request and never backwards. A worker th
 taken (it was paused past its session and replaced) stops forwarding that request and lets the runner
 try the message again: the worker that owns the partition then takes the record back and goes on from
 what it says. The usage record is claimed in the store before it is produced, so billing sees it at
-most once.
+most once. A refusal under a client's bare id is kept per refused record, not per id
+(`stage.state_id`): the same id refused again (sent again after a 429) gets its own terminal event, a
+replay of the refused record does not. A terminal event the runner sent for a request itself (past its
+deadline in an outage, or dead-lettered) is one of emit's: recorded when the store answers, never
+followed by another.
 
 A finished answer (`Done`, stop or length, every chunk seen by this worker from the first) whose
 request carries a cache ticket is stored: in the exact tier (Redis) and, when the request had a semantic
@@ -37,7 +41,7 @@ from pipeline.errors import InfraUnavailable, Undeliverable
 from pipeline.observability import costs
 from pipeline.sequencing import Sequencer
 from pipeline.settings import Settings
-from pipeline.stage import Out, Stopwatch, address_of
+from pipeline.stage import Out, Stopwatch, address_of, state_id
 from pipeline.state import MemoryStateStore, StateStore
 from pipeline.topology import Topics
 from topics import codec
@@ -122,17 +126,21 @@ class EmitStage:
         self._tenant_label = costs.TenantLabels(frozenset((*settings.gateway.tenants, settings.gateway.anonymous_tenant,
                                                            *settings.observability.tenant_labels)))
         self._sent: OrderedDict[str, _Sent] = OrderedDict()
-        self._carried: dict[str, list[Chunk]] = {}  # chunks held behind a gap when a request was reset
+        # Chunks held behind a gap, carried over to the request's next message: a predecessor's, read from
+        # the store, or this worker's when a reset dropped its progress. Bounded like `_sent`: a retry that
+        # reaches its deadline never takes its entry; the store keeps every held chunk (`_hold`), and a
+        # request whose progress is read again reads them again.
+        self._carried: OrderedDict[str, list[Chunk]] = OrderedDict()
         # Requests a message of which is being retried (its produce or its acknowledged write failed: the
         # broker or Redis was away), so a gap in them may be a chunk still on its way, not a lost one
         # (`_wait_for_retries`), each with the position whose record ends the doubt: the furthest this worker
         # had forwarded when it failed (several messages may be in retry; the first one's record is not enough).
         # Bounded like `_sent`: a retry that reaches its deadline never clears its entry.
         self._unsure: OrderedDict[str, int] = OrderedDict()
-        # Requests whose terminal event the broker acknowledged (`Out.delivered`) and whose record of it was
-        # not written (Redis was away; it or a record before it failed): the retried message records it
-        # instead of sending it again. What the broker has is not undone by a reset, so this outlives
-        # resets; bounded like `_sent`.
+        # Requests whose terminal event the broker acknowledged (`Out.delivered`, or the runner's own,
+        # `note_ended`) and whose record of it was not written (Redis was away; it or a record before it
+        # failed): the retried message records it instead of sending it again. What the broker has is not
+        # undone by a reset, so this outlives resets; bounded like `_sent`.
         self._delivered: OrderedDict[str, None] = OrderedDict()
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
         self._clock = clock  # monotonic: how long ago ownership was confirmed
@@ -158,23 +166,24 @@ class EmitStage:
             if sent is not None:
                 sent.drop()
                 if held := sent.order.held():
-                    self._carried[request_id] = held  # their messages may be done: keep them, they are the client's
+                    self._carry(request_id, held)  # their messages may be done: keep them, they are the client's
 
     async def handle(self, message: StreamEvent) -> AsyncIterator[Out]:
         clock = Stopwatch()
         if message.reply_to not in self._replies:
             raise Undeliverable("reply_to is not a configured reply topic")
-        rid = message.id
+        rid = state_id(message)  # the request's id, or a bare-id refusal's own (its record's nonce)
         sent = await self._progress(rid)
         if sent.fenced:  # another worker took this request over: this message is tried again after a reset
             raise InfraUnavailable("taken over by another emit worker")
+        carried = self._carried.pop(rid, [])
         if sent.finished and not isinstance(message, Chunk):
             return  # a redelivery after the terminal event (the client has it)
         # A chunk of a finished request goes out again unless its position was recorded: the terminal
         # event does not wait for the chunks' records, so it can overtake a chunk whose produce then
         # failed (pending on a producer that was replaced in a broker outage). The client waits for such
         # a chunk after the terminal event (`pipeline/sdk.py`); a chunk it already has is dropped by seq.
-        ready = [c for held in self._carried.pop(rid, []) for c in sent.order.accept(held)]
+        ready = [c for held in carried for c in sent.order.accept(held)]
         if isinstance(message, Chunk):
             ready += sent.order.accept(message)
             if sent.order.holds(message.seq):  # its offset will be committed: only the store keeps it now
@@ -200,7 +209,7 @@ class EmitStage:
             await self._write(rid, sent, {"terminal": b"1"})()
         else:
             costs.observe(terminal, self._tenant_label(terminal.tenant), self._models)
-            yield Out(message.reply_to, rid, terminal, acked=self._write(rid, sent, {"terminal": b"1"}),
+            yield Out(message.reply_to, message.id, terminal, acked=self._write(rid, sent, {"terminal": b"1"}),
                       delivered=lambda: self._note_delivered(rid))
         if await self._store.claim(rid, "usage", b"1"):
             yield Out(self.topics.usage, terminal.tenant or "anonymous", self._usage(terminal))
@@ -267,11 +276,17 @@ class EmitStage:
             sent.owned_since(started)
             stored = [codec.decode(raw, Chunk) for name, raw in fields.items() if name.startswith(_HELD)]
             if stored:  # what a predecessor held behind a gap: accepted before the message at hand
-                self._carried[rid] = sorted(stored + self._carried.get(rid, []), key=lambda c: c.seq)
+                self._carry(rid, sorted(stored + self._carried.get(rid, []), key=lambda c: c.seq))
             if len(self._sent) > _CACHED:
                 self._sent.popitem(last=False)[1].drop()
         self._sent.move_to_end(rid)
         return sent
+
+    def _carry(self, rid: str, chunks: list[Chunk]) -> None:
+        self._carried[rid] = chunks
+        self._carried.move_to_end(rid)
+        if len(self._carried) > _CACHED:
+            self._carried.popitem(last=False)
 
     def _mark_unsure(self, rid: str, upto: int) -> None:
         self._unsure[rid] = max(self._unsure.get(rid, 0), upto)
@@ -384,17 +399,24 @@ class EmitStage:
                 if position and position >= self._unsure.get(rid, position + 1):
                     del self._unsure[rid]  # every chunk forwarded before the failure is recorded now
                 if "terminal" in fields or ending:
-                    sent.ended = True
+                    sent.ended = sent.finished = True  # (an ending the runner sent: no message of it had finished it)
                     self._delivered.pop(rid, None)
                 self._retire(rid, sent)
 
         return acked
 
-    def has_ended(self, request_id: str) -> bool:
+    def has_ended(self, state_id: str) -> bool:
         """Whether this worker knows the request's terminal event is on the reply topic (`stage.Ending`):
         the broker acknowledged it, recorded or not yet."""
-        sent = self._sent.get(request_id)
-        return request_id in self._delivered or (sent is not None and sent.ended)
+        sent = self._sent.get(state_id)
+        return state_id in self._delivered or (sent is not None and sent.ended)
+
+    def note_ended(self, state_id: str) -> None:
+        """The runner put the request's terminal event on the reply topic itself (`stage.Ending`: one of
+        its messages waited out an outage past the deadline, or was dead-lettered). Taken as one of emit's
+        own that the broker acknowledged: the request's next ending (decode's sent again, its own deadline
+        ending) only records it once the store answers, and is not sent (it was: two terminal events)."""
+        self._note_delivered(state_id)
 
     def _note_delivered(self, rid: str) -> None:
         """The broker acknowledged this request's terminal event (forgotten once it is recorded)."""

@@ -17,6 +17,11 @@ store's window, so a stale window never overwrites its successor's (one that did
 worker waiting for input chunks whose messages were already finished). Only when the store has no
 window for a stream met midway (expired) does the request end with a retriable `internal` error rather
 than a stream with a hole.
+
+A refusal under a client's bare id (`Failed.nonce`: ingest's) passes straight on: it has no chunks to
+check or hold, and emit keeps one ending per refused record. Kept here by id, like a stream's ending,
+every refusal after the first under one id was dropped as a redelivery (and, after a restart, the
+first one's stored ending sent in its place): the client waited until its timeout.
 """
 
 from __future__ import annotations
@@ -110,6 +115,9 @@ class PostguardStage:
             self._finished.pop(request_id, None)
 
     async def handle(self, message: StreamEvent) -> AsyncIterator[Out]:
+        if isinstance(message, Failed) and message.nonce is not None:  # a bare-id refusal: nothing to keep
+            yield Out(self.topics.forward or "", message.id, message)
+            return
         async with self._one_at_a_time(message.id):
             outs = await self._step(message, time.perf_counter())
         for out in outs:
@@ -138,7 +146,7 @@ class PostguardStage:
         if stream is not None:  # before anything is sent: with the chunks released but not yet acknowledged
             record[postguard_state.FIELD] = stream.window()
         if (terminal := next((o.value for o in outs if isinstance(o.value, Done | Failed)), None)) is not None:
-            record[postguard_state.ENDED] = codec.encode(terminal)
+            record[postguard_state.ENDED] = codec.encode(_as_recorded(terminal))
         if record and not await self._store.write(_key(rid), record, owner=self._owner):
             raise InfraUnavailable("taken over by another postguard worker")  # tried again after a reset
         return resend + outs
@@ -280,6 +288,17 @@ class PostguardStage:
         self._finished[rid] = None
         if len(self._finished) > _REMEMBER:
             self._finished.popitem(last=False)
+
+
+def _as_recorded(terminal: Done | Failed) -> Done | Failed:
+    """The ending as the store keeps it (`postguard_end`), for `state.ttl_s`: without a cache ticket, whose
+    embedding (768 bytes, more as JSON) made it about 1.7 KB a request against 0.4. Only a redelivery
+    after the end reads it (`_restore`), and sends it on: emit drops it if it recorded the request's ending,
+    and otherwise (this worker died between this write and the send) delivers it without the ticket, so
+    that one answer is not stored in the cache. A miss later, nothing the client sees."""
+    if isinstance(terminal, Done) and terminal.ticket is not None:
+        return msgspec.structs.replace(terminal, ticket=None)
+    return terminal
 
 
 def _key(rid: str) -> str:

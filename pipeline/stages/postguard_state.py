@@ -27,7 +27,8 @@ from pipeline.guard.redact import Placeholders
 from pipeline.guard.stream_check import StreamState
 
 FIELD = "postguard"
-ENDED = "postguard_end"  # the terminal event, encoded: sent again (after the window's unacknowledged chunks) on a redelivery
+# the terminal event, encoded without its cache ticket: sent again (after the window's unacknowledged chunks) on a redelivery
+ENDED = "postguard_end"
 
 
 class Window(msgspec.Struct, frozen=True):

@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from pipeline.errors import InfraUnavailable, Undeliverable
+from pipeline.stages import emit as emit_module
 from pipeline.stages.emit import EmitStage
 from pipeline.state import MemoryStateStore
 from tests.unit.fakes import Clock, run_handler
@@ -482,3 +483,50 @@ async def test_two_messages_of_a_request_that_restore_its_progress_at_once_share
     outs = first + second + await run_handler(stage, chunk(2)) + await run_handler(stage, done(3))
     terminal = [o.value for o in outs if isinstance(o.value, Done | Failed)]
     assert len(terminal) == 1 and isinstance(terminal[0], Done), terminal
+
+
+def refusal(nonce: str | None, rid: str = "r1") -> Failed:
+    """Ingest's refusal of a request under the client's bare id, naming the record it refuses."""
+    return Failed(id=rid, reply_to=REPLY, code=ErrorCode.rate_limited, message="slow down", retriable=True, tenant="acme",
+                  model="m", created_at=1.0, nonce=nonce)
+
+
+@pytest.mark.asyncio
+async def test_each_refused_record_under_one_bare_id_gets_one_terminal_event() -> None:
+    """A client refused under its own id (a 429) that sends the same bytes again, or another tenant's
+    request refused under the same client id, is refused again: its terminal event must reach the client,
+    not be dropped as a redelivery of the first (it waited until its timeout). A replay of one refused
+    record (its group sent back to an old offset) is still dropped, on a successor too."""
+    store = MemoryStateStore()
+    stage = emit(store)
+    outs = [o for m in (refusal("n1"), refusal("n2"), refusal("n1")) for o in await run_handler(stage, m)]
+    terminals = [(o.value.nonce, o.key) for o in outs if o.topic == REPLY]  # type: ignore[attr-defined]
+    assert terminals == [("n1", "r1"), ("n2", "r1")]  # keyed on the reply topic by the client's id, as before
+    assert len([o for o in outs if o.topic == registry.USAGE]) == 2  # one usage record per refusal
+    assert await replies(emit(store), refusal("n2")) == []
+
+
+@pytest.mark.asyncio
+async def test_a_finished_requests_held_chunks_read_from_the_store_do_not_stay_in_memory() -> None:
+    """A predecessor's held chunks, read with the request's progress, were kept for the next message
+    and never taken when that message was a redelivery after the end: one entry per such request, for
+    good (only a rebalance cleared them)."""
+    store = MemoryStateStore()
+    sent = await replies(emit(store), chunk(0), chunk(2), done(3))  # 2 held (and stored) behind the gap
+    assert isinstance(sent[-1], Failed) and sent[-1].code is ErrorCode.stream_incomplete
+    successor = emit(store)
+    assert await replies(successor, done(3)) == []  # a redelivery after the end
+    assert RID not in successor._carried
+
+
+@pytest.mark.asyncio
+async def test_chunks_carried_over_resets_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reset carries a request's held chunks to its retry; a retry that dies at its deadline never
+    takes them. They are bounded as `_sent` and `_unsure` are (the store keeps them anyway)."""
+    monkeypatch.setattr(emit_module, "_CACHED", 3)
+    stage = emit()
+    for i in range(10):
+        rid = f"acme/r{i}"
+        assert await replies(stage, msgspec.structs.replace(chunk(1), id=rid)) == []  # held: 0 is missing
+        await stage.reset(rid)  # its message is tried again, until its deadline, and never handled
+    assert len(stage._carried) == 3

@@ -1,6 +1,7 @@
 """A terminal event that waits out an outage is cut off at its request's own deadline, which it carries
 (a batch line's 900 s, not a default 300 s), and a stage that has put the request's ending on the reply
-topic already (emit) is not made to send a second, contradictory one (pipeline/handling.py)."""
+topic already (emit) is not made to send a second, contradictory one (pipeline/handling.py); nor, once
+the runner sent that deadline ending itself, does emit send another after it."""
 
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ from pipeline.errors import InfraUnavailable
 from pipeline.handling import Handling
 from pipeline.settings import Settings
 from pipeline.stage import Address, Out
+from pipeline.stages.emit import EmitStage
+from pipeline.state import MemoryStateStore
 from pipeline.topology import Topics
 from tests.unit.fakes import HeldAcks, record_of
+from tests.unit.helpers import SETTINGS, node
 from topics import codec
+from topics.errors import ErrorCode
 from topics.stream import Done, Failed, FinishReason, StreamEvent, Usage
+from topics.usage import UsageRecord
 
 REPLY = "llm.responses.sdk"
 
@@ -41,8 +47,11 @@ class RedisAway:
         raise InfraUnavailable("redis state store: ConnectionError")
         yield  # an async generator, as stages are
 
-    def has_ended(self, request_id: str) -> bool:
+    def has_ended(self, state_id: str) -> bool:
         return self.ended
+
+    def note_ended(self, state_id: str) -> None:
+        self.ended = True
 
 
 def done(age_s: float, deadline_s: float) -> Done:
@@ -83,3 +92,45 @@ async def test_past_its_deadline_a_request_gets_a_deadline_ending_only_if_it_has
     terminals = sent_terminals(producer)
     assert len(terminals) == expected
     assert all(isinstance(t, Failed) and t.code.value == "deadline_exceeded" for t in terminals)
+
+
+class StoreAway(MemoryStateStore):
+    """Redis away (`away`), then back."""
+
+    away = True
+
+    async def take(self, key: str, owner: str) -> dict[str, bytes]:
+        if self.away:
+            raise InfraUnavailable("redis state store: ConnectionError")
+        return await super().take(key, owner)
+
+
+async def handled(run: Handling, producer: HeldAcks, message: Done | Failed, offset: int) -> str:
+    task = asyncio.create_task(run.process(record_of(message, "llm.checked", offset=offset), None))
+    while not task.done():
+        producer.release()
+        await asyncio.sleep(0.01)
+    return await task
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("back", [False, True])
+async def test_after_the_runner_ended_a_request_at_its_deadline_emit_sends_no_second_ending(back: bool) -> None:
+    """Decode's Done reaches emit past the deadline while Redis is away: the runner sends
+    `deadline_exceeded` straight to the reply topic. Then a later ending of the same request (decode's
+    Done sent again, or its own deadline ending) arrives, with Redis still away or back: emit must know
+    the request has its ending (it was told: `Ending.note_ended`), and only record it."""
+    store, producer = StoreAway(), HeldAcks()
+    stage = EmitStage(SETTINGS, node("emit").topics, store)
+    run = Handling(stage, SETTINGS, producer)
+    ending = done(age_s=1000, deadline_s=900)
+    assert await handled(run, producer, ending, 1) == "expired"
+    store.away = not back
+    address = Address("default/r1", REPLY, "default", "m", ending.created_at, 900.0)
+    late = address.failed(ErrorCode.deadline_exceeded, "decode's own deadline ending")
+    assert await handled(run, producer, late, 2) == ("ok" if back else "expired")
+    sent = [codec.decode(value, StreamEvent | UsageRecord) for _, values in producer.calls for value in values]
+    terminals = [t for t in sent if isinstance(t, Done | Failed)]  # and, Redis back, the usage record
+    assert len(terminals) == 1 and isinstance(terminals[0], Failed) and terminals[0].code is ErrorCode.deadline_exceeded
+    if back:  # recorded once the store answered: a successor drops a redelivery too
+        assert "terminal" in await store.read("default/r1#emit")

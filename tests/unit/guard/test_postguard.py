@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from pipeline.errors import InfraUnavailable
@@ -11,14 +12,16 @@ from pipeline.guard.config import GuardSettings
 from pipeline.guard.errors import Reason
 from pipeline.guard.stream_check import OutputGuard, StreamState
 from pipeline.guard.toxicity import ToxicityScorer
+from pipeline.stages import postguard_state
 from pipeline.stages.postguard import PostguardStage
 from pipeline.state import MemoryStateStore
 from tests.unit.fakes import run_handler
 from tests.unit.helpers import node
-from topics import registry
+from topics import codec, registry
+from topics.cache import Ticket
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
-from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, Usage, digest_of, digest_step
+from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, StreamEvent, Usage, digest_of, digest_step
 
 pytestmark = pytest.mark.asyncio
 REPLY = "llm.responses.sdk"
@@ -374,3 +377,37 @@ async def test_a_finding_overlapping_a_held_back_one_is_never_released_in_part(m
     outs = await feed(guard, pieces, done(len(pieces), words=pieces))
     released = texts(outs)
     assert "5698" not in released and "john@" not in released and released.startswith("Pay <"), released
+
+
+def refusal(nonce: str) -> Failed:
+    """Ingest's refusal under the client's bare id "x", naming the record it refuses."""
+    return Failed(id="x", reply_to=REPLY, code=ErrorCode.rate_limited, message="slow down", retriable=True, tenant="t1",
+                  model="m", created_at=1.0, nonce=nonce)
+
+
+async def test_every_refusal_under_one_bare_id_passes_on(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    """Refusals under one client id (the same bytes sent again after a 429; another tenant's request under
+    that id) were dropped after the first as redeliveries, and after a restart the first one's stored
+    ending was sent in their place. They carry no chunks: each passes on as it is, and emit keeps one
+    terminal event per refused record."""
+    store = MemoryStateStore()
+    guard = stage(make_output_guard, store)
+    outs = [o for nonce in ("n1", "n2") for o in await run_handler(guard, refusal(nonce))]
+    restarted = stage(make_output_guard, store)
+    outs += await run_handler(restarted, refusal("n3"))
+    assert [(o.topic, o.key, o.value) for o in outs] == [(registry.CHECKED, "x", refusal(n)) for n in ("n1", "n2", "n3")]
+    assert await store.read("x#postguard") == {}  # nothing kept
+
+
+async def test_the_recorded_ending_leaves_the_cache_ticket_out(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    """The ending is kept for `state.ttl_s` to be sent again on a redelivery; its cache ticket (an
+    embedding) made it about four times larger, and only emit's cache write uses it."""
+    store = MemoryStateStore()
+    ticket = Ticket(key="k", context="c", ttl_s=60.0, vector=bytes(768))
+    end = msgspec.structs.replace(done(2, words=["a ", "b "]), ticket=ticket)
+    outs = await feed(stage(make_output_guard, store), ["a ", "b "], end)
+    assert isinstance(outs[-1].value, Done) and outs[-1].value.ticket == ticket  # emit stores the answer under it
+    raw = (await store.read("r1#postguard"))[postguard_state.ENDED]
+    assert codec.decode(raw, StreamEvent) == msgspec.structs.replace(outs[-1].value, ticket=None) and len(raw) < 600
+    again = await run_handler(stage(make_output_guard, store), end)  # a redelivery after the end
+    assert again[-1].value == msgspec.structs.replace(outs[-1].value, ticket=None)
