@@ -378,12 +378,16 @@ class Handling:
         return await self._producer.send(out.topic, codec.encode(out.value), key=out.key.encode(), headers=tracing.publish(out.topic))
 
     async def _send_surely(self, out: Out) -> None:
-        """Produces `out` and waits for its acknowledgement, through a broker outage (with backoff)."""
+        """Produces `out` and waits for its acknowledgement, through a broker outage (with backoff). An
+        output larger than the broker accepts is no outage: TOO_LARGE at once (retried, it held the
+        partition for ever: a refusal copying a ~1 MB field of a record just under the broker's limit)."""
         backoff = 0.1
         while True:
             try:
                 await (await self.send(out))
                 return
+            except TOO_LARGE:
+                raise
             except INFRA as exc:
                 log.warning("stage=%s cannot produce to %s (%s); retrying in %.1f s", self.stage.name, out.topic, type(exc).__name__, backoff)
                 await asyncio.sleep(backoff)
@@ -397,7 +401,13 @@ class Handling:
         if topic == address.reply_to and topic not in self.settings.reply_topics:
             log.warning("stage=%s request=%s names an unconfigured reply topic", self.stage.name, address.request_id)
             return
-        await self._send_surely(Out(topic, address.request_id, address.failed(code, message, **extra)))
+        try:
+            await self._send_surely(Out(topic, address.request_id, address.failed(code, message, **extra)))
+        except TOO_LARGE:  # a field no schema bounds grew it: the ending still goes, as small as it can be
+            log.error("stage=%s request=%s: its error ending is larger than the broker accepts; sending a bare one",
+                      self.stage.name, address.request_id)
+            bare = replace(address, model="", ticket=None)
+            await self._send_surely(Out(topic, address.request_id, bare.failed(code, "the request's ending was too large to send")))
         if topic == address.reply_to and isinstance(self.stage, Ending):
             self.stage.note_ended(address.state_id)
 
@@ -413,7 +423,7 @@ class Handling:
             at=time.time(),
         )
         key = letter.request_id or f"{letter.topic}:{record.partition}:{record.offset}"
-        await self._send_surely(Out(registry.DLQ, key, letter))
+        await self._send_surely(Out(registry.DLQ, key, letter))  # bounded (dlq.bounded): never TOO_LARGE
         log.warning("stage=%s dead-lettered %s:%d:%d (%s)", self.stage.name, letter.topic, record.partition, record.offset, letter.error_type)
         if address is not None and code is not None:
             text = f"the {self.stage.name} stage could not process this request ({letter.error_type}); it is in the dead-letter topic"
