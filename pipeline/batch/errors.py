@@ -4,7 +4,8 @@
     └── BatchError
         ├── Invalid       400: a file or batch request sluice cannot take (empty, unreadable, wrong purpose)
         ├── NotFound      404: no such file or batch for this tenant (another tenant's looks the same)
-        ├── TooLarge      413: a file over `batch.max_file_bytes`
+        ├── TooLarge      413: a file over `batch.max_file_bytes`, or over the tenant's `batch.max_tenant_bytes`
+        ├── TooMany       429: the tenant already has `batch.max_active_per_tenant` unfinished batches
         └── Conflict      409: the batch is already finished (cancel)
 """
 
@@ -35,6 +36,11 @@ class NotFound(BatchError):
 
 class TooLarge(BatchError):
     status = 413
+
+
+class TooMany(BatchError):
+    status = 429
+    code = ErrorCode.rate_limited
 
 
 class Conflict(BatchError):

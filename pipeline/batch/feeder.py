@@ -3,7 +3,8 @@
 cannot flood ingest and the engine's interactive lane keeps its latency (the engine also schedules
 batch-lane work behind interactive work, pipeline/engine/scheduler.py).
 
-`feed(lines, run, admission, stop)` runs `run(line)` for each line and returns True when every one has
+`feed(lines, run, admission, stop)` runs `run(line)` for each line (taken from the async iterable as
+slots free up, so a job's file is read as fast as its lines run) and returns True when every one has
 finished, or False as soon as `stop` is set: the lines still in flight are cancelled (their SDK streams
 tell the pipeline to stop them) and were not recorded, so whoever resumes the job runs them again.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -36,7 +37,7 @@ class Admission:
             await asyncio.sleep(turn - now)
 
 
-async def feed(lines: Sequence[T], run: Callable[[T], Awaitable[None]], admission: Admission, stop: asyncio.Event) -> bool:
+async def feed(lines: AsyncIterable[T], run: Callable[[T], Awaitable[None]], admission: Admission, stop: asyncio.Event) -> bool:
     tasks: set[asyncio.Task[None]] = set()
     failures: list[BaseException] = []  # a `run` that raised: a bug, re-raised here
     stopping = asyncio.create_task(stop.wait())
@@ -48,7 +49,7 @@ async def feed(lines: Sequence[T], run: Callable[[T], Awaitable[None]], admissio
             failures.append(task.exception())  # type: ignore[arg-type]
 
     try:
-        for line in lines:
+        async for line in lines:
             acquire = asyncio.create_task(admission.slots.acquire())
             await asyncio.wait((acquire, stopping), return_when=asyncio.FIRST_COMPLETED)
             if stop.is_set():

@@ -5,8 +5,9 @@
     Signer         who a job's lines run as: a key's hash or a JWT's claims, never a raw credential
     Recorded       one line's outcome, recorded once (the output or error line as it will be written)
 
-Ids are generated here (`new_file_id`, `new_batch_id`: random hex), never taken from a client, and
-checked against their pattern before they are used as a path or a key (`valid_file_id`).
+Ids are generated here (`new_file_id`: random hex; `new_batch_id`: the creation second, then random hex,
+so job ids sort oldest first and workers take waiting jobs in that order), never taken from a client,
+and checked against their pattern before they are used as a path or a key (`valid_file_id`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import enum
 import hashlib
 import re
 import secrets
+import time
 from typing import Any, Literal
 
 import msgspec
@@ -47,9 +49,11 @@ class FileRecord(msgspec.Struct, frozen=True):
     created_at: int
     filename: str  # shown to the client only; never a path
 
-    def to_openai(self) -> dict[str, Any]:
+    def to_openai(self, expires_at: int | None) -> dict[str, Any]:
+        """`expires_at`: when the file is deleted (FileStore.expires_at); None: kept until deleted."""
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
-                "filename": self.filename, "purpose": self.purpose, "status": "processed", "status_details": None}
+                "expires_at": expires_at, "filename": self.filename, "purpose": self.purpose, "status": "processed",
+                "status_details": None}
 
 
 class Signer(msgspec.Struct, frozen=True):
@@ -127,7 +131,8 @@ def new_file_id() -> str:
 
 
 def new_batch_id() -> str:
-    return "batch_" + secrets.token_hex(12)
+    """`batch_`, the creation second (8 hex digits, as a MongoDB ObjectId or a UUIDv7 begins), 16 random hex digits."""
+    return f"batch_{int(time.time()):08x}{secrets.token_hex(8)}"
 
 
 def valid_file_id(value: str) -> bool:

@@ -1,15 +1,29 @@
 """The Redis JobStore.
 
-    sluice:batch:{<id>}:job       hash: status, record (the Batch, msgpack); expires `keep_s` after the job ends
+    sluice:batch:{<id>}:job       hash: status, record (the Batch, msgpack)
     sluice:batch:{<id>}:out       hash: line key -> its outcome (Recorded), set once (lua/record.lua)
     sluice:batch:{<id>}:counts    hash: completed, failed (counted by the same script, so exactly once)
     sluice:batch:{<id>}:lease     the worker driving the job, with a TTL (lua/lease.lua)
     sluice:batch:tenant:<tenant>  sorted set of the tenant's job ids by creation time (listing)
+    sluice:batch:active:<tenant>  sorted set of the tenant's unfinished job ids by window end (its cap)
     sluice:batch:active           set of unfinished job ids (what workers look for)
 
-A job's keys share one hash tag, so every script touches one Redis Cluster slot. Jobs are durable state
-while they run (no TTL: Redis evicts only keys with one, infra/redis/redis.conf, and keeps an
-append-only file), and expire after they end. Redis being away is `InfraUnavailable`, which callers wait out.
+Every key expires. A job's keys expire `keep_s` after its completion window closes from the moment they
+are made (lua/create.lua; record.lua gives `:out` and `:counts` the job's expiry), and `keep_s` after the
+job ends once it does (lua/update.lua). A tenant's list and count expire with their newest entry, and
+each create drops the entries of jobs whose keys have expired (list) or whose window closed (count). The
+one exception is `active`, shared by all jobs: an id leaves it when its job ends, or when a worker finds
+the job's record gone.
+
+Why expire a running job: Redis (infra/redis/redis.conf: `maxmemory`, `volatile-lru`) evicts only keys
+with a TTL, so keys without one that fill it make every write fail, for every stage. With one, a running
+job's keys are written as its lines finish and so are among the last a least-recently-used eviction takes
+(finished jobs and caches go first); what bounds them is the number of unfinished jobs (`max_active` per
+tenant at create). Redis keeps an append-only file.
+
+A job's keys share one hash tag, so every script but create.lua touches one Redis Cluster slot; create.lua
+also touches its tenant's keys and `active` (one Redis, as the deployment has). Redis being away is
+`InfraUnavailable`, which callers wait out.
 """
 
 from __future__ import annotations
@@ -56,6 +70,10 @@ def _tenant_key(tenant: str) -> str:
     return PREFIX + "tenant:" + tenant
 
 
+def _places_key(tenant: str) -> str:
+    return PREFIX + "active:" + tenant
+
+
 class RedisJobStore:
     """JobStore on Redis; the client must return bytes. It owns the client (`aclose` closes it)."""
 
@@ -63,7 +81,9 @@ class RedisJobStore:
         if redis.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("RedisJobStore needs a client that returns bytes (decode_responses=False)")
         self._redis = redis
+        self._keep_s = keep_s
         self._keep_ms = max(int(keep_s * 1000), 1)
+        self._create = _Script("create.lua")
         self._record = _Script("record.lua")
         self._update = _Script("update.lua")
         self._lease = _Script("lease.lua")
@@ -78,14 +98,14 @@ class RedisJobStore:
             except NoScriptError:  # Redis restarted and lost its script cache
                 return await cast(Any, self._redis.eval(script.text, len(keys), *keys, *args))
 
-    async def create(self, batch: Batch, *, listed: bool = True) -> None:
-        with _reachable():
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(_key(batch.id, "job"), mapping={"status": batch.status.value, "record": msgspec.msgpack.encode(batch)})
-                if listed:
-                    pipe.zadd(_tenant_key(batch.tenant), {batch.id: time.time()})  # finer than created_at: newest first
-                    pipe.sadd(ACTIVE, batch.id)
-                await pipe.execute()
+    async def create(self, batch: Batch, *, listed: bool = True, max_active: int = 0) -> bool:
+        now = time.time()  # finer than created_at: the list is newest first
+        # an older job's keys have expired (unless it ended past its window: then it is found by id, not listed)
+        lifetime_s = batch.expires_at - batch.created_at + self._keep_s
+        keys = [_key(batch.id, "job"), _tenant_key(batch.tenant), _places_key(batch.tenant), ACTIVE]
+        args = [batch.id, batch.status.value, msgspec.msgpack.encode(batch), int((batch.expires_at + self._keep_s) * 1000),
+                now, now - lifetime_s, batch.expires_at, 1 if listed else 0, max_active, max(int(lifetime_s * 1000), 1)]
+        return bool(await self._eval(self._create, keys, args))
 
     async def get(self, batch_id: str) -> Batch | None:
         with _reachable():
@@ -121,9 +141,13 @@ class RedisJobStore:
         with _reachable():
             return sorted(m.decode() for m in await self._redis.smembers(ACTIVE))
 
-    async def deactivate(self, batch_id: str) -> None:
+    async def deactivate(self, batch_id: str, tenant: str | None = None) -> None:
         with _reachable():
-            await self._redis.srem(ACTIVE, batch_id)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.srem(ACTIVE, batch_id)
+                if tenant is not None:
+                    pipe.zrem(_places_key(tenant), batch_id)
+                await pipe.execute()
 
     async def lease(self, batch_id: str, owner: str, ttl_s: float) -> bool:
         return bool(await self._eval(self._lease, [_key(batch_id, "lease")], [owner, max(int(ttl_s * 1000), 1)]))

@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 
 
 def file_store(settings: Settings) -> FileStore:
-    root = REPO_ROOT / settings.batch.dir  # an absolute `dir` stays as it is
-    return FileStore(root, max_bytes=settings.batch.max_file_bytes, max_lines=settings.batch.max_lines)
+    b = settings.batch
+    root = REPO_ROOT / b.dir  # an absolute `dir` stays as it is
+    return FileStore(root, max_bytes=b.max_file_bytes, max_lines=b.max_lines, max_tenant_bytes=b.max_tenant_bytes,
+                     upload_keep_s=b.upload_keep_s or None, output_keep_s=b.keep_s)
 
 
 def job_store(settings: Settings) -> RedisJobStore:

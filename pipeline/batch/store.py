@@ -1,7 +1,9 @@
 """Where batch jobs and their progress live: the JobStore protocol and its in-memory twin.
 
-    jobs        create, get, update (compare-and-set on the status), list per tenant (newest first, paged)
-    workers     active (the ids of unfinished jobs), lease and release (one worker drives a job at a time)
+    jobs        create (refused past the tenant's unfinished jobs), get, update (compare-and-set on the
+                status), list per tenant (newest first, paged)
+    workers     active (the ids of unfinished jobs, oldest first), deactivate, lease and release (one worker
+                drives a job at a time)
     progress    record (one line's outcome, once: the first record of a key wins and counts), recorded_keys,
                 results, counts, forget_results (after the output files are written)
 
@@ -9,6 +11,9 @@ The Redis implementation (redis_store.py, Lua in lua/) is the one that runs; thi
 semantics for unit tests and one process. A job's progress is what makes it resumable: a worker that
 takes a job over reads `recorded_keys` and runs only the other lines, and `record` refusing a second
 outcome for a key is what keeps one output line per `custom_id` when a line in flight ran twice.
+
+Nothing is kept for ever: a job (record, outcomes, counts) is gone `keep_s` after its completion window
+closes, or `keep_s` after it ends if it ends first (redis_store.py says why even a running one expires).
 """
 
 from __future__ import annotations
@@ -21,22 +26,28 @@ from pipeline.batch.records import TERMINAL, Batch, Counts, Recorded, Status
 
 
 class JobStore(Protocol):
-    async def create(self, batch: Batch, *, listed: bool = True) -> None:
+    async def create(self, batch: Batch, *, listed: bool = True, max_active: int = 0) -> bool:
         """Stores a new job; `listed`: in its tenant's list and `active` (for the bridge's workers). A
-        direct job (`sluice batch run`) is not: only the process that runs it drives it."""
+        direct job (`sluice batch run`) is not: only the process that runs it drives it. False (nothing
+        stored) when the tenant already has `max_active` listed jobs unfinished (0: no limit); a job counts
+        until it is deactivated or its completion window closes."""
 
     async def get(self, batch_id: str) -> Batch | None: ...
 
     async def update(self, batch: Batch, expect: Collection[Status]) -> bool:
         """Stores `batch` only if the stored status is one of `expect`; True when it did. A terminal
-        status ends the job: it leaves `active` and its record expires after `keep_s`."""
+        status ends the job: its record, outcomes and counts expire after `keep_s` (the caller then
+        deactivates it)."""
 
     async def list(self, tenant: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
         """The tenant's jobs, newest first, starting after the id `after`; and whether more follow."""
 
-    async def active(self) -> list[str]: ...
+    async def active(self) -> list[str]:
+        """The ids of unfinished listed jobs, sorted: oldest first (records.new_batch_id)."""
 
-    async def deactivate(self, batch_id: str) -> None: ...
+    async def deactivate(self, batch_id: str, tenant: str | None = None) -> None:
+        """The job leaves `active` and, given its tenant, the tenant's count (None: the record is gone, and
+        so is the job's place in that count, with its window)."""
 
     async def lease(self, batch_id: str, owner: str, ttl_s: float) -> bool:
         """Takes or renews the job's lease for `owner`; False while another owner holds it."""
@@ -64,31 +75,43 @@ class MemoryJobStore:
     def __init__(self, *, keep_s: float = 30 * 24 * 3600.0, clock: Callable[[], float] = time.time) -> None:
         self._keep_s = keep_s
         self._clock = clock
-        self._jobs: dict[str, tuple[Batch, float]] = {}  # id -> (record, expires at; inf while active), oldest first
+        self._jobs: dict[str, tuple[Batch, float]] = {}  # id -> (record, when its state expires), oldest first
         self._active: set[str] = set()
+        self._places: dict[str, dict[str, float]] = {}  # tenant -> its unfinished listed jobs -> window end
         self._unlisted: set[str] = set()
         self._leases: dict[str, tuple[str, float]] = {}
         self._results: dict[str, dict[str, Recorded]] = {}
         self._counts: dict[str, Counts] = {}
 
-    async def create(self, batch: Batch, *, listed: bool = True) -> None:
-        self._jobs[batch.id] = (batch, float("inf"))
+    async def create(self, batch: Batch, *, listed: bool = True, max_active: int = 0) -> bool:
         if listed:
+            now = self._clock()
+            places = self._places.setdefault(batch.tenant, {})
+            for job_id in [j for j, window_end in places.items() if window_end <= now]:
+                del places[job_id]
+            if max_active and len(places) >= max_active:
+                return False
+            places[batch.id] = batch.expires_at
             self._active.add(batch.id)
         else:
             self._unlisted.add(batch.id)
+        self._jobs[batch.id] = (batch, batch.expires_at + self._keep_s)
+        return True
 
     async def get(self, batch_id: str) -> Batch | None:
         entry = self._jobs.get(batch_id)
-        if entry is None or entry[1] <= self._clock():
+        if entry is not None and entry[1] <= self._clock():  # expired, as Redis expires the job's keys
+            del self._jobs[batch_id]
+            self._results.pop(batch_id, None)
+            self._counts.pop(batch_id, None)
             return None
-        return entry[0]
+        return None if entry is None else entry[0]
 
     async def update(self, batch: Batch, expect: Collection[Status]) -> bool:
         current = await self.get(batch.id)
         if current is None or current.status not in expect:
             return False
-        expires = self._clock() + self._keep_s if batch.status in TERMINAL else float("inf")
+        expires = self._clock() + self._keep_s if batch.status in TERMINAL else self._jobs[batch.id][1]
         self._jobs[batch.id] = (batch, expires)
         return True
 
@@ -106,8 +129,10 @@ class MemoryJobStore:
     async def active(self) -> list[str]:
         return sorted(self._active)
 
-    async def deactivate(self, batch_id: str) -> None:
+    async def deactivate(self, batch_id: str, tenant: str | None = None) -> None:
         self._active.discard(batch_id)
+        if tenant is not None:
+            self._places.get(tenant, {}).pop(batch_id, None)
 
     async def lease(self, batch_id: str, owner: str, ttl_s: float) -> bool:
         now = self._clock()
@@ -138,12 +163,15 @@ class MemoryJobStore:
         return True
 
     async def recorded_keys(self, batch_id: str) -> set[str]:
+        await self.get(batch_id)  # forgets an expired job's outcomes
         return set(self._results.get(batch_id, {}))
 
     async def results(self, batch_id: str) -> list[Recorded]:
+        await self.get(batch_id)
         return list(self._results.get(batch_id, {}).values())
 
     async def counts(self, batch_id: str) -> Counts:
+        await self.get(batch_id)
         return self._counts.get(batch_id, Counts())
 
     async def forget_results(self, batch_id: str) -> None:

@@ -1,12 +1,14 @@
 """A batch input file, line by line: `{"custom_id", "method", "url", "body"}` per line, as OpenAI's.
 
-`parse_input` reads the whole file and returns the lines to run and the lines refused, each with its
-line number (1-based, counting blank lines, so it matches an editor; blank lines are skipped). A line is
-refused, and reported in the job's error file, when it is not a JSON object, has no string
-`custom_id`, repeats an earlier `custom_id`, names a method other than POST or a `url` other than the
-batch's endpoint, or has a body the bridge would refuse (`openai_format.parse_chat`/`parse_completion`:
-the same checks as an interactive request), or asks to stream. Limits that depend on the deployment
-(models, `max_tokens` cap, prompt size) stay ingest's: such a line runs and fails with ingest's answer.
+`read_input` reads the file one line at a time and yields each line to run or refused (the worker holds
+only the few it is reading or running, never the whole file: reader.py); `parse_input` collects them
+into two lists. Each has its line number (1-based, counting blank lines, so it matches an editor; blank
+lines are skipped). A line is refused, and reported in the job's error file, when it is not a JSON
+object, has no string `custom_id`, repeats an earlier `custom_id`, names a method other than POST or a
+`url` other than the batch's endpoint, or has a body the bridge would refuse
+(`openai_format.parse_chat`/`parse_completion`: the same checks as an interactive request), or asks to
+stream. Limits that depend on the deployment (models, `max_tokens` cap, prompt size) stay ingest's: such
+a line runs and fails with ingest's answer.
 
 Pure: the same file always gives the same result, so a worker that restarts a job parses it again
 and finds the same lines and the same keys.
@@ -15,7 +17,7 @@ and finds the same lines and the same keys.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,9 +61,8 @@ class Rejected:
         return f"#{self.number}"  # a refused line may repeat a custom_id: keyed by its line number
 
 
-def parse_input(raw_lines: Iterable[bytes], endpoint: str) -> tuple[list[Line], list[Rejected]]:
-    lines: list[Line] = []
-    rejected: list[Rejected] = []
+def read_input(raw_lines: Iterable[bytes], endpoint: str) -> Iterator[Line | Rejected]:
+    """Each non-blank line, parsed, in file order. It remembers only the custom_ids seen (to refuse a repeat)."""
     first_seen: dict[str, int] = {}
     for number, raw in enumerate(raw_lines, 1):
         if not raw.strip():
@@ -69,6 +70,14 @@ def parse_input(raw_lines: Iterable[bytes], endpoint: str) -> tuple[list[Line], 
         outcome = _parse_line(number, raw, endpoint, first_seen)
         if isinstance(outcome, Line):
             first_seen[outcome.custom_id] = number
+        yield outcome
+
+
+def parse_input(raw_lines: Iterable[bytes], endpoint: str) -> tuple[list[Line], list[Rejected]]:
+    lines: list[Line] = []
+    rejected: list[Rejected] = []
+    for outcome in read_input(raw_lines, endpoint):
+        if isinstance(outcome, Line):
             lines.append(outcome)
         else:
             rejected.append(outcome)
@@ -115,4 +124,4 @@ def _parse_line(number: int, raw: bytes, endpoint: str, first_seen: dict[str, in
     return Line(number, custom_id, parsed)
 
 
-__all__ = ["MAX_CUSTOM_ID", "MAX_LINE_BYTES", "Line", "Rejected", "parse_input"]
+__all__ = ["MAX_CUSTOM_ID", "MAX_LINE_BYTES", "Line", "Rejected", "parse_input", "read_input"]

@@ -1,4 +1,5 @@
-"""The batch worker: finds unfinished jobs, leases one at a time per job, and drives each to its end.
+"""The batch worker: finds unfinished jobs, leases one at a time per job, and drives each to its end;
+at most `max_jobs_per_worker` at once, oldest first (the others wait for a later scan or another worker).
 
     validating   parse the input file; refused lines are recorded at once (error file, with line numbers);
                  -> in_progress (request_counts.total set), or failed if the file cannot be read
@@ -8,11 +9,15 @@
                  `batch_cancelled`, finalize -> cancelled
     finalizing   write the output and error files (ids fixed by the batch id) -> completed / expired
 
-Every step is driven by what the store holds, never by what the process remembers, so any worker can
-take a job over at any step: a worker that dies loses its lease after `lease_s` and the next one parses
-the file again and runs only the lines without an outcome (those in flight at the crash run again;
-their first outcome is the one kept). A worker that loses its lease (paused past it) stops feeding;
+Validation and each run read the input file as a stream (reader.py): a job holds a few lines in memory,
+never its whole file. Every step is driven by what the store holds, never by what the process remembers,
+so any worker can take a job over at any step: a worker that dies loses its lease after `lease_s` and
+the next one reads the file again and runs only the lines without an outcome (those in flight at the
+crash run again; their first outcome is the one kept). A worker that loses its lease (paused past it) stops feeding;
 the outcomes it still records are first-wins like any other, and finalize writes the same files.
+
+Every `sweep_s` a scan also deletes the files past their expiry (files.py), except the inputs of
+unfinished jobs.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Collection
 
 import msgspec
 
@@ -31,20 +36,27 @@ from pipeline.batch.errors import NotFound
 from pipeline.batch.execute import Executor, rejected, unrun
 from pipeline.batch.feeder import Admission, feed
 from pipeline.batch.files import FileStore
+from pipeline.batch.reader import InputLines
 from pipeline.batch.records import TERMINAL, Batch, BatchError, Recorded, Status, derived_file_id
 from pipeline.batch.store import JobStore
-from pipeline.batch.validation import Line, Rejected, parse_input
+from pipeline.batch.validation import Line, Rejected
 from pipeline.errors import InfraUnavailable
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0  # how often a worker looks for jobs, and a driven job for a cancellation
 RETRY_S = 1.0  # Redis away: wait this long between tries
+SWEEP_S = 600.0  # how often a worker deletes expired files
+
+
+class InputGone(Exception):
+    """The job's input file was deleted (or cannot be opened): its lines are unknown now."""
 
 
 class BatchWorker:
     def __init__(
         self, settings: BatchSettings, store: JobStore, files: FileStore, executor_for: Callable[[Batch], Executor],
         *, owner: str | None = None, clock: Callable[[], float] = time.time, poll_s: float = POLL_S,
+        sweep_s: float = SWEEP_S,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -54,6 +66,8 @@ class BatchWorker:
         self.admission = Admission(settings.max_in_flight, settings.admission_rps)
         self._clock = clock
         self._poll_s = poll_s
+        self._sweep_s = sweep_s
+        self._next_sweep = 0.0
         self._driving: dict[str, asyncio.Task[None]] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -73,7 +87,10 @@ class BatchWorker:
             await asyncio.gather(*self._driving.values(), return_exceptions=True)
 
     async def scan(self, stop: asyncio.Event) -> None:
-        for batch_id in await self.store.active():
+        active = await self.store.active()
+        for batch_id in active:  # oldest first
+            if len(self._driving) >= self.settings.max_jobs_per_worker:
+                break
             if batch_id in self._driving:
                 continue
             if not await self.store.lease(batch_id, self.owner, self.settings.lease_s):
@@ -81,6 +98,24 @@ class BatchWorker:
             task = asyncio.create_task(self._drive_leased(batch_id, stop), name=f"batch {batch_id}")
             self._driving[batch_id] = task
             task.add_done_callback(lambda t, b=batch_id: self._driving.pop(b, None))
+        if self._clock() >= self._next_sweep:
+            self._next_sweep = self._clock() + self._sweep_s
+            await self.sweep(active)
+
+    async def sweep(self, active: list[str]) -> None:
+        """Deletes the expired files but the inputs of the unfinished jobs `active`."""
+        in_use = set()
+        for batch_id in active:
+            batch = await self.store.get(batch_id)
+            if batch is not None:
+                in_use.add(batch.input_file_id)
+        try:
+            deleted = await asyncio.to_thread(self.files.sweep, self._clock(), in_use)
+        except OSError as exc:  # the next sweep tries again
+            log.warning("batch files: the sweep failed: %s", exc)
+            return
+        if deleted:
+            log.info("batch files: %d expired files deleted (%d bytes)", len(deleted), sum(r.bytes for r in deleted))
 
     async def drive_one(self, batch_id: str, stop: asyncio.Event) -> None:
         """Drives one job (`sluice batch run`): waits for its lease (a run of the same job elsewhere, or
@@ -126,79 +161,79 @@ class BatchWorker:
         """One job from its current status to its end (or until `stop`)."""
         batch = await self.store.get(batch_id)
         if batch is None or batch.status in TERMINAL:
-            await self.store.deactivate(batch_id)
+            await self.store.deactivate(batch_id, batch.tenant if batch else None)
             return
-        lines: list[Line] | None = None
         if batch.status is Status.validating:
-            batch, lines = await self._validate(batch)
-            if batch is None:
-                return
-        if batch.status is Status.in_progress:
-            batch, lines = await self._execute(batch, lines, stop)
-            if batch is None:
-                return
+            batch = await self._validate(batch)
+        if batch is not None and batch.status is Status.in_progress:
+            batch = await self._execute(batch, stop)
+        if batch is None:
+            return
         if batch.status is Status.cancelling:
-            await self._record_unrun(batch, lines, "batch_cancelled", "the batch was cancelled before this line ran")
+            await self._record_unrun(batch, "batch_cancelled", "the batch was cancelled before this line ran")
         if batch.status in (Status.finalizing, Status.cancelling):
             await self._finalize(batch)
 
-    async def _validate(self, batch: Batch) -> tuple[Batch | None, list[Line] | None]:
-        parsed = await self._parse(batch)
-        if parsed is None:
-            error = BatchError("invalid_file", "the input file can no longer be read")
-            failed = msgspec.structs.replace(batch, status=Status.failed, failed_at=self._now(), errors=(error,))
-            if await self.store.update(failed, {Status.validating}):
-                await self.store.deactivate(batch.id)
-            return None, None
-        lines, refused = parsed
-        for line in refused:
-            await self.store.record(batch.id, line.key, rejected(batch.id, line))
-        started = msgspec.structs.replace(batch, status=Status.in_progress, in_progress_at=self._now(),
-                                          total=len(lines) + len(refused))
+    async def _validate(self, batch: Batch) -> Batch | None:
+        total = 0
+        try:
+            async with self._input(batch) as items:
+                async for item in items:
+                    total += 1
+                    if isinstance(item, Rejected):
+                        await self.store.record(batch.id, item.key, rejected(batch.id, item))
+        except InputGone:
+            return await self._fail(batch, "the input file can no longer be read")
+        started = msgspec.structs.replace(batch, status=Status.in_progress, in_progress_at=self._now(), total=total)
         if not await self.store.update(started, {Status.validating}):
-            return await self.store.get(batch.id), lines  # cancelled meanwhile: go on from what is stored
-        return started, lines
+            return await self.store.get(batch.id)  # cancelled meanwhile: go on from what is stored
+        return started
 
-    async def _execute(self, batch: Batch, lines: list[Line] | None, stop: asyncio.Event) -> tuple[Batch | None, list[Line] | None]:
-        if lines is None:
-            parsed = await self._parse(batch)
-            if parsed is None:  # deleted (or unreadable) under a running job: its lines are unknown now
-                error = BatchError("invalid_file", "the input file was deleted or can no longer be read while the batch ran")
-                failed = msgspec.structs.replace(batch, status=Status.failed, failed_at=self._now(), errors=(error,))
-                if await self.store.update(failed, {Status.in_progress}):
-                    await self.store.deactivate(batch.id)
-                    return None, None
-                return await self.store.get(batch.id), None  # cancelled meanwhile: that goes on
-            lines = parsed[0]
+    async def _execute(self, batch: Batch, stop: asyncio.Event) -> Batch | None:
+        """Runs every line without an outcome; returns the job as it goes on from here, or None when this
+        worker stops (another scan resumes it)."""
         done = await self.store.recorded_keys(batch.id)
-        pending = [line for line in lines if line.key not in done]
-        if pending:
-            log.info("batch %s: %d of %d lines to run", batch.id, len(pending), batch.total)
+        if len(done) < batch.total:
+            log.info("batch %s: %d of %d lines to run", batch.id, batch.total - len(done), batch.total)
         executor = self.executor_for(batch)
 
-        async def run(line: Line) -> None:
-            await self._record(batch.id, line.key, await executor.run(line), stop)
+        async def run(item: Line | Rejected) -> None:  # a refused line here lost its outcome (Redis evicted it)
+            outcome = rejected(batch.id, item) if isinstance(item, Rejected) else await executor.run(item)
+            await self._record(batch.id, item.key, outcome, stop)
 
         watcher = asyncio.create_task(self._watch(batch, stop))
         try:
-            finished = await feed(pending, run, self.admission, stop)
+            async with self._input(batch, skip=done) as items:
+                finished = await feed(items, run, self.admission, stop)
+        except InputGone:  # deleted under a running job
+            return await self._fail(batch, "the input file was deleted or can no longer be read while the batch ran")
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         current = await self.store.get(batch.id)
         if current is None or current.status is not Status.in_progress:
-            return current, lines  # cancelling (or finished by another worker)
+            return current  # cancelling (or finished by another worker)
         expired = not finished and self._clock() >= batch.expires_at
         if expired:
-            await self._record_unrun(current, lines, "batch_expired", "the batch expired before this line ran")
+            await self._record_unrun(current, "batch_expired", "the batch expired before this line ran")
         elif not finished:
-            return None, lines
+            return None
         ending = Status.expired if expired else None
         finalizing = msgspec.structs.replace(current, status=Status.finalizing, finalizing_at=self._now(), ending=ending)
         if not await self.store.update(finalizing, {Status.in_progress}):
-            return await self.store.get(batch.id), lines
-        return finalizing, lines
+            return await self.store.get(batch.id)
+        return finalizing
+
+    async def _fail(self, batch: Batch, message: str) -> Batch | None:
+        """The job fails (its input file is gone); or, when its status changed meanwhile (cancelled), it goes
+        on as stored."""
+        error = BatchError("invalid_file", message)
+        failed = msgspec.structs.replace(batch, status=Status.failed, failed_at=self._now(), errors=(error,))
+        if await self.store.update(failed, {batch.status}):
+            await self.store.deactivate(batch.id, batch.tenant)
+            return None
+        return await self.store.get(batch.id)
 
     async def _watch(self, batch: Batch, halt: asyncio.Event) -> None:
         """Sets `halt` when the job is cancelled (by the API) or expires: feeding stops, and what the
@@ -227,18 +262,15 @@ class BatchWorker:
                     raise
                 await asyncio.sleep(RETRY_S)
 
-    async def _record_unrun(self, batch: Batch, lines: list[Line] | None, code: str, message: str) -> None:
-        refused: list[Rejected] = []
-        if lines is None:  # parsed again: the lines refused at validation too, in case it never ran (cancelled first)
-            parsed = await self._parse(batch)
-            lines, refused = parsed if parsed is not None else ([], [])
+    async def _record_unrun(self, batch: Batch, code: str, message: str) -> None:
+        """Records every line without an outcome as not run (`code`), and a refused one as refused (a job
+        cancelled before validation ended). Nothing when the file is gone: its lines are unknown."""
         done = await self.store.recorded_keys(batch.id)
-        for bad in refused:
-            if bad.key not in done:
-                await self.store.record(batch.id, bad.key, rejected(batch.id, bad))
-        for line in lines:
-            if line.key not in done:
-                await self.store.record(batch.id, line.key, unrun(batch.id, line, code, message))
+        with contextlib.suppress(InputGone):
+            async with self._input(batch, skip=done) as items:
+                async for item in items:
+                    outcome = rejected(batch.id, item) if isinstance(item, Rejected) else unrun(batch.id, item, code, message)
+                    await self.store.record(batch.id, item.key, outcome)
 
     async def _finalize(self, batch: Batch) -> None:
         results = sorted(await self.store.results(batch.id), key=lambda r: r.line)
@@ -265,24 +297,21 @@ class BatchWorker:
         end = msgspec.structs.replace(end, output_file_id=output_id, error_file_id=error_id, errors=errors, ending=None)
         if await self.store.update(end, {batch.status}):
             await self.store.forget_results(batch.id)
-            await self.store.deactivate(batch.id)
+            await self.store.deactivate(batch.id, batch.tenant)
             log.info("batch %s: %s, %d lines out, %d with errors", batch.id, end.status.value, len(good), len(bad))
 
-    async def _parse(self, batch: Batch) -> tuple[list[Line], list[Rejected]] | None:
-        """The input file's lines (in a thread), or None when the file is gone or unreadable."""
+    @contextlib.asynccontextmanager
+    async def _input(self, batch: Batch, *, skip: Collection[str] = ()) -> AsyncIterator[InputLines]:
+        """The input file's lines but those keyed in `skip`; InputGone when the file is deleted or unreadable."""
         try:
             path = self.files.path(self.files.get(batch.tenant, batch.input_file_id))
-        except NotFound:  # the file was deleted under the job
-            return None
-
-        def read() -> tuple[list[Line], list[Rejected]]:
-            with path.open("rb") as f:
-                return parse_input(f, batch.endpoint)
-
+            source = await asyncio.to_thread(path.open, "rb")
+        except (NotFound, OSError):
+            raise InputGone(batch.input_file_id) from None
         try:
-            return await asyncio.to_thread(read)
-        except OSError:
-            return None
+            yield InputLines(source, batch.endpoint, skip)
+        finally:
+            source.close()
 
     def _now(self) -> int:
         return int(self._clock())

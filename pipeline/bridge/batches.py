@@ -5,7 +5,8 @@
     GET  /v1/files/{id}             the file object
     DELETE /v1/files/{id}           delete it (a job still reading it then fails)
     GET  /v1/files/{id}/content     its bytes (input, output or error file)
-    POST /v1/batches                a job over an uploaded file: {input_file_id, endpoint, completion_window, metadata}
+    POST /v1/batches                a job over an uploaded file: {input_file_id, endpoint, completion_window, metadata};
+                                    429 when the tenant has `batch.max_active_per_tenant` jobs unfinished
     GET  /v1/batches                the caller's jobs, newest first (`after`, `limit`)
     GET  /v1/batches/{id}           one job, with live request_counts
     POST /v1/batches/{id}/cancel    cancelling -> cancelled (what finished is kept)
@@ -39,7 +40,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from pipeline.batch.config import BatchSettings
-from pipeline.batch.errors import BatchError, Conflict, Invalid, NotFound, TooLarge
+from pipeline.batch.errors import BatchError, Conflict, Invalid, NotFound, TooLarge, TooMany
 from pipeline.batch.files import FileStore
 from pipeline.batch.records import ENDPOINTS, TERMINAL, Batch, Signer, Status, new_batch_id, valid_batch_id
 from pipeline.batch.redis_store import RedisJobStore
@@ -147,7 +148,7 @@ class BatchApi:
         finally:
             await form.close()
         log.info("file %s uploaded by tenant %s: %d bytes", record.id, owner.tenant, record.bytes)
-        return JSONResponse(record.to_openai())
+        return JSONResponse(record.to_openai(self.files.expires_at(record)))
 
     async def list_files(self, request: HttpRequest) -> Response:
         """OpenAI's files.list: `purpose`, `limit` (1 to 10,000), `order` (desc, asc) and `after`."""
@@ -159,13 +160,14 @@ class BatchApi:
             raise Invalid("`order` must be asc or desc", "order")
         found, more = await asyncio.to_thread(self.files.list, owner.tenant, purpose=query.get("purpose"),
                                               after=query.get("after"), limit=limit, newest_first=order == "desc")
-        data = [f.to_openai() for f in found]
+        data = [f.to_openai(self.files.expires_at(f)) for f in found]
         return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None, "has_more": more})
 
     async def file(self, request: HttpRequest) -> Response:
         owner = await self.owner(request)
-        return JSONResponse(self.files.get(owner.tenant, request.path_params["file_id"]).to_openai())
+        record = self.files.get(owner.tenant, request.path_params["file_id"])
+        return JSONResponse(record.to_openai(self.files.expires_at(record)))
 
     async def delete(self, request: HttpRequest) -> Response:
         owner = await self.owner(request)
@@ -203,7 +205,10 @@ class BatchApi:
         now = int(time.time())
         batch = Batch(new_batch_id(), owner.tenant, file_id, endpoint, now, now + int(self.config.completion_window_s),
                       metadata=metadata, signer=owner.signer)
-        await self.store.create(batch)
+        if not await self.store.create(batch, max_active=self.config.max_active_per_tenant):
+            most = self.config.max_active_per_tenant
+            raise TooMany(f"this tenant already has {most} unfinished batches, the most it may have at once: "
+                          "wait for one to end, or cancel one")
         log.info("batch %s created by tenant %s over %s", batch.id, owner.tenant, file_id)
         return JSONResponse(batch.to_openai(await self.store.counts(batch.id)))
 

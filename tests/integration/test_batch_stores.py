@@ -101,15 +101,18 @@ async def test_listing_is_per_tenant_newest_first_and_paged(store: JobStore) -> 
     assert [b.id for b in rest] == [made[2].id, made[1].id, made[0].id] and not more
 
 
-async def test_an_ended_jobs_keys_expire_and_a_running_ones_do_not(settings: Settings) -> None:
+async def test_a_jobs_keys_expire_from_creation_and_keep_s_after_it_ends(settings: Settings) -> None:
     redis = client(settings.redis.url)
     store = RedisJobStore(client(settings.redis.url), keep_s=30)
     try:
-        batch = job()
-        await store.create(batch)
+        batch = job()  # its window closes 60 s from now
+        assert await store.create(batch, max_active=5)
         await store.record(batch.id, "a", Recorded(1, True, b"x"))
         keys = [f"sluice:batch:{{{batch.id}}}:{part}" for part in ("job", "out", "counts")]
-        assert [await redis.pttl(k) for k in keys] == [-1, -1, -1]  # durable while it runs
+        running = [await redis.pttl(k) for k in keys]  # the window, then keep_s: even if it never ends
+        assert all(30_000 < ttl <= 90_000 for ttl in running), running
+        for key in (f"sluice:batch:tenant:{batch.tenant}", f"sluice:batch:active:{batch.tenant}"):
+            assert await redis.pttl(key) > 0
         await store.update(msgspec.structs.replace(batch, status=Status.completed), {Status.validating})
         ttls = [await redis.pttl(k) for k in keys]
         assert all(0 < ttl <= 30_000 for ttl in ttls), ttls

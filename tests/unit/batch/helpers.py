@@ -29,7 +29,9 @@ class Harness:
     def __init__(self, tmp: Path, client: FakeCompleter | None = None, **config: object) -> None:
         self.config = BatchSettings(**{"max_in_flight": 4, "admission_rps": 0.0, "lease_s": 1.0, **config})  # type: ignore[arg-type]
         self.store = MemoryJobStore()
-        self.files = FileStore(tmp, max_bytes=self.config.max_file_bytes, max_lines=self.config.max_lines)
+        c = self.config
+        self.files = FileStore(tmp, max_bytes=c.max_file_bytes, max_lines=c.max_lines, max_tenant_bytes=c.max_tenant_bytes,
+                               upload_keep_s=c.upload_keep_s or None, output_keep_s=c.keep_s)
         self.client = client or FakeCompleter()
 
     def worker(self, client: FakeCompleter | None = None, **kwargs: object) -> BatchWorker:
@@ -40,10 +42,10 @@ class Harness:
 
         return BatchWorker(self.config, self.store, self.files, executor_for, poll_s=0.02, **kwargs)  # type: ignore[arg-type]
 
-    async def submit(self, data: bytes, tenant: str = "t", *, expires_in: int = 3600) -> Batch:
+    async def submit(self, data: bytes, tenant: str = "t", *, expires_in: int = 3600, batch_id: str | None = None) -> Batch:
         record = self.files.upload(tenant, "in.jsonl", io.BytesIO(data))
         now = int(time.time())
-        batch = Batch(new_batch_id(), tenant, record.id, CHAT, now, now + expires_in)
+        batch = Batch(batch_id or new_batch_id(), tenant, record.id, CHAT, now, now + expires_in)
         await self.store.create(batch)
         return batch
 

@@ -1,10 +1,12 @@
 """The Files and Batch endpoints with the official `openai` client (only base_url changed), on the
-in-memory job store and a fake pipeline client: the whole lifecycle, paging, cancel, errors, and
-tenant isolation (another tenant's files and batches are 404)."""
+in-memory job store and a fake pipeline client: the whole lifecycle, paging, cancel, errors, tenant
+isolation (another tenant's files and batches are 404), and the limits per tenant (unfinished batches,
+stored bytes)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -37,11 +39,17 @@ async def _bridge_error(request: HTTPConnection, exc: Exception) -> Response:
 
 @pytest.fixture
 def app(tmp_path: Path) -> Iterator[tuple[TestClient, FakeCompleter, BatchApi]]:
+    with serving(tmp_path) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serving(tmp_path: Path, **batch: object) -> Iterator[tuple[TestClient, FakeCompleter, BatchApi]]:
     base = Settings()
     settings = dataclasses.replace(
         base, gateway=dataclasses.replace(base.gateway, auth_required=True, client_info_secret="test-secret"),
-        batch=dataclasses.replace(base.batch, dir=str(tmp_path / "batch"), max_lines=100, max_file_bytes=100_000,
-                                  admission_rps=0.0, lease_s=2.0),
+        batch=dataclasses.replace(base.batch, **{"dir": str(tmp_path / "batch"), "max_lines": 100, "max_file_bytes": 100_000,
+                                                 "admission_rps": 0.0, "lease_s": 2.0, **batch}),  # type: ignore[arg-type]
     )
     keys = MemoryKeyStore()
     completer = FakeCompleter()
@@ -177,3 +185,37 @@ def test_a_keyed_batch_needs_the_gateway_secret_and_an_anonymous_one_does_not(tm
         assert batch.status == "validating"
         with pytest.raises(openai.NotFoundError):  # the anonymous tenant is another tenant
             anonymous.files.retrieve(file_id)
+
+
+def test_a_tenant_past_its_unfinished_batches_gets_429_until_one_ends(tmp_path: Path) -> None:
+    with serving(tmp_path, max_active_per_tenant=2) as (http, completer, _):
+        completer.gate = http.portal.call(asyncio.Event)  # the jobs stay unfinished
+        acme, globex = client(http, "acme"), client(http, "globex")
+        file_id = acme.files.create(file=("in.jsonl", jsonl(["a"])), purpose="batch").id
+
+        def create(oa: openai.OpenAI, file_id: str) -> openai.types.Batch:
+            return oa.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+
+        first, _ = create(acme, file_id), create(acme, file_id)
+        with pytest.raises(openai.RateLimitError, match="already has 2 unfinished batches") as caught:
+            create(acme, file_id)
+        assert caught.value.status_code == 429 and caught.value.code == "rate_limited"
+        assert [b.id for b in acme.batches.list()].count(first.id) == 1 and len(acme.batches.list().data) == 2
+        create(globex, globex.files.create(file=("in.jsonl", jsonl(["a"])), purpose="batch").id)  # its own count
+        acme.batches.cancel(first.id)
+        wait_for(acme, first.id, {"cancelled"})
+        assert create(acme, file_id).status == "validating"
+
+
+def test_uploads_past_the_tenants_quota_get_413_and_files_say_when_they_expire(tmp_path: Path) -> None:
+    data = jsonl(["a"] * 20)
+    with serving(tmp_path, max_tenant_bytes=len(data) * 3 // 2, upload_keep_s=7 * 86400.0) as (http, _, _):
+        acme = client(http, "acme")
+        uploaded = acme.files.create(file=("in.jsonl", data), purpose="batch")
+        assert uploaded.expires_at == uploaded.created_at + 7 * 86400
+        assert acme.files.retrieve(uploaded.id).expires_at == uploaded.expires_at
+        assert [f.expires_at for f in acme.files.list()] == [uploaded.expires_at]
+        with pytest.raises(openai.APIStatusError, match="quota") as caught:
+            acme.files.create(file=("in.jsonl", data), purpose="batch")
+        assert caught.value.status_code == 413
+        assert client(http, "globex").files.create(file=("in.jsonl", data), purpose="batch").bytes == len(data)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -13,13 +14,18 @@ from pipeline.batch.feeder import Admission, feed
 pytestmark = pytest.mark.asyncio
 
 
+async def numbers(n: int) -> AsyncIterator[int]:
+    for i in range(n):
+        yield i
+
+
 async def test_starts_are_spaced_by_the_rate() -> None:
     starts: list[float] = []
 
     async def run(line: int) -> None:
         starts.append(time.monotonic())
 
-    assert await feed(list(range(6)), run, Admission(10, rate=50.0), asyncio.Event())
+    assert await feed(numbers(6), run, Admission(10, rate=50.0), asyncio.Event())
     # Start k comes no sooner than k / 50 s after the first (less timer slack). Gaps between neighbours
     # are not the claim: a start that a busy machine delayed is followed by its on-time successor.
     assert len(starts) == 6
@@ -39,7 +45,7 @@ async def test_a_stop_cancels_the_lines_in_flight_and_starts_no_more() -> None:
         finished.append(line)
 
     admission = Admission(3, rate=0.0)
-    assert not await asyncio.wait_for(feed(list(range(10)), run, admission, stop), 2)
+    assert not await asyncio.wait_for(feed(numbers(10), run, admission, stop), 2)
     assert started == [0, 1, 2] and finished == []
     assert admission.slots._value == 3  # every slot given back
 
@@ -51,4 +57,4 @@ async def test_a_failing_line_is_a_bug_and_raises() -> None:
         await asyncio.sleep(0)
 
     with pytest.raises(RuntimeError, match="bug"):
-        await feed(list(range(50)), run, Admission(2, rate=0.0), asyncio.Event())
+        await feed(numbers(50), run, Admission(2, rate=0.0), asyncio.Event())

@@ -1,11 +1,14 @@
 """The job lifecycle on the in-memory store: validation errors with line numbers, outputs once per
 custom_id, a job that fails every line says so, resume without re-running finished lines, cancel,
-expiry, and bounded admission."""
+expiry, bounded admission, bounded jobs and memory per worker, and expired files swept."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,9 @@ import msgspec
 import pytest
 from aiokafka.errors import MessageSizeTooLargeError
 
+from pipeline.batch.reader import CHUNK_LINES
 from pipeline.batch.records import Recorded, Status
+from pipeline.batch.validation import Line
 from tests.unit.batch.fakes import FakeCompleter
 from tests.unit.batch.helpers import CHAT, Harness, jsonl
 from topics.errors import ErrorCode
@@ -239,3 +244,64 @@ async def test_a_job_cancelled_before_validation_reports_its_refused_lines_too(t
     errors = harness.lines((await harness.finished(batch.id)).error_file_id)
     codes = sorted(e["error"]["code"] for e in errors)
     assert codes == ["batch_cancelled", "batch_cancelled", "invalid_json"]  # the refused line was left out
+
+
+async def test_a_worker_drives_at_most_max_jobs_per_worker_jobs_oldest_first(tmp_path: Path) -> None:
+    client = FakeCompleter()
+    client.gate = asyncio.Event()
+    harness = Harness(tmp_path, client, max_jobs_per_worker=2, max_in_flight=8)
+    now = int(time.time())
+    ages = [0, 30, 10, 20]  # seconds before now: made newest first, out of order
+    jobs = [await harness.submit(jsonl([f"j{i}-a", f"j{i}-b"], prefix=f"j{i}-"), batch_id=f"batch_{now - age:08x}{i:016x}")
+            for i, age in enumerate(ages)]
+    stop = asyncio.Event()
+    task = asyncio.create_task(harness.worker().run(stop))
+    while client.in_flight < 4:  # two jobs' lines at the gate
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.1)  # several scans later: still two
+    statuses = {b.id: (await harness.finished(b.id)).status for b in jobs}
+    assert [statuses[jobs[i].id] for i in (1, 3)] == [Status.in_progress] * 2  # the oldest two
+    assert [statuses[jobs[i].id] for i in (0, 2)] == [Status.validating] * 2  # wait for a later scan
+    client.gate.set()
+    for _ in range(500):
+        if {(await harness.finished(b.id)).status for b in jobs} == {Status.completed}:
+            break
+        await asyncio.sleep(0.01)
+    stop.set()
+    await task
+    assert {(await harness.finished(b.id)).status for b in jobs} == {Status.completed}
+
+
+async def test_a_running_job_holds_a_few_of_its_lines_in_memory_not_its_file(tmp_path: Path) -> None:
+    _, client, _, stop, task = await held_mid_job(tmp_path, lines=400, in_flight=2)
+    gc.collect()
+    held = sum(isinstance(o, Line) for o in gc.get_objects())
+    stop.set()
+    assert client.gate is not None
+    client.gate.set()
+    await task
+    assert held <= 2 + 1 + CHUNK_LINES, held  # in flight, one waiting for a slot, the rest of the chunk read
+
+
+async def test_the_worker_sweeps_expired_files_but_not_an_input_an_unfinished_job_reads(tmp_path: Path) -> None:
+    day = 24 * 3600
+    harness = Harness(tmp_path, upload_keep_s=2 * day, keep_s=3 * day)
+    finished = await harness.submit(jsonl(["a"]))
+    await run_until(harness, finished.id, {Status.completed})
+    output_id = (await harness.finished(finished.id)).output_file_id
+    assert output_id is not None
+    spare = harness.files.upload("t", "spare.jsonl", io.BytesIO(jsonl(["b"])))
+    waiting = await harness.submit(jsonl(["c"]))
+    assert await harness.store.lease(waiting.id, "someone-else", 60)  # unfinished, and not this worker's
+    output = harness.files.get("t", output_id)
+    assert harness.files.expires_at(output) == output.created_at + 3 * day  # with its job's record
+    assert harness.files.expires_at(spare) == spare.created_at + 2 * day
+
+    later = time.time() + 2 * day + 60  # the uploads have expired, the output not yet
+    await harness.worker(clock=lambda: later).scan(asyncio.Event())
+    kept = {f.id for f in harness.files.list("t")[0]}
+    assert kept == {output_id, waiting.input_file_id}
+    much_later = time.time() + 3 * day + 60
+    await harness.worker(clock=lambda: much_later).scan(asyncio.Event())
+    assert {f.id for f in harness.files.list("t")[0]} == {waiting.input_file_id}
+    assert not harness.files.path(output).exists()
