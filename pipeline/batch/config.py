@@ -18,7 +18,7 @@ class BatchSettings:
     # lines in the pipeline at once, per worker: below the engine's max_batch (16), so an interactive request
     # finds a free slot at once instead of waiting for a batch sequence to finish (docs/backfill.md)
     max_in_flight: int = 12
-    admission_rps: float = 50.0  # lines started per second per job; 0: as fast as max_in_flight allows
+    admission_rps: float = 50.0  # lines started per second per worker (all its jobs); 0: as fast as max_in_flight allows
     line_deadline_s: float = 900.0  # each line's request deadline: batch work waits behind interactive work
     max_attempts: int = 4  # a line that fails with a retriable error (429, 503, 504...) is tried this often
     lease_s: float = 6.0  # a worker holds a job this long between renewals; a dead worker's job moves after it
