@@ -20,19 +20,74 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
+from collections.abc import Callable
 
 from pipeline import settings as settings_module
 from pipeline.topology import KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one command. An error the user can fix (the configuration, a broker that is not up, a stage
+    the profile lacks, a request the pipeline refuses) is one line on stderr and exit status 2; any other
+    exception is a bug and keeps its traceback."""
+    args = _parser().parse_args(argv)
+    if args.command == "config":
+        return _config_check()
+    try:
+        return _dispatch(args)
+    except Exception as exc:
+        if (line := _user_error(exc)) is None:
+            raise
+        if args.command in LONG_RUNNING and not isinstance(exc, settings_module.SettingsError | LookupError):
+            raise  # a Kafka error hours into a run is no start-up mistake: keep where it came from
+        print(f"sluice {args.command}: {line}", file=sys.stderr)
+        return 2
+
+
+LONG_RUNNING = ("run", "bridge", "worker")  # only their start-up errors (configuration, profile) are one line
+
+
+def _user_error(exc: Exception) -> str | None:
+    """The one line for an error the user can fix; None for a bug (KeyError and IndexError are
+    LookupErrors too, but only code raises them)."""
+    import msgspec
+    from aiokafka.errors import KafkaError
+
+    if isinstance(exc, settings_module.SettingsError):
+        return f"invalid configuration: {exc}"
+    if isinstance(exc, KafkaError):
+        return f"Kafka: {exc} (is the broker up?)"
+    if isinstance(exc, msgspec.ValidationError):
+        return f"invalid request: {exc}"
+    if isinstance(exc, LookupError) and not isinstance(exc, KeyError | IndexError):
+        return str(exc)
+    return None
+
+
+def _number(kind: Callable[[str], float], low: float, high: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text, refused (usage and exit 2) outside low..high."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not low <= value <= high:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be {low:g} to {high:g}, got {text}" if high < math.inf
+                                             else f"must be at least {low:g}, got {text}")
+        return value
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="an LLM request pipeline on Kafka")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run every stage and the bridge, restarted if it fails")
     run.add_argument("--in-process", action="store_true", help="in this process, unsupervised")
-    run.add_argument("--processes", type=int, default=None, help="processes to spread over (default: [run] processes, 0: one per core)")
+    run.add_argument("--processes", type=_number(int, 0), default=None,
+                     help="processes to spread over (default: [run] processes, 0: one per core)")
     run.add_argument("--shared-port", action="store_true",
                      help="with --in-process: the bridge's port is shared with the other processes of `sluice run` (SO_REUSEPORT)")
     sub.add_parser("bridge", help="run the bridge alone (stages run in `sluice worker` processes)")
@@ -43,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ask = sub.add_parser("ask", help="stream an answer through the pipeline")
     ask.add_argument("prompt")
     ask.add_argument("--system", default=None, help="a system message")
-    ask.add_argument("--max-tokens", type=int, default=256)
-    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--max-tokens", type=_number(int, 1), default=256)  # the bounds of topics/requests.py
+    ask.add_argument("--temperature", type=_number(float, 0.0, 2.0), default=0.0)
     ask.add_argument("--model", default=None)
     ask.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY"),
                        help="an API key from `sluice keys create`; default $SLUICE_API_KEY (an argument is visible to every local user in ps)")
@@ -59,9 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     purge_cli.add_parser(sub)
     usage_cli.add_parser(sub)
     batch_cli.add_parser(sub)
-    args = parser.parse_args(argv)
-    if args.command == "config":
-        return _config_check()
+    return parser
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from pipeline.batch import cli as batch_cli
+    from pipeline.cache import purge_cli
+    from pipeline.gateway import keys_cli
+    from pipeline.observability import usage_cli
+
     settings = settings_module.load()
 
     if args.command == "run" and args.in_process:

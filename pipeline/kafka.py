@@ -11,6 +11,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import TopicPartition
 
 from pipeline import offset_fetch
@@ -22,16 +23,21 @@ offset_fetch.install()  # every group consumer of the process starts from its co
 
 
 def security(settings: Settings) -> dict[str, Any]:
-    """The SASL options of every client (the secure profile), from `[gateway.kafka]`; none for PLAINTEXT."""
+    """The SASL options of every client (the secure profile), from `[gateway.kafka]`; none for PLAINTEXT.
+    SASL_SSL verifies the broker's certificate against `cafile` (empty: the system's CAs): aiokafka
+    refuses an SSL protocol without a context."""
     sec = settings.gateway.kafka
     if sec.protocol == "PLAINTEXT":
         return {}
-    return {
+    options: dict[str, Any] = {
         "security_protocol": sec.protocol,
         "sasl_mechanism": sec.mechanism,
         "sasl_plain_username": sec.username,
         "sasl_plain_password": sec.password,
     }
+    if sec.protocol == "SASL_SSL":
+        options["ssl_context"] = create_ssl_context(cafile=sec.cafile or None)
+    return options
 
 
 def producer(settings: Settings, client_id: str, linger_ms: int | None = None) -> AIOKafkaProducer:

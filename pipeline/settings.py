@@ -86,6 +86,13 @@ class BridgeSettings:
     # Requests one bridge process holds open at once (HTTP and WebSocket); past it a new one is answered
     # 503 with Retry-After before it reaches Kafka (bridge/admission.py). 0: no bound.
     max_in_flight: int = 0
+    # Requests one WebSocket may have running at once (HTTP/2's MAX_CONCURRENT_STREAMS); a message past it is
+    # refused on the socket with `rate_limited`, before it reaches Kafka (bridge/websocket.py)
+    ws_max_requests: int = 32
+    # A write to a client that stays blocked this long (the client reads nothing: the connection's buffer
+    # stays full) ends the connection, and so the response and its requests (nginx's send_timeout; bridge/edges.py)
+    send_timeout_s: float = 60.0
+    ws_idle_s: float = 300.0  # a WebSocket with no request running for this long is closed (code 1000)
     # /metrics on the API port: empty serves it openly unless gateway.auth_required (then not at all);
     # set (SLUICE_METRICS_TOKEN), it needs `Authorization: Bearer <token>`.
     metrics_token: str = field(default="", repr=False)
@@ -240,8 +247,10 @@ class Settings:
             raise SettingsError(f"bridge.reply_name {self.bridge.reply_name!r} must be listed in replies")
         for name, value in (("limits.max_tokens_cap", self.limits.max_tokens_cap),
                             ("limits.max_prompt_bytes", self.limits.max_prompt_bytes),
+                            ("limits.max_messages", self.limits.max_messages),
                             ("kafka.partitions", self.kafka.partitions),
-                            ("runtime.max_in_flight", self.runtime.max_in_flight)):
+                            ("runtime.max_in_flight", self.runtime.max_in_flight),
+                            ("runtime.torch_threads", self.runtime.torch_threads)):
             if value < 1:
                 raise SettingsError(f"{name} must be at least 1, got {value}")
         if self.limits.max_prompt_bytes > MAX_PROMPT_BYTES:
@@ -250,11 +259,19 @@ class Settings:
         if not self.batch.line_deadline_s <= self.limits.max_deadline_s:  # else ingest refuses every line
             raise SettingsError(f"batch.line_deadline_s ({self.batch.line_deadline_s:g}) may be at most "
                                 f"limits.max_deadline_s ({self.limits.max_deadline_s:g})")
+        if not (self.state.ttl_s > 0 and self.state.ttl_s >= self.limits.max_deadline_s):  # else a live request's id is reusable
+            raise SettingsError(f"state.ttl_s ({self.state.ttl_s:g}) must be positive and at least "
+                                f"limits.max_deadline_s ({self.limits.max_deadline_s:g})")
+        if not 0 < self.bridge.port < 65536:
+            raise SettingsError(f"bridge.port (or SLUICE_BRIDGE_PORT) must be 1 to 65535, got {self.bridge.port}")
         if self.profile not in self.profiles:
             raise SettingsError(f"profile {self.profile!r} is not in [profiles] ({', '.join(self.profiles)})")
         for b in self.backends:
             if b.split and b.kind not in ("local", "instant"):
                 raise SettingsError(f"backend {b.name!r}: a {b.kind} backend cannot split prefill from decode (split = true)")
+            if not (b.timeout_s > 0 and b.token_delay_ms >= 0 and b.max_batch >= 1):  # NaN fails too
+                raise SettingsError(f"backend {b.name!r}: timeout_s must be positive, token_delay_ms 0 or more and max_batch "
+                                    f"at least 1, got {b.timeout_s:g}, {b.token_delay_ms:g} and {b.max_batch}")
         if self.kafka.linger_ms < 0 or self.kafka.lingering_ms < 0:
             raise SettingsError(f"kafka.linger_ms and kafka.lingering_ms must not be negative, got {self.kafka.linger_ms} and {self.kafka.lingering_ms}")
         if self.run.processes < 0:
@@ -270,8 +287,8 @@ class Settings:
             if not 0 <= b.interrupt_batch_steps <= 1 or (b.interrupt_batch_steps != 1 and b.kind != "local"):
                 raise SettingsError(f"backend {b.name!r}: interrupt_batch_steps is a local backend's setting, 0 to 1")
         for pool in self.pools:  # a pool's generation stages serve one backend: route spreads a model over pools
-            if len(names := [b.name for b in self.backends if b.pool == pool]) > 1:
-                raise SettingsError(f"pool {pool!r} has backends {names}: give each backend its own pool (route "
+            if len(serving := [b.name for b in self.backends if b.pool == pool]) > 1:
+                raise SettingsError(f"pool {pool!r} has backends {serving}: give each backend its own pool (route "
                                     "spreads a model's requests over its backends by load, each on its pool's topic)")
         for name, kinds in self.profiles.items():
             if problems := check_profile(kinds):
@@ -282,13 +299,18 @@ class Settings:
             raise SettingsError(f"runtime.gc_threshold must be 0 (Python's defaults) or positive, got {self.runtime.gc_threshold}")
         if self.bridge.max_in_flight < 0:
             raise SettingsError(f"bridge.max_in_flight must be 0 (no bound) or positive, got {self.bridge.max_in_flight}")
+        if self.bridge.ws_max_requests < 1:
+            raise SettingsError(f"bridge.ws_max_requests must be at least 1, got {self.bridge.ws_max_requests}")
+        if not (self.bridge.send_timeout_s > 0 and self.bridge.ws_idle_s > 0):  # NaN fails too
+            raise SettingsError(f"bridge.send_timeout_s and ws_idle_s must be positive, got {self.bridge.send_timeout_s:g} "
+                                f"and {self.bridge.ws_idle_s:g}")
         if not 0 < self.kafka.heartbeat_interval_ms * 3 <= self.kafka.session_timeout_ms:
             raise SettingsError("kafka.heartbeat_interval_ms must be positive and at most a third of session_timeout_ms")
-        if problems := self.gateway.problems():
+        if problems := self.gateway.problems(self.models, self.replies):
             raise SettingsError("; ".join(problems))
-        if problems := self.guard.problems():
+        if problems := self.guard.problems(self.models):
             raise SettingsError("; ".join(problems))
-        if problems := self.cache.problems():
+        if problems := self.cache.problems(self.models):
             raise SettingsError("; ".join(problems))
         if problems := self.routing.problems(frozenset(names)):
             raise SettingsError("; ".join(problems))
@@ -300,13 +322,21 @@ class Settings:
 
 
 def load(path: Path | None = None, env: Mapping[str, str] | None = None) -> Settings:
-    """Settings from the TOML file (SLUICE_CONFIG or ./sluice.toml) with environment overrides."""
+    """Settings from the TOML file (`path`, else SLUICE_CONFIG, else the repository's sluice.toml) with
+    environment overrides. A file named by `path` or SLUICE_CONFIG must exist: defaults in its place would
+    quietly drop what it sets (auth_required, say); only the repository's own may be absent."""
     env = os.environ if env is None else env
+    named = path is not None or "SLUICE_CONFIG" in env
     path = path or Path(env.get("SLUICE_CONFIG", DEFAULT_CONFIG))
     raw: dict[str, object] = {}
-    if path.exists():
-        with path.open("rb") as f:
-            raw = tomllib.load(f)
+    if named or path.exists():
+        try:
+            with path.open("rb") as f:
+                raw = tomllib.load(f)
+        except OSError as exc:
+            raise SettingsError(f"{path}: cannot read the config file ({exc.strerror})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"{path}: not valid TOML: {exc}") from None
     if unknown := unknown_keys(raw, Settings):
         raise SettingsError(f"{path}: " + "; ".join(unknown))
     try:

@@ -66,9 +66,14 @@ def describe(cls: Any, json_path: str) -> str | None:
     return None
 
 
-def masked(settings: object) -> Any:
-    """The settings as plain data (msgspec.to_builtins) with every secret value replaced by MASK."""
-    return _mask(msgspec.to_builtins(settings))
+def masked(settings: Any) -> Any:
+    """The settings as plain data, every field with its effective value (defaults included), with every
+    secret value replaced by MASK.
+
+    `dataclasses.asdict` first, not msgspec.to_builtins alone: a dataclass msgspec.convert built holds only
+    the keys the file gave in its `__dict__` (the defaults are read from the class), and to_builtins
+    walks `__dict__`, so it would leave out every value the file does not set."""
+    return _mask(msgspec.to_builtins(dataclasses.asdict(settings)))
 
 
 def _mask(data: Any) -> Any:

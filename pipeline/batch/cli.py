@@ -111,9 +111,19 @@ class _Unreachable(_Refused):
 
 
 def _http(settings: Settings, args: argparse.Namespace) -> httpx.AsyncClient:
-    base = args.base_url or f"http://{settings.bridge.host}:{settings.bridge.port}/v1"
+    base = args.base_url or _bridge_url(settings)
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     return httpx.AsyncClient(base_url=base, headers=headers, timeout=httpx.Timeout(60.0, connect=5.0))
+
+
+def _bridge_url(settings: Settings) -> str:
+    """The configured bridge's /v1 URL: https where `[gateway.tls]` serves it (the certificate is checked
+    against httpx's CA bundle, or the file SSL_CERT_FILE names), an IPv6 host in brackets."""
+    scheme = "https" if settings.gateway.tls.certfile else "http"
+    host = settings.bridge.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{settings.bridge.port}/v1"
 
 
 async def _call(pending: Any) -> dict[str, Any]:

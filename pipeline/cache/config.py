@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -63,8 +64,12 @@ class CacheSettings:
             sampled=self.sampled if t.sampled is None else t.sampled,
         )
 
-    def problems(self) -> list[str]:
+    def problems(self, models: Collection[str] | None = None) -> list[str]:
+        """`models`: the configured ones, which every [cache.models] key must name (a typo's TTL and
+        threshold would apply to nothing); None: not checked."""
         found = []
+        if models is not None and (unknown := sorted(set(self.models) - set(models))):
+            found.append(f"cache.models: {unknown} are not configured models ({', '.join(models)})")
         thresholds = [("cache.threshold", self.threshold)]
         thresholds += [(f"cache.models.{k}.threshold", v.threshold) for k, v in self.models.items() if v.threshold is not None]
         thresholds += [(f"cache.tenants.{k}.threshold", v.threshold) for k, v in self.tenants.items() if v.threshold is not None]

@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from pipeline.gateway.hosts import HostEntryError, parse_entry
+
+# The longest overlap after `keys rotate`, as `--overlap-s` allows it (gateway/keys.py): past it the old key's
+# expiry is centuries away (or, at inf, no Redis expiry at all) while the operator believes it retired.
+MAX_ROTATE_OVERLAP_S = 366 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,8 @@ class KafkaSecurity:
     mechanism: Literal["SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"] = "SCRAM-SHA-256"
     username: str = ""
     password: str = field(default="", repr=False)  # better from SLUICE_KAFKA_PASSWORD than from the file
+    # SASL_SSL: the CA file (PEM) that signed the broker's certificate; empty: the system's trusted CAs
+    cafile: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,9 +115,11 @@ class GatewaySettings:
     tls: TlsSettings = field(default_factory=TlsSettings)
     kafka: KafkaSecurity = field(default_factory=KafkaSecurity)
 
-    def problems(self) -> list[str]:
-        """What is wrong with these settings, as messages for SettingsError."""
-        found = []
+    def problems(self, models: Collection[str] | None = None, replies: Collection[str] | None = None) -> list[str]:
+        """What is wrong with these settings, as messages for SettingsError. `models` and `replies`: the
+        configured ones, which every tenant's lists (and, where a tenant has a budget, every price) must
+        name; None: not checked."""
+        found = self._names_problems(models, replies)
         cidrs = [*self.network.allow_cidrs, *self.network.deny_cidrs]
         cidrs += [c for block in self.network.geo_block.values() for c in block]
         cidrs += [c for t in self.tenants.values() for c in (*t.allow_cidrs, *t.deny_cidrs)]
@@ -141,6 +151,31 @@ class GatewaySettings:
             found.append("gateway.tls: certfile and keyfile go together; client_ca needs them")
         if self.kafka.protocol != "PLAINTEXT" and not (self.kafka.username and self.kafka.password):
             found.append("gateway.kafka: SASL needs username and password (SLUICE_KAFKA_USER/SLUICE_KAFKA_PASSWORD)")
+        if self.kafka.cafile and self.kafka.protocol != "SASL_SSL":
+            found.append("gateway.kafka.cafile is for protocol = \"SASL_SSL\" only")
+        elif self.kafka.cafile and not Path(self.kafka.cafile).is_file():  # else every Kafka client fails to start
+            found.append(f"gateway.kafka.cafile: no such file {self.kafka.cafile!r}")
         if self.window_s <= 0 or self.chars_per_token < 1 or self.redis_timeout_s <= 0:
             found.append("gateway: window_s, chars_per_token and redis_timeout_s must be positive")
+        if not 0 <= self.rotate_overlap_s < MAX_ROTATE_OVERLAP_S:  # NaN and inf fail too
+            found.append(f"gateway.rotate_overlap_s must be 0 or more seconds, under {MAX_ROTATE_OVERLAP_S:.0f} (366 days), "
+                         f"got {self.rotate_overlap_s}")
+        return found
+
+    def _names_problems(self, models: Collection[str] | None, replies: Collection[str] | None) -> list[str]:
+        """Tenants' model and reply lists naming nothing configured (a typo there would refuse every request
+        the list was meant to admit), and prices naming no configured model while a tenant budget is set (the
+        budget would never be spent on the model the price was meant for)."""
+        found = []
+        for tenant, policy in self.tenants.items():
+            if models is not None and (unknown := sorted(set(policy.models) - set(models))):
+                found.append(f"gateway.tenants.{tenant}.models: {unknown} are not configured models ({', '.join(models)})")
+            if replies is not None and (unknown := sorted(set(policy.replies) - set(replies))):
+                found.append(f"gateway.tenants.{tenant}.replies: {unknown} are not in replies ({', '.join(replies)})")
+        # Only where a tenant here has a budget: configs that swap the backends keep the shipped price
+        # (tests/chaos/harness.py), and keys' budgets live in Redis, out of load's sight.
+        if models is not None and any(policy.budget for policy in self.tenants.values()):
+            for model in sorted(set(self.prices) - set(models)):
+                found.append(f"gateway.prices.{model!r}: no backend serves this model ({', '.join(models)}), "
+                             "so a tenant's budget would never be charged for the one meant")
         return found

@@ -5,6 +5,7 @@ validated there (`problems()`); no model is loaded to validate it."""
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,8 +50,12 @@ class GuardSettings:
             return override.injection_threshold
         return self.injection_threshold
 
-    def problems(self) -> list[str]:
+    def problems(self, models: Collection[str] | None = None) -> list[str]:
+        """`models`: the configured ones, which every route must name (a route keyed by a typo leaves the
+        model it meant unguarded by topic); None: not checked."""
         found: list[str] = []
+        if models is not None and (unknown := sorted(set(self.routes) - set(models))):
+            found.append(f"guard.routes: {unknown} are not configured models ({', '.join(models)})")
         policies = {"guard.pii": self.pii, **{f"guard.tenants.{t}.pii": v.pii for t, v in self.tenants.items()}}
         for where, policy in policies.items():
             found += [f"{where}: unknown entity {e!r} (known: {', '.join(ENTITIES)})" for e in policy if e not in ENTITIES]

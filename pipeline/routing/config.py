@@ -60,4 +60,8 @@ class RoutingSettings:
                 found.append(f"routing rule {rule.name!r}: priority must be interactive or batch")
         if self.eject_after < 1 or self.ejection_s <= 0:
             found.append("routing.eject_after must be at least 1 and routing.ejection_s positive")
+        if not self.max_ejection_s >= self.ejection_s:  # the term is min(ejection_s * n, max_ejection_s): 0 never ejects
+            found.append(f"routing.max_ejection_s ({self.max_ejection_s:g}) must be at least routing.ejection_s ({self.ejection_s:g})")
+        if not self.health_stale_s > 0:  # 0: every report is stale, so no backend's load is ever known
+            found.append(f"routing.health_stale_s must be positive, got {self.health_stale_s:g}")
         return found

@@ -98,7 +98,8 @@ def test_config_check_prints_the_effective_settings_with_secrets_masked(monkeypa
     for secret in ("kafka-secret-123", "gateway-secret-456", "redis-secret-789"):
         assert secret not in out
     shown = json.loads(out)
-    assert shown["gateway"]["kafka"] == {"protocol": "SASL_PLAINTEXT", "mechanism": "SCRAM-SHA-256", "username": "admin", "password": "***"}
+    assert shown["gateway"]["kafka"] == {"protocol": "SASL_PLAINTEXT", "mechanism": "SCRAM-SHA-256", "username": "admin", "password": "***",
+                                         "cafile": ""}
     assert shown["gateway"]["client_info_secret"] == "***"
     assert shown["redis"]["url"] == "redis://sluice:***@127.0.0.1:16379/0"
     assert shown["replies"] == ["bridge", "sdk"]
@@ -165,3 +166,125 @@ def test_each_backend_needs_a_pool_of_its_own(tmp_path: Path) -> None:
         load_text(tmp_path, two)
     apart = two.replace('pool = "gpu"\n[[', 'pool = "gpu-a"\n[[').replace('pool = "gpu"\n', 'pool = "gpu-b"\n')
     assert [b.pool for b in load_text(tmp_path, apart).backends] == ["gpu-a", "gpu-b"]
+
+
+BACKEND = '[[backends]]\nname = "a"\nmodel = "m"\npool = "p"\n'
+
+
+def test_a_config_file_that_is_named_must_exist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = tmp_path / "gone.toml"
+    with pytest.raises(SettingsError, match=f"{missing}: cannot read the config file"):
+        load(missing, {})
+    with pytest.raises(SettingsError, match=f"{missing}: cannot read the config file"):
+        load(env={"SLUICE_CONFIG": str(missing)})
+    (tmp_path / "broken.toml").write_text("[kafka\n")
+    with pytest.raises(SettingsError, match="broken.toml: not valid TOML"):
+        load(tmp_path / "broken.toml", {})
+    monkeypatch.setattr("pipeline.settings.DEFAULT_CONFIG", missing)  # only the repository's own file may be absent
+    assert load(env={}).gateway.auth_required is False
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e12", "-1", str(366 * 86400)])
+def test_rotate_overlap_is_bounded_as_keys_rotate_bounds_it(tmp_path: Path, value: str) -> None:
+    with pytest.raises(SettingsError, match="gateway.rotate_overlap_s must be 0 or more seconds, under 31622400"):
+        load_text(tmp_path, f"[gateway]\nrotate_overlap_s = {value}\n")
+
+
+def test_rotate_overlap_within_the_bound_loads(tmp_path: Path) -> None:
+    for value in (0, 365 * 86400):
+        assert load_text(tmp_path, f"[gateway]\nrotate_overlap_s = {value}\n").gateway.rotate_overlap_s == value
+
+
+@pytest.mark.parametrize(("entry", "expected"), [
+    ("max_ejection_s = 0\n", "routing.max_ejection_s (0) must be at least routing.ejection_s (30)"),
+    ("ejection_s = 60\nmax_ejection_s = 59\n", "routing.max_ejection_s (59) must be at least routing.ejection_s (60)"),
+    ("health_stale_s = 0\n", "routing.health_stale_s must be positive, got 0"),
+    ("health_stale_s = -1\n", "routing.health_stale_s must be positive, got -1"),
+])
+def test_routing_times_that_would_disable_ejection_or_health_are_refused(tmp_path: Path, entry: str, expected: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        load_text(tmp_path, f"[routing]\n{entry}")
+    assert expected in str(caught.value)
+
+
+@pytest.mark.parametrize(("table", "expected"), [
+    ('[guard.routes."smollm2-135m-instruc"]\ntopics = ["Baggage."]\n', "guard.routes: ['smollm2-135m-instruc'] are not configured models"),
+    ('[cache.models."smollm2"]\nttl_s = 60\n', "cache.models: ['smollm2'] are not configured models"),
+    ('[gateway.tenants.acme]\nmodels = ["smollm2"]\n', "gateway.tenants.acme.models: ['smollm2'] are not configured models"),
+    ('[gateway.tenants.acme]\nreplies = ["brige"]\n', "gateway.tenants.acme.replies: ['brige'] are not in replies (bridge, sdk)"),
+    ('[gateway.tenants.acme]\nbudget = 5.0\n[gateway.prices."smollm2"]\nprompt_per_1k = 0.1\n',
+     "gateway.prices.'smollm2': no backend serves this model (smollm2-135m-instruct)"),
+])
+def test_model_and_reply_keyed_entries_must_name_configured_ones(tmp_path: Path, table: str, expected: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        load_text(tmp_path, table)
+    assert expected in str(caught.value)
+    right = table.replace('"smollm2-135m-instruc"', '"smollm2-135m-instruct"').replace('"smollm2"', '"smollm2-135m-instruct"')
+    load_text(tmp_path, right.replace('"brige"', '"bridge"'))
+
+
+def test_a_price_for_another_model_loads_while_no_tenant_has_a_budget(tmp_path: Path) -> None:
+    """The chaos harness swaps in the instant model and keeps sluice.toml's price (tests/chaos/harness.py)."""
+    settings = load_text(tmp_path, f'{BACKEND}[gateway.prices."smollm2-135m-instruct"]\nprompt_per_1k = 0.1\n')
+    assert set(settings.gateway.prices) == {"smollm2-135m-instruct"}
+
+
+def test_routing_rules_may_name_the_backends_of_every_pool(tmp_path: Path) -> None:
+    two = ('[[backends]]\nname = "gpu-a"\nmodel = "m"\npool = "a"\n[[backends]]\nname = "gpu-b"\nmodel = "m"\npool = "b"\n'
+           '[[routing.rules]]\nname = "r"\nbackends = ["gpu-a", "gpu-b"]\n')
+    assert load_text(tmp_path, two).routing.rules[0].backends == ("gpu-a", "gpu-b")
+    with pytest.raises(SettingsError, match="routing rule 'r' names unknown backends \\['gpu-c'\\]"):
+        load_text(tmp_path, two.replace('"gpu-b"]', '"gpu-c"]'))
+
+
+@pytest.mark.parametrize("entry", [
+    'kind = "openai"\nbase_url = "http://127.0.0.1:1/v1"\ntimeout_s = 0\n',
+    'kind = "triton"\nurl = "127.0.0.1:1"\ntriton_model = "x"\ntimeout_s = -5\n',
+    'kind = "instant"\ntoken_delay_ms = -1\n',
+    "max_batch = 0\n",
+])
+def test_backend_timeouts_delays_and_batches_that_fail_every_request_are_refused(tmp_path: Path, entry: str) -> None:
+    with pytest.raises(SettingsError, match="backend 'a': timeout_s must be positive, token_delay_ms 0 or more and max_batch at least 1"):
+        load_text(tmp_path, BACKEND + entry)
+
+
+@pytest.mark.parametrize("text", ["[state]\nttl_s = 1\n", "[state]\nttl_s = 0\n", "[state]\nttl_s = -1\n",
+                                  "[state]\nttl_s = 600\n[limits]\nmax_deadline_s = 601\n[batch]\nline_deadline_s = 600\n"])
+def test_request_state_must_outlive_the_longest_deadline(tmp_path: Path, text: str) -> None:
+    with pytest.raises(SettingsError, match="state.ttl_s .* must be positive and at least limits.max_deadline_s"):
+        load_text(tmp_path, text)
+
+
+def test_request_state_as_long_as_the_longest_deadline_loads(tmp_path: Path) -> None:
+    settings = load_text(tmp_path, "[state]\nttl_s = 600\n[limits]\nmax_deadline_s = 600\n[batch]\nline_deadline_s = 600\n")
+    assert settings.state.ttl_s == settings.limits.max_deadline_s == 600
+
+
+@pytest.mark.parametrize(("text", "env", "expected"), [
+    ("[bridge]\nport = 0\n", {}, "bridge.port (or SLUICE_BRIDGE_PORT) must be 1 to 65535, got 0"),
+    ("[bridge]\nport = 70000\n", {}, "bridge.port (or SLUICE_BRIDGE_PORT) must be 1 to 65535, got 70000"),
+    ("", {"SLUICE_BRIDGE_PORT": "-1"}, "bridge.port (or SLUICE_BRIDGE_PORT) must be 1 to 65535, got -1"),
+    ("[runtime]\ntorch_threads = 0\n", {}, "runtime.torch_threads must be at least 1, got 0"),
+    ("[limits]\nmax_messages = 0\n", {}, "limits.max_messages must be at least 1, got 0"),
+    ("[limits]\nmax_messages = -3\n", {}, "limits.max_messages must be at least 1, got -3"),
+])
+def test_values_that_crash_at_start_or_refuse_every_request_are_refused_at_load(
+        tmp_path: Path, text: str, env: dict[str, str], expected: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        load_text(tmp_path, text, env)
+    assert expected in str(caught.value)
+
+
+def test_config_check_prints_the_values_the_file_leaves_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "sparse.toml").write_text('[kafka]\npartitions = 3\n[redis]\nurl = "redis://u:pw-in-file@127.0.0.1:1/0"\n')
+    monkeypatch.setenv("SLUICE_CONFIG", str(tmp_path / "sparse.toml"))
+    monkeypatch.setenv("SLUICE_METRICS_TOKEN", "metrics-secret-1")
+    assert cli.main(["config", "check"]) == 0
+    out = capsys.readouterr().out
+    assert "pw-in-file" not in out and "metrics-secret-1" not in out
+    shown = json.loads(out)
+    assert shown["kafka"] == {"bootstrap": "127.0.0.1:19092", "partitions": 3, "session_timeout_ms": 3000,
+                              "heartbeat_interval_ms": 500, "linger_ms": 0, "lingering_ms": 20}
+    assert shown["redis"] == {"url": "redis://u:***@127.0.0.1:1/0", "username": "", "password": ""}
+    assert shown["bridge"]["metrics_token"] == "***" and shown["bridge"]["port"] == 8080
