@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from pipeline.bridge.app import MAX_HEADER_BYTES, body_cap, create_app
-from pipeline.bridge.edges import head_limited_protocol
+from pipeline.bridge.edges import head_limited_protocol, websocket_protocol
 from pipeline.errors import SluiceError
 from pipeline.observability.siblings import Siblings
 from pipeline.sdk import Client
@@ -85,8 +85,10 @@ async def serve(
         lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         proxy_headers=False,  # the client address is the TCP peer's; X-Forwarded-For is never trusted
-        # a request head slower than header_timeout_s is cut off, one over MAX_HEADER_BYTES refused
-        http=head_limited_protocol(settings.bridge.header_timeout_s, MAX_HEADER_BYTES),
+        # a request head slower than header_timeout_s is cut off, one over MAX_HEADER_BYTES refused; a write
+        # the client leaves blocked for send_timeout_s ends the connection (so its requests are cancelled)
+        http=head_limited_protocol(settings.bridge.header_timeout_s, MAX_HEADER_BYTES, settings.bridge.send_timeout_s),
+        ws=websocket_protocol(settings.bridge.send_timeout_s),
         timeout_keep_alive=settings.bridge.keep_alive_s,
         ws_max_size=body_cap(settings.limits),  # a larger message is refused as it arrives, not read whole first
         # TLS, and with a client CA mutual TLS: a client without a certificate the CA signed cannot connect.

@@ -10,7 +10,8 @@ Every request goes through `Client`, so it takes the same path as any other: ing
 the limits and (later) the API key, and its refusals come back as error terminal events that the
 bridge turns into OpenAI errors with the status from `topics.errors.http_status`. The bridge itself
 refuses only what it cannot parse, bodies over `body_cap()`, credentials it can tell are bad
-(credentials.py), and requests over `bridge.max_in_flight` (admission.py).
+(credentials.py), requests over `bridge.max_in_flight` (admission.py), and WebSocket messages past
+`bridge.ws_max_requests` running on their socket (websocket.py).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False,
             request = msgspec.structs.replace(request, no_cache=no_cache, no_store=no_store)
             return credential.apply(with_client_info(request, websocket, secret))  # signed last
 
-        await StreamSession(websocket, client, cap, prepare, admission).run()
+        await StreamSession(websocket, client, cap, prepare, admission, max_requests=settings.bridge.ws_max_requests,
+                            idle_s=settings.bridge.ws_idle_s).run()
 
     async def metrics(request: HttpRequest) -> Response:
         if not metrics_allowed(request, settings.bridge.metrics_token, auth_required):

@@ -1,6 +1,7 @@
 """OpenAI's Files and Batch APIs on the bridge (pipeline/batch/ does the work):
 
-    POST /v1/files                  upload a batch input file (multipart, purpose "batch"); size and line limits
+    POST /v1/files                  upload a batch input file (multipart, purpose "batch"); size and line limits;
+                                    408 past bridge.body_timeout_s plus a second per 64 KiB received
     GET  /v1/files                  the tenant's files, newest first (purpose, limit, order, after)
     GET  /v1/files/{id}             the file object
     DELETE /v1/files/{id}           delete it (a job still reading it then fails)
@@ -49,7 +50,7 @@ from pipeline.batch.store import JobStore
 from pipeline.batch.worker import BatchWorker
 from pipeline.bridge.app import read_capped
 from pipeline.bridge.credentials import Credential, Credentials
-from pipeline.bridge.openai_format import Unauthorized, decode_body, error_body
+from pipeline.bridge.openai_format import RequestTimeout, Unauthorized, decode_body, error_body
 from pipeline.gateway.build import redis_client
 from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.gateway import INVALID_KEY
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 MAX_LIST = 100
 MAX_METADATA = 16  # OpenAI's limit on metadata pairs
 MAX_CREATE_BYTES = 64 * 1024  # a batch request is a file id, an endpoint and metadata
+UPLOAD_MIN_RATE = 64 * 1024  # bytes a second: an upload gets bridge.body_timeout_s plus a second per this many bytes
 Handler = Callable[[HttpRequest], Awaitable[Response]]
 
 
@@ -131,11 +133,16 @@ class BatchApi:
             raise TooLarge(f"the upload is {declared} bytes; a batch file may have {self.config.max_file_bytes}", "file")
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise Invalid("upload the file as multipart/form-data with fields `file` and `purpose`", "file")
-        parser = MultiPartParser(request.headers, _capped(request.stream(), cap), max_files=1, max_fields=8)
+        timeout_s = self.settings.bridge.body_timeout_s
         try:
-            form = await parser.parse()
+            async with asyncio.timeout(timeout_s) as deadline:
+                pieces = _capped(request.stream(), cap, _Pace(deadline, timeout_s))
+                form = await MultiPartParser(request.headers, pieces, max_files=1, max_fields=8).parse()
         except MultiPartException as exc:
             raise Invalid(f"the upload is not a form sluice can read: {exc.message}", "file") from None
+        except TimeoutError:
+            raise RequestTimeout(f"the upload did not arrive within {timeout_s:g} s and one more second per "
+                                 f"{UPLOAD_MIN_RATE // 1024} KiB") from None
         try:
             purpose = form.get("purpose")
             if purpose != "batch":
@@ -298,12 +305,28 @@ def _limit(raw: str, most: int) -> int:
     return limit
 
 
-async def _capped(stream: AsyncGenerator[bytes, None], cap: int) -> AsyncGenerator[bytes, None]:
+class _Pace:
+    """An upload's deadline: `bridge.body_timeout_s` from its start, and one second more per
+    `UPLOAD_MIN_RATE` bytes received (Apache's mod_reqtimeout `MinRate`). A chat body is small and gets
+    the timeout whole; a batch file of up to `batch.max_file_bytes` arrives over a slower link, but a
+    client that stalls or trickles below the rate is still cut off (408)."""
+
+    def __init__(self, deadline: asyncio.Timeout, timeout_s: float) -> None:
+        self._deadline = deadline
+        self._until = asyncio.get_running_loop().time() + timeout_s
+
+    def received(self, size: int) -> None:
+        self._until += size / UPLOAD_MIN_RATE
+        self._deadline.reschedule(self._until)
+
+
+async def _capped(stream: AsyncGenerator[bytes, None], cap: int, pace: _Pace) -> AsyncGenerator[bytes, None]:
     size = 0
     async for piece in stream:
         size += len(piece)
         if size > cap:
             raise TooLarge(f"the upload is over the limit of {cap} bytes", "file")
+        pace.received(len(piece))
         yield piece
 
 

@@ -2,7 +2,9 @@
 
     AllowedHosts             the Host header (`gateway.allowed_hosts`; on a loopback address, loopback names only)
     BrowserOrigins           what a web page may send or open (`gateway.allowed_origins`)
-    head_limited_protocol    uvicorn's httptools protocol with a deadline and a size bound on each request head
+    head_limited_protocol    uvicorn's httptools protocol with a deadline and a size bound on each request head,
+                             and a deadline on a blocked write (`bridge.send_timeout_s`)
+    websocket_protocol       uvicorn's WebSocket protocol with the same deadline on a blocked write
     metrics_allowed          who may read /metrics on the API port
 
 Starlette's TrustedHostMiddleware compares only the host part of the header, so an entry with a port
@@ -15,16 +17,20 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import logging
 
 from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from pipeline.bridge.openai_format import error_body
 from pipeline.gateway.hosts import allowed, parse_entry
 from topics.errors import ErrorCode
+
+log = logging.getLogger(__name__)
 
 
 class AllowedHosts:
@@ -96,16 +102,58 @@ class BrowserOrigins:
         await self.app(scope, receive, send)
 
 
-def head_limited_protocol(timeout_s: float, max_head_bytes: int) -> type[HttpToolsProtocol]:
+class SendDeadline(asyncio.Protocol):
+    """A write to the client that stays blocked `send_timeout_s` ends the connection (nginx's send_timeout).
+
+    uvicorn's `send` waits for the transport's buffer to drain (`pause_writing` until `resume_writing`) with
+    no bound, so a client that stops reading held its response, its request and its admission place for
+    ever: the SDK stream checks the request's deadline only between events, never while the relay waits in
+    a send. One timer per paused write (none on the hot path, where the buffer never fills): if the buffer
+    has not drained below its low-water mark by then, the transport is aborted, not closed (a close waits
+    for the same drain). The connection is then lost: uvicorn answers the app's `receive()` with a
+    disconnect, the relay (or the WebSocket session) cancels its requests, and each gives its place back."""
+
+    send_timeout_s: float | None = None  # None: no deadline
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    _send_timer: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None and self.send_timeout_s is not None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        super().connection_lost(exc)
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        log.info("a client read nothing for %g s: its connection is aborted", self.send_timeout_s)
+        self.transport.abort()
+
+
+def head_limited_protocol(
+    timeout_s: float, max_head_bytes: int, send_timeout_s: float | None = None,
+) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (llhttp, in C: about half the CPU per request of its h11 protocol,
     bench/http_protocol.py), with two limits on each request head. A connection whose next head is not
     complete `timeout_s` after the connection opened or the previous response ended is closed: uvicorn's
     own `timeout_keep_alive` stops at the first byte, so a client sending its headers a byte a second held
     a connection forever. A head still incomplete past `max_head_bytes` gets a 400 and the connection is
     closed: llhttp itself bounds neither, and a head that arrives whole is refused with 431 by the app
-    (`HeaderLimit`)."""
+    (`HeaderLimit`). With `send_timeout_s`, a response write blocked that long ends the connection
+    (`SendDeadline`)."""
 
-    class HeadLimitedProtocol(HttpToolsProtocol):
+    class HeadLimitedProtocol(SendDeadline, HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _head_bytes: int | None = 0  # bytes read of the head under way; None between a head's end and the next
 
@@ -149,7 +197,38 @@ def head_limited_protocol(timeout_s: float, max_head_bytes: int) -> type[HttpToo
             if self._head_bytes is not None and not self.transport.is_closing():
                 self.transport.close()
 
+    HeadLimitedProtocol.send_timeout_s = send_timeout_s
     return HeadLimitedProtocol
+
+
+def websocket_protocol(send_timeout_s: float) -> type[WebSocketsSansIOProtocol]:
+    """uvicorn's WebSocket protocol (the one its "auto" picks) with `SendDeadline` on every write, and no
+    close that waits for ever: when a keepalive ping goes unanswered uvicorn writes a close frame and
+    closes, and a close waits for the buffer to drain, so behind data the client does not read the
+    connection (and the session's `receive()`) never ended; such a close is an abort. A connection still
+    open `send_timeout_s` after the app returned and uvicorn's closing handshake timed out is aborted too."""
+
+    class SendLimitedWebSocket(SendDeadline, WebSocketsSansIOProtocol):
+        _end_timer: asyncio.TimerHandle | None = None
+
+        def keepalive_timeout(self) -> None:
+            super().keepalive_timeout()
+            if self.transport.get_write_buffer_size():  # the close frame waits behind bytes the client does not read
+                self.transport.abort()
+
+        async def run_asgi(self) -> None:
+            await super().run_asgi()
+            if not self.disconnected:
+                self._end_timer = self.loop.call_later(self.close_timeout + send_timeout_s, self.transport.abort)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._end_timer is not None:
+                self._end_timer.cancel()
+                self._end_timer = None
+            super().connection_lost(exc)
+
+    SendLimitedWebSocket.send_timeout_s = send_timeout_s
+    return SendLimitedWebSocket
 
 
 def metrics_allowed(connection: HTTPConnection, token: str, auth_required: bool) -> bool:
@@ -160,4 +239,7 @@ def metrics_allowed(connection: HTTPConnection, token: str, auth_required: bool)
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
-__all__ = ["AllowedHosts", "BrowserOrigins", "default_hosts", "head_limited_protocol", "metrics_allowed"]
+__all__ = [
+    "AllowedHosts", "BrowserOrigins", "SendDeadline", "default_hosts", "head_limited_protocol", "metrics_allowed",
+    "websocket_protocol",
+]

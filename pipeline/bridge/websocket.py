@@ -6,7 +6,10 @@ message, in the order they arrive, the bridge answers at once with either
     {"type": "start", "id": ..., "model": ...}                the request went into the pipeline
     {"type": "error", "id": null, "code", "message", "param"} the message was refused as it stands
 
-so the n-th `start` or refusal belongs to the n-th message. A started request then gets
+so the n-th `start` or refusal belongs to the n-th message. A socket runs at most `bridge.ws_max_requests`
+requests at once (HTTP/2's MAX_CONCURRENT_STREAMS): a message past it is refused with `rate_limited`
+before it reaches Kafka, so one socket cannot queue thousands of requests ahead of every other client
+(each stage works on `runtime.max_in_flight` at once). A started request then gets
 
     {"type": "chunk", "id", "seq", "text"}                    zero or more, seq 0..n-1
     {"type": "done", "id", "finish_reason", "chunks", "usage": {...}}   or
@@ -15,6 +18,9 @@ so the n-th `start` or refusal belongs to the n-th message. A started request th
 and messages of concurrent requests interleave. A `Cache-Control: no-cache` / `no-store` header on the
 handshake applies to every request on the socket, as on each HTTP request. When the socket closes,
 every request still running on it is cancelled (the SDK stream's cleanup sends the cancellation on `llm.control`).
+A socket with no request running for `bridge.ws_idle_s` is closed with code 1000 (keepalive pings, which
+uvicorn answers, do not count). A client that stops reading loses the socket after `bridge.send_timeout_s`
+(edges.SendDeadline).
 """
 
 from __future__ import annotations
@@ -43,6 +49,15 @@ from topics.errors import ErrorCode, retriable
 from topics.requests import Request
 
 log = logging.getLogger(__name__)
+IDLE_CLOSE = 1000  # the close code of a socket idle for `bridge.ws_idle_s`: a normal closure
+
+
+class TooManyOnSocket(BridgeError):
+    """A message while the socket already runs `bridge.ws_max_requests` requests: the client's own load, so
+    `rate_limited` (retry once one of its requests ends), not the bridge-wide `unavailable`."""
+
+    status = 429
+    code = ErrorCode.rate_limited
 
 
 class StreamSession:
@@ -51,31 +66,62 @@ class StreamSession:
     def __init__(
         self, websocket: WebSocket, client: Client, max_message_bytes: int,
         prepare: Callable[[Request], Request] = lambda request: request, admission: Admission | None = None,
+        *, max_requests: int = 32, idle_s: float = 300.0,
     ) -> None:
         """`prepare` adds what the connection knows to each request (the client address, as over HTTP, and
-        the caller's credential as the bridge passes it on: bridge/credentials.py)."""
+        the caller's credential as the bridge passes it on: bridge/credentials.py). `max_requests`: how many
+        may run on the socket at once; `idle_s`: how long the socket stays open with none running."""
         self._ws = websocket
         self._client = client
         self._max_bytes = max_message_bytes
         self._prepare = prepare
         self._admission = admission or Admission(0)  # the bridge's bound on requests open at once
+        self._max_requests = max_requests
+        self._idle_s = idle_s
+        self._idle: asyncio.Timeout | None = None  # armed while no request runs and the reader waits; None after
+        self._reading = False  # the reader is waiting for the next message
         self._running: set[asyncio.Task[None]] = set()
         self._send_lock = asyncio.Lock()
 
     async def run(self) -> None:
-        """Reads requests until the client goes away, then cancels what is still running."""
+        """Reads requests until the client goes away or the socket has been idle `idle_s` (then it is closed),
+        and cancels what is still running."""
         try:
-            while True:
-                message = await self._ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                await self._start(message)
+            async with asyncio.timeout(self._idle_s) as idle:
+                self._idle = idle
+                while True:
+                    self._reading = True
+                    message = await self._ws.receive()
+                    self._reading = False
+                    if message["type"] == "websocket.disconnect":
+                        return
+                    idle.reschedule(None)  # a message is activity; its request keeps the socket open
+                    await self._start(message)
+                    self._arm_idle()
+        except TimeoutError:
+            if not idle.expired():
+                raise
+            await self._close_idle()
         finally:
+            self._idle = None
             running = tuple(self._running)
             for task in running:
                 task.cancel()
             if running:
                 await asyncio.wait(running)  # each task's cleanup produces its cancellation
+
+    def _arm_idle(self) -> None:
+        """The idle clock runs from now if no request runs on the socket, else it stops."""
+        if self._idle is not None and not self._idle.expired():
+            self._idle.reschedule(None if self._running else asyncio.get_running_loop().time() + self._idle_s)
+
+    async def _close_idle(self) -> None:
+        log.debug("a websocket was idle for %g s: closed", self._idle_s)
+        try:
+            async with self._send_lock:
+                await self._ws.close(IDLE_CLOSE, f"no request for {self._idle_s:g} s")
+        except (WebSocketDisconnect, WebSocketDisconnected):
+            pass  # the client left first: nothing to close
 
     async def _start(self, message: Message) -> None:
         text, data = message.get("text"), message.get("bytes")
@@ -83,6 +129,9 @@ class StreamSession:
         try:
             if len(raw) > self._max_bytes:
                 raise PayloadTooLarge(f"the message is {len(raw)} bytes; the limit is {self._max_bytes}")
+            if len(self._running) >= self._max_requests:
+                raise TooManyOnSocket(f"this socket has {len(self._running)} requests running, its limit "
+                                      "(bridge.ws_max_requests); send more as they end")
             parsed = parse_chat(decode_body(raw))
             self._admission.enter()
         except BridgeError as exc:
@@ -106,6 +155,8 @@ class StreamSession:
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._admission.leave()  # here, not in _serve: a task cancelled before it started never runs its body
         self._running.discard(task)
+        if self._reading and not self._running:
+            self._arm_idle()  # (while a message is being started, the reader re-arms it after)
         if not task.cancelled() and (error := task.exception()) is not None:
             log.error("a websocket request ended with an error it could not report", exc_info=error)
 
@@ -157,4 +208,4 @@ def _error(request_id: str, code: ErrorCode, message: str) -> Json:
     return {"type": "error", "id": request_id, "code": code.value, "message": message, "retriable": retriable(code)}
 
 
-__all__ = ["StreamSession"]
+__all__ = ["StreamSession", "TooManyOnSocket"]

@@ -1,7 +1,8 @@
 """The bridge's app on an SDK client whose Kafka is replaced by an in-memory answer: what it refuses
 before anything reaches Kafka (bad bytes, foreign origins and Host headers), the cache directives it
-passes on, what it answers when the broker refuses a request, and when a request takes and gives back
-its admission place (`bridge.max_in_flight`)."""
+passes on, what it answers when the broker refuses a request, when a request takes and gives back its
+admission place (`bridge.max_in_flight`), the deadline on a batch upload (`bridge.body_timeout_s`), and
+that the bridge's own limits are validated."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +22,7 @@ from pipeline.bridge.app import create_app
 from pipeline.bridge.credentials import Credential, Credentials
 from pipeline.bridge.openai_format import Unauthorized
 from pipeline.sdk import Client
-from pipeline.settings import Settings
+from pipeline.settings import Settings, SettingsError
 from topics.requests import Request
 from topics.stream import Chunk, Done, FinishReason, Usage
 
@@ -270,3 +272,54 @@ async def test_a_request_refused_after_it_took_its_place_gives_it_back(content: 
         refused = await http.post("/v1/chat/completions", content=content, headers=headers)
         assert refused.status_code == 400
         assert (await http.post("/v1/chat/completions", json=chat())).status_code == 200
+
+
+def uploading(tmp_path: Path, body_timeout_s: float) -> Settings:
+    return dataclasses.replace(SETTINGS, bridge=dataclasses.replace(SETTINGS.bridge, body_timeout_s=body_timeout_s),
+                               batch=dataclasses.replace(SETTINGS.batch, dir=str(tmp_path)))
+
+
+FORM_HEAD = (b'--xyz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+             b'--xyz\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n')
+FORM_HEADERS = {"content-type": "multipart/form-data; boundary=xyz"}
+
+
+@pytest.mark.asyncio
+async def test_an_upload_that_stalls_is_a_408_after_body_timeout_s(tmp_path: Path) -> None:
+    async def stalled() -> AsyncIterator[bytes]:
+        yield FORM_HEAD + b'{"custom_id":"a"}\n'
+        await asyncio.Event().wait()  # the rest never comes
+
+    settings = uploading(tmp_path, 0.3)
+    async with asgi_bridge(settings, AnsweringClient(settings)) as http:
+        refused = await asyncio.wait_for(http.post("/v1/files", content=stalled(), headers=FORM_HEADERS), 5)
+    assert refused.status_code == 408
+    assert refused.json()["error"]["code"] == "invalid_request"
+
+
+@pytest.mark.asyncio
+async def test_an_upload_that_keeps_coming_may_take_longer_than_body_timeout_s(tmp_path: Path) -> None:
+    line = b'{"custom_id":"%d","method":"POST","url":"/v1/chat/completions","body":{}}\n'
+
+    async def steadily() -> AsyncIterator[bytes]:  # about 100 KiB/s, over the floor of 64 KiB/s
+        yield FORM_HEAD
+        for piece in range(8):
+            await asyncio.sleep(0.1)
+            yield b"".join(line % (piece * 200 + i) for i in range(140))  # about 10 KiB
+        yield b"\r\n--xyz--\r\n"
+
+    settings = uploading(tmp_path, 0.3)
+    async with asgi_bridge(settings, AnsweringClient(settings)) as http:
+        response = await asyncio.wait_for(http.post("/v1/files", content=steadily(), headers=FORM_HEADERS), 5)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"ws_max_requests": 0}, "bridge.ws_max_requests"),
+    ({"send_timeout_s": 0.0}, "bridge.send_timeout_s"),
+    ({"ws_idle_s": float("nan")}, "ws_idle_s"),
+])
+def test_the_bridge_limits_are_validated(change: dict[str, object], named: str) -> None:
+    with pytest.raises(SettingsError, match=named):
+        bridge = dataclasses.replace(SETTINGS.bridge, **change)  # type: ignore[arg-type]
+        dataclasses.replace(SETTINGS, bridge=bridge).validate()
