@@ -75,7 +75,7 @@ class CacheSettings:
         thresholds += [(f"cache.tenants.{k}.threshold", v.threshold) for k, v in self.tenants.items() if v.threshold is not None]
         found += [f"{name} must be in (0, 1], got {value}" for name, value in thresholds if not 0 < value <= 1]
         ttls = [("cache.ttl_s", self.ttl_s)] + [(f"cache.models.{k}.ttl_s", v.ttl_s) for k, v in self.models.items() if v.ttl_s is not None]
-        found += [f"{name} must be positive, got {value}" for name, value in ttls if value <= 0]
+        found += [f"{name} must be positive, got {value}" for name, value in ttls if not value > 0]  # NaN too
         if min(self.max_entry_bytes, self.max_entries_per_tenant, self.max_index_bytes) < 1:
             found.append("cache.max_entry_bytes, cache.max_entries_per_tenant and cache.max_index_bytes must be at least 1")
         return found

@@ -155,8 +155,10 @@ class GatewaySettings:
             found.append("gateway.kafka.cafile is for protocol = \"SASL_SSL\" only")
         elif self.kafka.cafile and not Path(self.kafka.cafile).is_file():  # else every Kafka client fails to start
             found.append(f"gateway.kafka.cafile: no such file {self.kafka.cafile!r}")
-        if self.window_s <= 0 or self.chars_per_token < 1 or self.redis_timeout_s <= 0:
+        if not (self.window_s > 0 and self.chars_per_token >= 1 and self.redis_timeout_s > 0):  # NaN fails too
             found.append("gateway: window_s, chars_per_token and redis_timeout_s must be positive")
+        if not 0 <= self.key_cache_s <= 3600:  # inf: a revoked key would work for ever in every ingest that saw it
+            found.append(f"gateway.key_cache_s must be 0 to 3600 seconds, got {self.key_cache_s}")
         if not 0 <= self.rotate_overlap_s < MAX_ROTATE_OVERLAP_S:  # NaN and inf fail too
             found.append(f"gateway.rotate_overlap_s must be 0 or more seconds, under {MAX_ROTATE_OVERLAP_S:.0f} (366 days), "
                          f"got {self.rotate_overlap_s}")

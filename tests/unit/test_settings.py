@@ -288,3 +288,15 @@ def test_config_check_prints_the_values_the_file_leaves_out(tmp_path: Path, monk
                               "heartbeat_interval_ms": 500, "linger_ms": 0, "lingering_ms": 20}
     assert shown["redis"] == {"url": "redis://u:***@127.0.0.1:1/0", "username": "", "password": ""}
     assert shown["bridge"]["metrics_token"] == "***" and shown["bridge"]["port"] == 8080
+
+
+@pytest.mark.parametrize(("toml", "expected"), [
+    ("[gateway]\nwindow_s = nan\n", "window_s, chars_per_token and redis_timeout_s must be positive"),
+    ("[gateway]\nkey_cache_s = inf\n", "gateway.key_cache_s must be 0 to 3600 seconds, got inf"),
+    ("[gateway]\nkey_cache_s = nan\n", "gateway.key_cache_s must be 0 to 3600 seconds, got nan"),
+    ("[cache]\nttl_s = nan\n", "cache.ttl_s must be positive, got nan"),
+])
+def test_not_a_number_and_infinity_are_refused_where_they_would_disable_a_bound(tmp_path: Path, toml: str, expected: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        load_text(tmp_path, toml)
+    assert expected in str(caught.value)
