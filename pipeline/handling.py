@@ -109,7 +109,10 @@ class Handling:
             message = codec.decode(payload, self.stage.input_type)
         except Exception as exc:  # SchemaError, or anything a hostile payload provokes
             rid, reply = codec.salvage_reply(payload)  # a client's id: a hop's is read from its request
-            address = Address(rid, reply, nonce=_nonce(record)) if rid and reply else None
+            # The refused record names the refusal only where it is the client's request (llm.requests): a
+            # hop re-produced upstream sits at a new offset, and would get a second ending under a new nonce.
+            nonce = _nonce(record) if self._reads_requests else None
+            address = Address(rid, reply, nonce=nonce) if rid and reply else None
             code = ErrorCode.invalid_request if self._reads_requests else ErrorCode.internal
             detail = str(exc) if isinstance(exc, codec.SchemaError) else type(exc).__name__
             await self.dead_letter(record, "SchemaError", detail, address, rid, code)
@@ -161,7 +164,8 @@ class Handling:
             address = address_of(messages[0])
             log.info("stage=%s request=%s handled again message by message (%s: %s)", self.stage.name,
                      address and address.request_id, type(exc).__name__, _reason(exc))
-            await self._forget(messages[0])
+            for message in _one_per_state(messages):  # a group shares a key: refusals under one bare id are
+                await self._forget(message)  # each kept apart (`state_id`), and each must be tried afresh
             if isinstance(exc, INFRA):  # as the one-by-one path waits before it tries a message again
                 await asyncio.sleep(FIRST_BACKOFF_S)
             return False
@@ -510,6 +514,16 @@ def quiet(future: asyncio.Future[Any]) -> None:
 def _waits(out: Out) -> bool:
     """Whether `out` goes only once the outputs before it are acknowledged (see `_send_all`)."""
     return out.after_acks or isinstance(out.value, Done | Failed)
+
+
+def _one_per_state(messages: Sequence[Any]) -> list[Any]:
+    """The first message of each request state (`Address.state_id`) among `messages`, in order."""
+    seen: dict[str, Any] = {}
+    for message in messages:
+        address = address_of(message)
+        if address is not None:
+            seen.setdefault(address.state_id, message)
+    return list(seen.values())
 
 
 def _nonce(record: ConsumerRecord[bytes, bytes] | Handed) -> str | None:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from aiokafka.errors import KafkaConnectionError
 
 from pipeline.guard.config import GuardSettings
 from pipeline.guard.stream_check import Step
@@ -21,6 +22,7 @@ from tests.unit.fakes import HeldAcks, record_of, run_handler
 from tests.unit.gateway.helpers import rig
 from tests.unit.helpers import SETTINGS, node, request
 from topics import codec, registry
+from topics.errors import ErrorCode
 from topics.requests import ChatMessage
 from topics.stream import Failed, StreamEvent
 
@@ -112,3 +114,40 @@ async def test_unreadable_records_naming_one_id_each_get_their_terminal_event() 
     second = await pipeline.replies(2, None, value)
     assert [(f.id, f.code.value) for f in first + second] == [("z", "invalid_request")] * 2
     assert await pipeline.replies(1, None, value) == []
+
+
+class FirstAckRefused(HeldAcks):
+    """The broker refuses the first record it is given (an outage), then takes everything."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sends = 0
+
+    async def send(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
+        ack = await super().send(topic, value, key=key, headers=headers)
+        self.sends += 1
+        if self.sends == 1:
+            ack.set_exception(KafkaConnectionError("broker away"))
+        return ack
+
+
+async def test_a_group_of_refusals_under_one_id_that_fails_gives_each_record_its_ending() -> None:
+    """Records of one key are handled as a group; refusals under one bare id share the key but not their
+    state. A failed group was reset for its first message only, and the second, marked finished in
+    memory, was then dropped on its own try: its client got nothing."""
+    def refused(nonce: str) -> Failed:
+        return Failed(id="x", reply_to=registry.reply_topic("sdk"), code=ErrorCode.rate_limited, message="slow down",
+                      retriable=True, tenant="", model="m", created_at=1.0, nonce=nonce)
+
+    producer = FirstAckRefused()
+    run = Handling(EmitStage(SETTINGS, node("emit").topics, MemoryStateStore()), SETTINGS, producer)  # type: ignore[arg-type]
+    group = [record_of(refused(n), "llm.checked", offset=o, key=b"x") for n, o in (("a", 5), ("b", 6))]
+    task = asyncio.create_task(run.process_group(group, None, None))
+    for _ in range(500):
+        producer.release()
+        if task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert task.result() == ["ok", "ok"]
+    sent = [v for _, values in producer.calls for v in values if b'"kind":"usage' not in v]  # endings, not usage records
+    assert {codec.decode(v, StreamEvent).nonce for v in sent} == {"a", "b"}  # type: ignore[union-attr]
