@@ -28,6 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection
+from typing import BinaryIO
 
 import msgspec
 
@@ -69,6 +70,7 @@ class BatchWorker:
         self._sweep_s = sweep_s
         self._next_sweep = 0.0
         self._driving: dict[str, asyncio.Task[None]] = {}
+        self._sources: dict[str, BinaryIO] = {}  # each driven job's input, open for all its passes (`drive`)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Looks for jobs every `poll_s` until `stop` is set; then lets go of its jobs (they move to
@@ -158,11 +160,26 @@ class BatchWorker:
                 return
 
     async def drive(self, batch_id: str, stop: asyncio.Event) -> None:
-        """One job from its current status to its end (or until `stop`)."""
+        """One job from its current status to its end (or until `stop`). Every pass over the input reads
+        one handle, opened here: a file deleted while the job runs (the API allows it) stays readable to
+        the end, so a job cancelled or expired after that still records its unrun lines."""
         batch = await self.store.get(batch_id)
         if batch is None or batch.status in TERMINAL:
             await self.store.deactivate(batch_id, batch.tenant if batch else None)
             return
+        try:
+            path = self.files.path(self.files.get(batch.tenant, batch.input_file_id))
+            self._sources[batch_id] = await asyncio.to_thread(path.open, "rb")
+        except (NotFound, OSError):
+            pass  # the passes find it gone (InputGone)
+        try:
+            await self._drive(batch, stop)
+        finally:
+            if (source := self._sources.pop(batch_id, None)) is not None:
+                source.close()
+
+    async def _drive(self, first: Batch, stop: asyncio.Event) -> None:
+        batch: Batch | None = first
         if batch.status is Status.validating:
             batch = await self._validate(batch)
         if batch is not None and batch.status is Status.in_progress:
@@ -302,16 +319,16 @@ class BatchWorker:
 
     @contextlib.asynccontextmanager
     async def _input(self, batch: Batch, *, skip: Collection[str] = ()) -> AsyncIterator[InputLines]:
-        """The input file's lines but those keyed in `skip`; InputGone when the file is deleted or unreadable."""
+        """The input file's lines but those keyed in `skip`, from the start of the handle `drive` opened;
+        InputGone when the file could not be opened (deleted before the job was driven, or unreadable)."""
+        source = self._sources.get(batch.id)
+        if source is None:
+            raise InputGone(batch.input_file_id)
         try:
-            path = self.files.path(self.files.get(batch.tenant, batch.input_file_id))
-            source = await asyncio.to_thread(path.open, "rb")
-        except (NotFound, OSError):
+            await asyncio.to_thread(source.seek, 0)
+        except OSError:
             raise InputGone(batch.input_file_id) from None
-        try:
-            yield InputLines(source, batch.endpoint, skip)
-        finally:
-            source.close()
+        yield InputLines(source, batch.endpoint, skip)
 
     def _now(self) -> int:
         return int(self._clock())

@@ -234,6 +234,21 @@ async def test_an_input_file_deleted_under_a_running_job_fails_it(tmp_path: Path
     assert done.status is Status.failed and done.errors[0].code == "invalid_file"
 
 
+async def test_a_job_whose_input_was_deleted_while_it_ran_still_reports_its_unrun_lines(tmp_path: Path) -> None:
+    """The API lets a tenant delete a file a running job reads; the job goes on reading its open handle.
+    Each pass had reopened the file, so a cancel after the delete recorded nothing: ten lines, no outcome."""
+    harness, client, batch, stop, task = await held_mid_job(tmp_path, lines=10, in_flight=2)
+    harness.files.delete(batch.tenant, batch.input_file_id)
+    current = await harness.finished(batch.id)
+    assert await harness.store.update(msgspec.structs.replace(current, status=Status.cancelling, cancelling_at=1),
+                                      {Status.in_progress})
+    await run_until(harness, batch.id, {Status.cancelled})
+    stop.set()
+    await task
+    done = await harness.finished(batch.id)
+    assert len(harness.lines(done.error_file_id)) == 10
+
+
 async def test_a_job_cancelled_before_validation_reports_its_refused_lines_too(tmp_path: Path) -> None:
     harness = Harness(tmp_path)
     batch = await harness.submit(jsonl(["a", "b"]) + b"{oops\n")
