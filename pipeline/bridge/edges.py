@@ -15,7 +15,6 @@ Starlette's TrustedHostMiddleware compares only the host part of the header, so 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import logging
 
@@ -28,6 +27,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 from pipeline.bridge.openai_format import error_body
 from pipeline.gateway.hosts import allowed, parse_entry
+from pipeline.observability.config import bearer_matches
 from topics.errors import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -235,8 +235,7 @@ def metrics_allowed(connection: HTTPConnection, token: str, auth_required: bool)
     """With a metrics token, only a bearer of it; without one, everyone unless auth is required."""
     if not token:
         return not auth_required
-    scheme, _, given = connection.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    return bearer_matches(connection.headers.get("authorization", ""), token)
 
 
 __all__ = [

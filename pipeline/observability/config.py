@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 from dataclasses import dataclass
 
@@ -58,3 +59,10 @@ def loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def bearer_matches(authorization: str, token: str) -> bool:
+    """Whether an Authorization header's value is `Bearer <token>` (scheme in any case; constant-time):
+    the check of /metrics, on the bridge's port and on a worker's."""
+    scheme, _, given = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())

@@ -10,7 +10,6 @@ refuse a non-loopback `metrics_host` without a token."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
@@ -23,6 +22,7 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from pipeline import metrics, tracing
+from pipeline.observability.config import bearer_matches
 from pipeline.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,9 @@ def metrics_endpoint(settings: Settings) -> WSGIServer | None:
 
 
 def _bearer_only(app: WsgiApp, token: str) -> WsgiApp:
-    """`app` for a bearer of `token` only (pipeline.bridge.edges.metrics_allowed's check), 401 for anyone else."""
+    """`app` for a bearer of `token` only (the bridge's /metrics check), 401 for anyone else."""
     def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        scheme, _, given = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
+        if bearer_matches(environ.get("HTTP_AUTHORIZATION", ""), token):
             return app(environ, start_response)
         start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
         return [b"/metrics needs its bearer token\n"]
