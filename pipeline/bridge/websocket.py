@@ -4,7 +4,7 @@ The client sends one JSON chat-completions body per message (ids are ours, not t
 message, in the order they arrive, the bridge answers at once with either
 
     {"type": "start", "id": ..., "model": ...}                the request went into the pipeline
-    {"type": "error", "id": null, "code", "message", "param"} the message was refused as it stands
+    {"type": "error", "id": null, "code", "message", "param", "retriable"}   the message was refused as it stands
 
 so the n-th `start` or refusal belongs to the n-th message. A socket runs at most `bridge.ws_max_requests`
 requests at once (HTTP/2's MAX_CONCURRENT_STREAMS): a message past it is refused with `rate_limited`
@@ -135,12 +135,14 @@ class StreamSession:
             parsed = parse_chat(decode_body(raw))
             self._admission.enter()
         except BridgeError as exc:
-            await self._send({"type": "error", "id": None, "code": exc.code.value, "message": exc.message, "param": exc.param})
+            await self._send({"type": "error", "id": None, "code": exc.code.value, "message": exc.message,
+                              "param": exc.param, "retriable": retriable(exc.code)})
             return
         except Exception:  # a bug in reading one message must not end the others on the socket
             log.exception("a websocket message could not be read")
             await self._send({"type": "error", "id": None, "code": ErrorCode.internal.value,
-                              "message": "the bridge failed on this message", "param": None})
+                              "message": "the bridge failed on this message", "param": None,
+                              "retriable": retriable(ErrorCode.internal)})
             return
         try:
             request = self._prepare(self._client.request(**{**parsed.request_kwargs(), "stream": True}))  # the socket streams

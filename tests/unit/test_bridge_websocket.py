@@ -59,7 +59,7 @@ async def test_a_socket_runs_at_most_ws_max_requests_at_once_and_refuses_the_res
     answers = [await ws.sent() for _ in range(3)]
     assert [a["type"] for a in answers] == ["start", "start", "error"]
     refused = answers[2]
-    assert (refused["id"], refused["code"], refused["param"]) == (None, "rate_limited", None)
+    assert (refused["id"], refused["code"], refused["param"], refused["retriable"]) == (None, "rate_limited", None, True)
     assert "ws_max_requests" in refused["message"]
     await asyncio.sleep(0.05)
     assert len(client.sent) == 2  # the refused one never reached Kafka
