@@ -13,7 +13,8 @@ from typing import Any
 from aiokafka.structs import ConsumerRecord
 
 from pipeline import kafka
-from pipeline.handling import INFRA, MAX_BACKOFF_S, Handling, quiet
+from pipeline.acks import quiet
+from pipeline.handling import INFRA, MAX_BACKOFF_S, Handling
 from topics import codec
 from topics.control import Cancel
 

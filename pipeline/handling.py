@@ -42,7 +42,7 @@ import hashlib
 import logging
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -52,6 +52,7 @@ from aiokafka.structs import ConsumerRecord
 from opentelemetry import trace
 
 from pipeline import metrics, tracing
+from pipeline.acks import acknowledged, after, all_of, on_delivery, quiet, waits
 from pipeline.backoff import Backoff
 from pipeline.errors import InfraUnavailable, RetriableError, StageError, Undeliverable
 from pipeline.producing import Producer
@@ -60,7 +61,6 @@ from pipeline.stage import Address, Ending, Out, Resettable, Stage, address_of
 from topics import codec, dlq, registry
 from topics.errors import ErrorCode
 from topics.requests import Request
-from topics.stream import Done, Failed
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class Handling:
             self._taking -= 1
         metrics.MESSAGES.labels(self.stage.name, outcome).inc()
         metrics.HANDLE_SECONDS.labels(self.stage.name).observe(time.perf_counter() - started)
-        return _acknowledged()
+        return acknowledged()
 
     async def take_group(self, outs: list[Out]) -> asyncio.Future[Any]:
         """Consecutive messages of one request handed over together (to emit: a hit's replay, an
@@ -215,10 +215,10 @@ class Handling:
         if not together:
             for out in outs:
                 await self.take(out)
-            return _acknowledged()
+            return acknowledged()
         metrics.MESSAGES.labels(self.stage.name, "ok").inc(len(outs))
         metrics.HANDLE_SECONDS.labels(self.stage.name).observe(time.perf_counter() - started)
-        return _acknowledged()
+        return acknowledged()
 
     def _taker(self, topic: str) -> Handling | None:
         """The stage of this process that takes `topic`'s messages in hand, unless it is at its bound."""
@@ -311,28 +311,28 @@ class Handling:
 
         async def send(outs: list[Out]) -> None:
             nonlocal last
-            if len(outs) > 1 and acks and any(_waits(out) for out in outs):
-                await _all_of(acks)  # a batch with a terminal event waits too (below)
+            if len(outs) > 1 and acks and any(waits(out) for out in outs):
+                await all_of(acks)  # a batch with a terminal event waits too (below)
             ack = await self._send_together(outs) if len(outs) > 1 else None
             if ack is not None:
                 acks.append(ack)
                 for out in outs:
-                    _on_delivery(ack, out)
+                    on_delivery(ack, out)
                     if out.acked is not None:
-                        last = asyncio.create_task(_after(ack, out.acked, last))
+                        last = asyncio.create_task(after(ack, out.acked, last))
                 return
             for out in outs:  # one at a time, as yielded
-                if _waits(out) and acks:
+                if waits(out) and acks:
                     # A terminal event goes out only once every chunk sent before it is acknowledged,
                     # alone or in a batch with the last chunks: after a broker outage, batches that
                     # expired are refused while later ones are accepted (or the producer is renewed), and
                     # a terminal event sent then would overtake the chunks the retry sends again.
-                    await _all_of(acks)
+                    await all_of(acks)
                 ack = await self.send(out)
                 acks.append(ack)
-                _on_delivery(ack, out)
+                on_delivery(ack, out)
                 if out.acked is not None:
-                    last = asyncio.create_task(_after(ack, out.acked, last))
+                    last = asyncio.create_task(after(ack, out.acked, last))
 
         try:
             async for out in self.stage.handle(message):
@@ -344,7 +344,7 @@ class Handling:
                 await send(held)
             if handed_over is not None and not handed_over.done():
                 handed_over.set_result(None)
-            await _all_of(acks)
+            await all_of(acks)
             if last is not None:
                 await last
         finally:
@@ -363,7 +363,7 @@ class Handling:
         if self.replies is not None and self.replies.take_reply(first.topic, first.value):
             for out in outs[1:]:  # one request's events: its stream is there for all of them
                 self.replies.take_reply(out.topic, out.value)
-            return _acknowledged()
+            return acknowledged()
         if (taker := self._taker(first.topic)) is not None:
             return await taker.take_group(outs) if takes_groups(taker.stage) else None
         items = [(codec.encode(o.value), tracing.publish(o.topic)) for o in outs]
@@ -377,7 +377,7 @@ class Handling:
         if taker is not None:
             return await taker.take(out)
         if self.replies is not None and self.replies.take_reply(out.topic, out.value):
-            return _acknowledged()
+            return acknowledged()
         metrics.PRODUCED.labels(self.stage.name, out.topic).inc()
         return await self._producer.send(out.topic, codec.encode(out.value), key=out.key.encode(), headers=tracing.publish(out.topic))
 
@@ -459,61 +459,10 @@ class Handed:
         return codec.encode(self.out.value)
 
 
-async def _after(ack: asyncio.Future[Any], acked: Callable[[], Awaitable[None]], previous: asyncio.Task[None] | None) -> None:
-    if previous is not None:
-        await previous
-    await ack
-    await acked()
-
-
 def takes_groups(stage: Stage) -> bool:
     """An ordered stage that says so (`groups`: emit) and can forget what it cached (`Resettable`) takes
     consecutive messages of one request together (`Handling.process_group`, `Handling.take_group`)."""
     return stage.ordered and getattr(stage, "groups", False) and isinstance(stage, Resettable)
-
-
-async def _all_of(acks: list[asyncio.Future[Any]]) -> None:
-    """`asyncio.gather(*acks)`, without its trip through the event loop when every acknowledgement is in
-    already (all handed over in memory, or acknowledged while the stage worked): raises the first error."""
-    if all(ack.done() for ack in acks):
-        for ack in acks:
-            ack.result()
-        return
-    await asyncio.gather(*acks)
-
-
-def _acknowledged() -> asyncio.Future[Any]:
-    """What a taker returns for a message it handled in memory: an acknowledgement that is already done."""
-    done = asyncio.get_running_loop().create_future()
-    done.set_result(None)
-    return done
-
-
-def _on_delivery(ack: asyncio.Future[Any], out: Out) -> None:
-    """Calls `out.delivered` once the broker acknowledged `out` (whatever the `acked` before it did),
-    `out.refused` once it failed to."""
-    delivered, refused = out.delivered, out.refused
-    if delivered is None and refused is None:
-        return
-
-    def outcome(ack: asyncio.Future[Any]) -> None:
-        if not ack.cancelled() and ack.exception() is None:
-            if delivered is not None:
-                delivered()
-        elif refused is not None:
-            refused()
-
-    ack.add_done_callback(outcome)
-
-
-def quiet(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-def _waits(out: Out) -> bool:
-    """Whether `out` goes only once the outputs before it are acknowledged (see `_send_all`)."""
-    return out.after_acks or isinstance(out.value, Done | Failed)
 
 
 def _one_per_state(messages: Sequence[Any]) -> list[Any]:
