@@ -3,6 +3,7 @@
     POST /v1/chat/completions   chat; `stream: true` answers with server-sent events (relay.py)
     POST /v1/completions        the same for a plain prompt
     GET  /v1/models             the configured models, in OpenAI's list format
+    GET  /v1/models/{id}        one of them (an id may hold "/"), or 404 `not_found`
     WS   /v1/stream             many chat requests over one socket (websocket.py)
     GET  /healthz, /metrics     liveness, Prometheus text format (/metrics: see edges.metrics_allowed)
 
@@ -42,12 +43,14 @@ from pipeline.bridge.openai_format import (
     BadRequest,
     BridgeError,
     Json,
+    NotFound,
     Parsed,
     PayloadTooLarge,
     RequestTimeout,
     Unauthorized,
     decode_body,
     error_body,
+    model_body,
     models_body,
     parse_chat,
     parse_completion,
@@ -103,6 +106,14 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False,
             await batches.owner(request)
         return JSONResponse(models_body(settings.models))
 
+    async def model(request: HttpRequest) -> Response:
+        if auth_required:  # as the list: what is served is for callers only
+            await batches.owner(request)
+        model_id = request.path_params["model_id"]
+        if model_id not in settings.models:
+            raise NotFound(f"the model `{model_id}` does not exist", "model")
+        return JSONResponse(model_body(model_id))
+
     async def stream(websocket: WebSocket) -> None:
         await websocket.accept()
         try:
@@ -133,6 +144,7 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False,
         Route("/v1/chat/completions", _completions(client, parse_chat, cap, settings, credentials, admission), methods=["POST"]),
         Route("/v1/completions", _completions(client, parse_completion, cap, settings, credentials, admission), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),  # :path, as an id may hold "/"
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         WebSocketRoute("/v1/stream", stream),

@@ -1,11 +1,20 @@
 """OpenAI's JSON and sluice's types, both ways. Pure functions: no I/O, no settings, no clock.
 
 Requests: `parse_chat` and `parse_completion` turn a decoded body into a `Parsed` whose
-`request_kwargs()` go to `Client.request(...)`. Only `model`, `messages` or `prompt`, `n`, `stream`,
-`stream_options` and the sampling fields (`max_tokens` or `max_completion_tokens`, `temperature`,
-`top_p`, `stop`, `seed`) are read; every other field is ignored, so no request field can name a URL or
-a backend. Limits that depend on the deployment (models, `max_tokens` cap, prompt size) are ingest's
-to enforce, so HTTP clients and SDK users get the same answers.
+`request_kwargs()` go to `Client.request(...)`. A body's fields fall in three groups:
+
+- read: `model`, `messages` or `prompt`, `n` (1 only), `stream`, `stream_options` (with `stream: true`
+  only, as OpenAI) and the sampling fields `max_tokens` (or `max_completion_tokens`), `temperature`,
+  `top_p`, `stop`, `seed`. Omitted, `max_tokens` is 128 and `temperature` 0.0 (`topics.requests.Sampling`),
+  not OpenAI's "up to the context" and 1.0: a client that wants those sends them.
+- refused: the fields in `_NO_OP` (tools, structured output, logprobs, penalties, `logit_bias`,
+  completions' `echo`, `suffix`, `best_of`) change the answer and sluice does not do them; a request that
+  sets one to anything but its no-op value is a 400 naming it, not an answer that quietly ignores it.
+- ignored: every other field (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, ...),
+  none of which changes the answer; so no request field can name a URL or a backend either.
+
+Limits that depend on the deployment (models, `max_tokens` cap, prompt size) are ingest's to enforce, so
+HTTP clients and SDK users get the same answers.
 
 Replies: `Reply` holds what every object of one answer shares; `stream_chunk`, `stream_finish`,
 `stream_usage` and `completion` build the OpenAI objects, `error_body` the error object.
@@ -16,6 +25,7 @@ Errors:
     └── BridgeError       answered with an OpenAI error body and `status`
         ├── BadRequest        400: the body is not a request we can run; `param` names the field
         ├── Unauthorized      401: no credential where `gateway.auth_required` (before the body is read)
+        ├── NotFound          404: `GET /v1/models/{id}` names no configured model
         ├── RequestTimeout    408: the body did not arrive within `bridge.body_timeout_s`
         └── PayloadTooLarge   413: the body is over the bridge's size cap, refused unread
 """
@@ -77,6 +87,11 @@ class PayloadTooLarge(BridgeError):
 class Unauthorized(BridgeError):
     status = 401
     code = ErrorCode.unauthorized
+
+
+class NotFound(BridgeError):
+    status = 404
+    code = ErrorCode.not_found
 
 
 class RequestTimeout(BridgeError):
@@ -145,12 +160,63 @@ def _parsed(kind: Kind, body: Json, *, messages: tuple[ChatMessage, ...] = (), p
     n = _optional(body, "n", int)
     if n is not None and n != 1:
         raise BadRequest("only `n` = 1 is supported", "n")
+    _refuse_unsupported(kind, body)
     stream = _optional(body, "stream", bool) or False
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("`stream_options` must be an object", "stream_options")
+    if options is not None and not stream:
+        raise BadRequest("`stream_options` is only allowed with `stream: true`", "stream_options")
     include_usage = _optional(options or {}, "include_usage", bool, "stream_options.include_usage") or False
-    return Parsed(kind, model, _sampling(body), messages, prompt, stream, include_usage and stream)
+    return Parsed(kind, model, _sampling(body), messages, prompt, stream, include_usage)
+
+
+# Fields that change the answer and that sluice does not do, with the values that change nothing (null,
+# like an absent field, always does). Any other value is refused naming the field: an answer that
+# ignored `tools` or `logprobs` would look like a success and be wrong.
+_SHARED_NO_OP: dict[str, tuple[object, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+}
+_NO_OP: dict[Kind, dict[str, tuple[object, ...]]] = {
+    "chat": {
+        **_SHARED_NO_OP,
+        "tools": ([],),
+        "functions": ([],),  # the legacy form of `tools`
+        "tool_choice": ("none", "auto"),
+        "function_call": ("none", "auto"),  # the legacy form of `tool_choice`
+        "response_format": ({"type": "text"},),
+        "logprobs": (False,),
+        "top_logprobs": (0,),
+        "modalities": (["text"],),
+        "audio": (),  # no value but null changes nothing
+        "prediction": (),
+        "reasoning_effort": (),
+        "web_search_options": (),
+    },
+    "completion": {
+        **_SHARED_NO_OP,
+        "echo": (False,),
+        "suffix": ("",),
+        "best_of": (1,),
+        "logprobs": (0, False),  # completions' `logprobs` is a count
+    },
+}
+
+
+def _refuse_unsupported(kind: Kind, body: Json) -> None:
+    for name, no_ops in _NO_OP[kind].items():
+        value = body.get(name)
+        if value is not None and not any(_same(value, no_op) for no_op in no_ops):
+            values = " or ".join(_encoder.encode(no_op).decode() for no_op in no_ops)
+            allowed = f" or send {values}" if values else ""
+            raise BadRequest(f"`{name}` is not supported by sluice; leave it out{allowed}", name)
+
+
+def _same(value: object, no_op: object) -> bool:
+    """Equal as JSON values: `true` is not 1 and `0` is not `false` (Python's == says they are)."""
+    return isinstance(value, bool) is isinstance(no_op, bool) and value == no_op
 
 
 def _sampling(body: Json) -> Sampling:
@@ -314,7 +380,12 @@ def completion(reply: Reply, text: str, finish_reason: str, usage: Usage) -> Jso
 
 def models_body(models: tuple[str, ...]) -> Json:
     """`/v1/models`: OpenAI's list of model objects."""
-    return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "sluice"} for m in models]}
+    return {"object": "list", "data": [model_body(m) for m in models]}
+
+
+def model_body(model: str) -> Json:
+    """One model object: `/v1/models/{id}`, and each item of the list."""
+    return {"id": model, "object": "model", "created": 0, "owned_by": "sluice"}
 
 
 def usage_body(usage: Usage) -> Json:
@@ -352,6 +423,7 @@ __all__ = [
     "DONE_EVENT",
     "BadRequest",
     "BridgeError",
+    "NotFound",
     "Parsed",
     "PayloadTooLarge",
     "RequestTimeout",
@@ -362,6 +434,7 @@ __all__ = [
     "error_body",
     "error_type",
     "failed_error",
+    "model_body",
     "models_body",
     "parse_chat",
     "parse_completion",

@@ -1,13 +1,13 @@
 """What a request is to the cache: whether it may be cached, its exact key, and its semantic context.
 
 The exact key is a digest of everything that changes the answer: the tenant, the model, the canonical
-messages (or prompt), every sampling parameter, and the task (`x-sluice-task`), which routing rules may
-send to other backends. `stream`, `priority`, ids and deadlines are left out, so a streamed hit can
-answer a non-streamed request and a batch line an interactive request's question (a rule that sends the
-batch lane elsewhere still serves the model the client named). The
-semantic context is the same digest without the last user turn's text: a semantic hit must match it
-exactly (same tenant, model, parameters, system prompt and earlier turns) and only the last user
-turn may be a paraphrase.
+messages (or prompt), every field of `Sampling` (the whole struct, not a list of its fields), and the
+task (`x-sluice-task`), which routing rules may send to other backends. `stream`, `priority`, ids and
+deadlines are left out, so a streamed hit can answer a non-streamed request and a batch line an
+interactive request's question (a rule that sends the batch lane elsewhere still serves the model the
+client named). The semantic context is the same digest without the last user turn's text: a semantic
+hit must match it exactly (same tenant, model, parameters, system prompt and earlier turns) and only
+the last user turn may be a paraphrase.
 
 Keys carry no text: `sluice:cache:<tenant digest>:<model digest>:<request digest>` (the prefix lets
 `sluice cache purge` find a tenant's or a model's keys without knowing them).
@@ -39,8 +39,10 @@ def scope(tenant: str, model: str | None = None) -> str:
 
 
 def _parameters(request: Request) -> tuple[object, ...]:
-    s = request.sampling
-    return (s.max_tokens, s.temperature, s.top_p, s.stop, s.seed, request.task)
+    """Every field of `Sampling`, taken whole so that a field added to it later cannot be left out of the
+    keys. The tuple encodes as the hand-written list it replaced did, so existing entries still match;
+    adding (or reordering) a field changes every key once: a one-off flush, never a wrong answer."""
+    return (*msgspec.structs.astuple(request.sampling), request.task)
 
 
 def exact_key(tenant: str, request: Request) -> str:

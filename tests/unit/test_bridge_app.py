@@ -1,8 +1,8 @@
 """The bridge's app on an SDK client whose Kafka is replaced by an in-memory answer: what it refuses
-before anything reaches Kafka (bad bytes, foreign origins and Host headers), the cache directives it
-passes on, what it answers when the broker refuses a request, when a request takes and gives back its
-admission place (`bridge.max_in_flight`), the deadline on a batch upload (`bridge.body_timeout_s`), and
-that the bridge's own limits are validated."""
+before anything reaches Kafka (bad bytes, features it does not do, foreign origins and Host headers),
+`GET /v1/models/{id}`, the cache directives it passes on, what it answers when the broker refuses a
+request, when a request takes and gives back its admission place (`bridge.max_in_flight`), the deadline
+on a batch upload (`bridge.body_timeout_s`), and that the bridge's own limits are validated."""
 
 from __future__ import annotations
 
@@ -84,6 +84,15 @@ def test_a_body_with_bad_utf8_is_a_400_not_a_500(bridge: tuple[TestClient, Answe
     assert client.sent == []
 
 
+def test_a_tool_call_request_is_a_400_naming_tools_not_a_plain_answer(bridge: tuple[TestClient, AnsweringClient]) -> None:
+    http, client = bridge
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    response = http.post("/v1/chat/completions", json={**chat(), "tools": tools})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "tools" and response.json()["error"]["code"] == "invalid_request"
+    assert client.sent == []
+
+
 def test_every_cache_control_line_counts(bridge: tuple[TestClient, AnsweringClient]) -> None:
     http, client = bridge
     headers = [("cache-control", "max-age=0"), ("cache-control", "no-store")]  # a proxy added the second line
@@ -162,6 +171,38 @@ def test_a_bridge_on_every_address_answers_any_host_unless_configured(bridge: tu
     # a page on another origin still may not post, and without a checked Host not even its "own" origin
     headers = {"host": "api.example.com", "origin": "http://api.example.com"}
     assert http.post("/v1/chat/completions", json=chat(), headers=headers).status_code == 403
+
+
+SLASHED = dataclasses.replace(SETTINGS, backends=(*SETTINGS.backends,
+                              dataclasses.replace(SETTINGS.backends[0], name="hub", model="org/model-7b", pool="hub")))
+
+
+@pytest.mark.parametrize("bridge", [SLASHED], indirect=True)
+def test_one_model_is_retrieved_by_its_id_even_one_holding_a_slash(bridge: tuple[TestClient, AnsweringClient]) -> None:
+    http, _ = bridge
+    listed = http.get("/v1/models").json()["data"]
+    for item in listed:  # `client.models.retrieve(id)`: the same object as in the list
+        response = http.get(f"/v1/models/{item['id']}")
+        assert response.status_code == 200 and response.json() == item
+    assert [item["id"] for item in listed] == [MODEL, "org/model-7b"]
+
+
+def test_an_unknown_model_is_an_openai_404(bridge: tuple[TestClient, AnsweringClient]) -> None:
+    http, _ = bridge
+    response = http.get("/v1/models/gpt-4o")
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "not_found" and error["param"] == "model" and error["type"] == "invalid_request_error"
+    assert "gpt-4o" in error["message"]
+
+
+@pytest.mark.parametrize("bridge", [with_gateway(auth_required=True)], indirect=True)
+def test_retrieving_a_model_needs_a_key_where_listing_them_does(bridge: tuple[TestClient, AnsweringClient]) -> None:
+    http, _ = bridge
+    assert http.get("/v1/models").status_code == 401
+    response = http.get(f"/v1/models/{MODEL}")
+    assert response.status_code == 401 and response.json()["error"]["code"] == "unauthorized"
+    assert http.get("/v1/models/gpt-4o").status_code == 401  # not a 404: which models exist is for callers only
 
 
 class HoldingClient(AnsweringClient):

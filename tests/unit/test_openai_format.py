@@ -16,6 +16,7 @@ from pipeline.bridge.openai_format import (
     decode_body,
     error_body,
     failed_error,
+    model_body,
     models_body,
     parse_chat,
     parse_completion,
@@ -81,14 +82,90 @@ def test_developer_role_is_a_system_message() -> None:
 
 
 def test_unknown_fields_are_ignored_including_ones_naming_a_backend() -> None:
-    body = chat(base_url="http://evil.example", api_base="http://x", backend="other", user="u", logprobs=False)
+    body = chat(base_url="http://evil.example", api_base="http://x", backend="other", user="u", metadata={"k": "v"},
+                store=True, service_tier="auto", parallel_tool_calls=False)  # none of them changes the answer
     parsed = parse_chat(body)
     assert "http" not in repr(parsed)
     assert set(parsed.request_kwargs()) == {"model", "messages", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream"}
 
 
-def test_include_usage_counts_only_when_streaming() -> None:
-    assert not parse_chat(chat(stream_options={"include_usage": True})).include_usage
+def test_omitted_max_tokens_and_temperature_are_sluices_defaults_not_openais() -> None:
+    """128 and 0.0 (greedy), where OpenAI's are "up to the context" and 1.0: README's API section says so,
+    and changing them changes every answer a client gets without sending them."""
+    sampling = parse_chat(chat()).sampling
+    assert (sampling.max_tokens, sampling.temperature) == (128, 0.0)
+    assert parse_completion({"model": MODEL, "prompt": "x"}).sampling == sampling
+
+
+def test_stream_options_need_stream_true_and_null_is_no_options() -> None:
+    assert parse_chat(chat(stream=True, stream_options={"include_usage": True})).include_usage
+    assert not parse_chat(chat(stream_options=None)).include_usage
+    for body in (chat(stream_options={"include_usage": True}), chat(stream=False, stream_options={})):
+        with pytest.raises(BadRequest) as caught:
+            parse_chat(body)
+        assert caught.value.param == "stream_options"
+
+
+# Fields that change the answer, which sluice does not do: each refused naming it, not silently ignored.
+REFUSED_CHAT = [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("tool_choice", "required"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("function_call", {"name": "f"}),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}),
+    ("logprobs", True),
+    ("top_logprobs", 2),
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", -1),
+    ("logit_bias", {"50256": -100}),
+    ("modalities", ["text", "audio"]),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("reasoning_effort", "low"),
+    ("web_search_options", {}),
+]
+REFUSED_COMPLETION = [
+    ("echo", True),
+    ("suffix", "the end"),
+    ("best_of", 3),
+    ("best_of", True),  # not 1: a boolean
+    ("logprobs", 5),
+    ("logprobs", True),
+    ("presence_penalty", 1.0),
+    ("frequency_penalty", 0.1),
+    ("logit_bias", {"1": 5}),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), REFUSED_CHAT)
+def test_a_chat_feature_sluice_does_not_do_is_refused_naming_it(name: str, value: object) -> None:
+    with pytest.raises(BadRequest) as caught:
+        parse_chat(chat(**{name: value}))
+    assert caught.value.param == name and caught.value.status == 400
+    assert caught.value.message.startswith(f"`{name}` is not supported by sluice")
+
+
+@pytest.mark.parametrize(("name", "value"), REFUSED_COMPLETION)
+def test_a_completion_feature_sluice_does_not_do_is_refused_naming_it(name: str, value: object) -> None:
+    with pytest.raises(BadRequest) as caught:
+        parse_completion({"model": MODEL, "prompt": "x", name: value})
+    assert caught.value.param == name and caught.value.status == 400
+    assert "not supported by sluice" in caught.value.message
+
+
+def test_their_no_op_values_are_accepted() -> None:
+    no_ops = {"tools": [], "functions": [], "tool_choice": "auto", "function_call": "none",
+              "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
+              "frequency_penalty": 0.0, "logit_bias": {}, "modalities": ["text"]}
+    assert parse_chat(chat(**no_ops)).sampling == Sampling()
+    assert parse_chat(chat(**{k: None for k in no_ops})).sampling == Sampling()  # null: as if absent
+    assert parse_chat(chat(tool_choice="none")).sampling == Sampling()
+    for logprobs in (0, False, None):
+        body = {"model": MODEL, "prompt": "x", "echo": False, "suffix": "", "best_of": 1, "logprobs": logprobs,
+                "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}}
+        assert parse_completion(body).sampling == Sampling()
 
 
 @pytest.mark.parametrize(
@@ -122,6 +199,7 @@ def test_include_usage_counts_only_when_streaming() -> None:
         (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
         (chat(stream="yes"), "stream"),
         (chat(stream_options=True), "stream_options"),
+        (chat(stream_options={"include_usage": True}), "stream_options"),  # without `stream: true`
         (chat(stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage"),
     ],
 )
@@ -211,6 +289,7 @@ def test_text_completion_shapes() -> None:
 
 def test_models_are_an_openai_list() -> None:
     assert models_body((MODEL,)) == {"object": "list", "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "sluice"}]}
+    assert model_body(MODEL) == models_body((MODEL,))["data"][0]
 
 
 @pytest.mark.parametrize(
