@@ -5,7 +5,9 @@
     hand_off(prefilled)       with a KV store: leave the parked sequence's KV there under its handle,
                               for a decode worker in another process
     decode(request, handle)   resume the parked sequence; else import its KV from the store; else
-                              (the handle is gone: expired, evicted, another host) recompute it
+                              (the handle is gone: expired, evicted, another host) recompute it; a
+                              handle naming another request's KV (a stale or forged record) is
+                              neither used nor freed
     generate(request)         prefill then decode, the first token as the first delta
     cancel(request_id)        every sequence of the request stops at once; its stream raises `Cancelled`
 
@@ -174,20 +176,20 @@ class LocalBackend:
 
     async def decode(self, request: GenerationRequest, prefilled: Prefilled) -> AsyncIterator[Delta]:
         if prefilled.finish_reason is not None:
-            self._engine.cancel(prefilled.handle)
+            if self._parked_by(request.request_id, prefilled.handle):
+                self._engine.cancel(prefilled.handle)
             return
-        if request.request_id in self._cancelled:
-            self._engine.cancel(prefilled.handle)
-            self._discard_stored(prefilled.handle)
-            raise Cancelled(f"request {request.request_id} was cancelled")
+        if request.request_id in self._cancelled:  # `cancel` freed what it parked here; the stored KV, not
+            raise Cancelled(f"request {request.request_id} was cancelled")  # known to be its unless imported, waits for its TTL
         ids = (*request.resume_token_ids, prefilled.first_token_id)  # from a Kafka message: an id past the
         if not all(0 <= i < self._vocab_size for i in ids):  # vocabulary would fail the step of every request in it
             raise InvalidRequest("a token id of the handoff is outside the model's vocabulary")
         stream = self._text_stream(request, prefilled)
-        handle, tokens = await self._resume(request, prefilled)
+        handle, tokens, ours = await self._resume(request, prefilled)
         if request.request_id in self._cancelled:  # cancelled while the KV was read and imported
             self._engine.cancel(handle)
-            self._discard_stored(prefilled.handle)
+            if ours:
+                self._discard_stored(prefilled.handle)
             raise Cancelled(f"request {request.request_id} was cancelled")
         self._handles.setdefault(request.request_id, set()).add(handle)
         ended = False  # finished or cancelled: the stored KV is of no further use
@@ -205,26 +207,34 @@ class LocalBackend:
         finally:
             await tokens.aclose()  # frees the sequence when the consumer walked away or a stop string hit
             self._forget(request.request_id, handle)
-            if ended:  # else (a crash, a takeover) a successor may still import it, until its TTL
+            if ended and ours:  # else (a crash, a takeover) a successor may still import it, until its TTL
                 self._discard_stored(prefilled.handle)
 
-    async def _resume(self, request: GenerationRequest, prefilled: Prefilled) -> tuple[str, AsyncIterator[int]]:
+    async def _resume(self, request: GenerationRequest, prefilled: Prefilled) -> tuple[str, AsyncIterator[int], bool]:
         """The token stream after `prefilled`: the sequence parked here, else imported from the KV store,
-        else recomputed from prompt + tokens so far (same seeds, so the same tokens)."""
+        else recomputed from prompt + tokens so far (same seeds, so the same tokens); and whether the KV
+        under `prefilled.handle` is this request's, so that the decode may free it when it ends. A handle
+        off the wire may name another request's KV (a stale or forged record): that is left alone."""
         completion = (*request.resume_token_ids, prefilled.first_token_id)
         prompt_ids = self._prompt_ids(request)
         if self._engine.holds(prefilled.handle, (*prompt_ids, *completion), request.tenant):
             self.handoffs.local += 1
-            return prefilled.handle, self._engine.decode(prefilled.handle)
-        if self._engine.is_parked(prefilled.handle):  # parked here, but not at this point of this request:
-            self._engine.cancel(prefilled.handle)  # a takeover after tokens were sent (it holds the first only)
+            return prefilled.handle, self._engine.decode(prefilled.handle), True
+        ours = self._parked_by(request.request_id, prefilled.handle)
+        if ours:  # parked by this request, but not at this point of it: a takeover after tokens were sent
+            self._engine.cancel(prefilled.handle)  # (it holds the first only)
         engine_request = self._engine_request(request, prompt_ids, completion)
         handle = uuid.uuid4().hex
-        if await self._import(prefilled.handle, engine_request, handle):
+        if await self._import(prefilled.handle, engine_request, handle):  # the import checks prompt, salt, tokens
             self.handoffs.imported += 1
-            return handle, self._engine.decode(handle)
+            return handle, self._engine.decode(handle), True
         self.handoffs.recomputed += 1
-        return handle, self._engine.generate(engine_request, handle=handle)
+        return handle, self._engine.generate(engine_request, handle=handle), ours
+
+    def _parked_by(self, request_id: str, handle: str) -> bool:
+        """Whether `handle` names a sequence that this backend's prefill of `request_id` parked here
+        (prefill minted the handle and registered it under the request id, as `cancel` finds it)."""
+        return handle in self._handles.get(request_id, ()) and self._engine.is_parked(handle)
 
     async def _import(self, stored: str, request: EngineRequest, handle: str) -> bool:
         if self._store is None:

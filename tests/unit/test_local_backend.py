@@ -332,6 +332,41 @@ async def test_stored_kv_of_other_tokens_is_not_used(pair, reference: list[int])
     deltas = await collect(decode_side.decode(POEM, forged))
     assert [mine.first_token_id, *ids_of(deltas)] == reference
     assert decode_side.handoffs == HandoffCounts(recomputed=1)
+    assert store.get(other.handle) is not None  # not freed either: its own decode still imports it
+
+
+@pytest.mark.asyncio
+async def test_a_sequence_of_another_request_parked_here_is_left_alone(pair, reference: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """A record naming the handle of another request's sequence, parked in this process and stored:
+    the decode recomputes, and the other request's decode still finds its sequence and its stored KV."""
+    prefill_side, decode_side, store, _ = pair
+    colours = chat("colours", "Name three colours.", max_tokens=N)
+    other = await decode_side.prefill(colours)
+    assert await decode_side.hand_off(other)
+    mine = await prefill_side.prefill(POEM)
+    prefill_side.kv_store.drop(mine.handle)
+    deltas = await collect(decode_side.decode(POEM, replace(mine, handle=other.handle)))
+    assert [mine.first_token_id, *ids_of(deltas)] == reference
+    assert other.handle in decode_side.kv_store and store.get(other.handle) is not None
+    await collect(decode_side.decode(colours, other))
+    assert decode_side.handoffs == HandoffCounts(published=1, local=1, recomputed=1)
+    assert store.get(other.handle) is None
+
+
+@pytest.mark.asyncio
+async def test_a_takeover_where_prefill_parked_the_sequence_imports_and_frees_it(pair, reference: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """Prefill ran in this process, a decode elsewhere died after k tokens, and its successor runs here:
+    the parked sequence (prompt + first token) is this request's but behind it, so it is dropped and
+    the stored KV imported; both are freed when the stream ends."""
+    _, decode_side, store, _ = pair
+    prefilled = await decode_side.prefill(POEM)
+    assert await decode_side.hand_off(prefilled)
+    k = 6
+    resumed = replace(POEM, resume_token_ids=tuple(reference[: k - 1]), resume_sent_chars=len(detok(decode_side, reference[: k - 1])))
+    deltas = await collect(decode_side.decode(resumed, replace(prefilled, first_token_id=reference[k - 1])))
+    assert ids_of(deltas) == reference[k:]
+    assert decode_side.handoffs == HandoffCounts(published=1, imported=1)
+    assert prefilled.handle not in decode_side.kv_store and store.get(prefilled.handle) is None
 
 
 @pytest.mark.asyncio
