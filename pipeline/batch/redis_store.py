@@ -165,11 +165,13 @@ class RedisJobStore:
             return {k.decode() for k in await self._redis.hkeys(_key(batch_id, "out"))}
 
     async def results(self, batch_id: str) -> list[Recorded]:
-        out: list[Recorded] = []
+        """Every outcome once: HSCAN may return a field twice (when the hash is rehashed between pages),
+        and a line written twice to the output file would be a second answer to one request."""
+        out: dict[bytes, Recorded] = {}
         with _reachable():
-            async for _, value in self._redis.hscan_iter(_key(batch_id, "out"), count=1000):
-                out.append(self._outcome.decode(value))
-        return out
+            async for field, value in self._redis.hscan_iter(_key(batch_id, "out"), count=1000):
+                out[field] = self._outcome.decode(value)
+        return list(out.values())
 
     async def counts(self, batch_id: str) -> Counts:
         with _reachable():

@@ -5,7 +5,7 @@
     workers     active (the ids of unfinished jobs, oldest first), deactivate, lease and release (one worker
                 drives a job at a time)
     progress    record (one line's outcome, once: the first record of a key wins and counts), recorded_keys,
-                results, counts, forget_results (after the output files are written)
+                results, counts, forget_results (once the job has ended, its files written)
 
 The Redis implementation (redis_store.py, Lua in lua/) is the one that runs; this one has the same
 semantics for unit tests and one process. A job's progress is what makes it resumable: a worker that
@@ -64,7 +64,9 @@ class JobStore(Protocol):
 
     async def counts(self, batch_id: str) -> Counts: ...
 
-    async def forget_results(self, batch_id: str) -> None: ...
+    async def forget_results(self, batch_id: str) -> None:
+        """Drops the job's outcomes; called only after the compare-and-set that ended the job, which is what
+        lets a finalizer tell a complete read from one cut short (worker.BatchWorker._finalize)."""
 
     async def aclose(self) -> None: ...
 

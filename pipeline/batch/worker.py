@@ -14,7 +14,8 @@ never its whole file. Every step is driven by what the store holds, never by wha
 so any worker can take a job over at any step: a worker that dies loses its lease after `lease_s` and
 the next one reads the file again and runs only the lines without an outcome (those in flight at the
 crash run again; their first outcome is the one kept). A worker that loses its lease (paused past it) stops feeding;
-the outcomes it still records are first-wins like any other, and finalize writes the same files.
+the outcomes it still records are first-wins like any other, and a finalize it was in writes the same files, or
+none once another worker has ended the job (`_finalize` says why that order keeps every file whole).
 
 Every `sweep_s` a scan also deletes the files past their expiry (files.py), except the inputs of
 unfinished jobs.
@@ -290,7 +291,25 @@ class BatchWorker:
                     await self.store.record(batch.id, item.key, outcome)
 
     async def _finalize(self, batch: Batch) -> None:
+        """Writes the output and error files, then ends the job (compare-and-set on its status).
+
+        Two finalizers can run at once (one paused past its lease, and the worker that took the job over);
+        both write the same file ids, so each must write only from a complete read of the outcomes. Once a
+        job is finalizing (or cancelling, after `_record_unrun`) every line has its outcome and none changes
+        (first-wins). The only thing that removes them is the winner's `forget_results`, which comes after
+        its compare-and-set has ended the job. Hence the order here: read the outcomes, then the status. If
+        the job has not ended at that read, nothing was removed before it: the read was complete, and the
+        files written from it are whole and the same as any other finalizer's (a late rename over the
+        winner's file puts the same bytes there). If it has ended, another finalizer wrote the files and
+        this one may have read a part (the key deleted between two HSCAN pages): it writes nothing. The files
+        are written before the status moves, so a crash at any point leaves the job unfinished (another
+        worker finalizes it again) or finished with its files in place.
+        """
         results = sorted(await self.store.results(batch.id), key=lambda r: r.line)
+        current = await self.store.get(batch.id)
+        if current is None or current.status in TERMINAL:  # another worker finished it: its files stand
+            log.info("batch %s: finalized by another worker meanwhile; its files stand", batch.id)
+            return
         good = [r.text for r in results if r.ok]
         bad = [r.text for r in results if not r.ok]
         output_id = error_id = None

@@ -1,6 +1,7 @@
 """The job lifecycle on the in-memory store: validation errors with line numbers, outputs once per
 custom_id, a job that fails every line says so, resume without re-running finished lines, cancel,
-expiry, bounded admission, bounded jobs and memory per worker, and expired files swept."""
+expiry, bounded admission, bounded jobs and memory per worker, expired files swept, and two finalizers of
+one job at once."""
 
 from __future__ import annotations
 
@@ -138,6 +139,50 @@ async def test_an_outcome_recorded_first_wins_and_a_late_one_after_the_end_is_re
     done = await harness.finished(batch.id)
     out = harness.lines(done.output_file_id)
     assert [o["custom_id"] for o in out] == ["c0", "c1"] and out[0]["from"] == "the worker that was killed"
+
+
+class HeldAfterFirstPage:
+    """The job store as a late finalizer sees it: `results` reads 1000 outcomes at a time, each page what the
+    store holds when it is read (as Redis's HSCAN pages do), and waits for `go_on` before its second page."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.first_page_read, self.go_on = asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def results(self, batch_id: str) -> list[Recorded]:
+        read: list[Recorded] = []
+        while page := (await self._store.results(batch_id))[len(read) : len(read) + 1000]:
+            read += page
+            if not self.first_page_read.is_set():
+                self.first_page_read.set()
+                await self.go_on.wait()
+        return read
+
+
+async def test_a_late_finalizer_never_writes_part_of_the_outcomes_over_a_finished_jobs_file(tmp_path: Path) -> None:
+    """A worker paused past its lease in finalize and the one that took the job over both finalize it: the
+    late one reads its first page of outcomes, the other ends the job (and drops them), then the late one
+    reads on. Before the fix it wrote its 1000 lines over the complete file (tests/integration/
+    test_batch_finalize.py shows the same on Redis)."""
+    harness = Harness(tmp_path)
+    batch = await harness.submit(jsonl(["x"]))
+    for line in range(1, 3001):
+        assert await harness.store.record(batch.id, f"c{line}", Recorded(line, True, json.dumps({"line": line}).encode()))
+    finalizing = msgspec.structs.replace(batch, status=Status.finalizing, total=3000)
+    assert await harness.store.update(finalizing, {Status.validating})
+    late = harness.worker()
+    late.store = held = HeldAfterFirstPage(harness.store)  # type: ignore[assignment]
+    reading = asyncio.create_task(late.drive(batch.id, asyncio.Event()))
+    await asyncio.wait_for(held.first_page_read.wait(), 5)
+    await harness.worker().drive(batch.id, asyncio.Event())  # ends the job and drops its outcomes
+    held.go_on.set()
+    await asyncio.wait_for(reading, 5)
+    done = await harness.finished(batch.id)
+    assert done.status is Status.completed
+    assert [o["line"] for o in harness.lines(done.output_file_id)] == list(range(1, 3001))
 
 
 async def held_mid_job(tmp_path: Path, lines: int, in_flight: int) -> tuple[Harness, FakeCompleter, Any, asyncio.Event, asyncio.Task[None]]:
