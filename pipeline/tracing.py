@@ -1,7 +1,9 @@
 """One trace per request across every Kafka hop: W3C trace context in Kafka headers, the spans the
 runner makes around each record and each produce, and the exporter. Spans carry ids, sizes, offsets and
-outcomes, never prompt text, credentials or a tenant's name; a stage's span ended by an exception has
-status ERROR with the exception's class name, never its message, whichever recorder records it.
+outcomes, never prompt text or credentials. They do name tenants: a stage's `request.id` attribute is the
+pipeline's request id, `<tenant>/<client id>` (docs/operations.md; at ingest, before authentication, the
+client's id alone). A stage's span ended by an exception has status ERROR with the exception's class
+name, never its message, whichever recorder records it.
 
     client (SDK / bridge)   "chat <model>" (CLIENT; under the bridge's SERVER span) -> "send llm.requests" (PRODUCER)
     every stage             "<stage>" (CONSUMER: messaging.* and messaging.kafka.* attributes), whose
@@ -56,6 +58,13 @@ CONSUMER, PRODUCER = trace.SpanKind.CONSUMER, trace.SpanKind.PRODUCER
 # opentelemetry's TraceContextTextMapPropagator matches it (a future version may append fields).
 _TRACEPARENT = re.compile(r"\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?\s*")
 _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
+# A W3C tracestate list member (key "=" value), the grammar opentelemetry's TraceState parser checks; sluice
+# checks it first, because that parser logs each member it refuses, text and all, at WARNING: a member
+# with a newline in it would forge a log line. A header with a member outside it, or with more than 32
+# members, is dropped without a word (the parser would drop it too).
+_TRACESTATE_MEMBER = re.compile(r"(?:[a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+                                r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]")
+_TRACESTATE_MEMBERS = 32
 _options = {"producer_spans": False}  # set once by install(), like the tracer provider itself
 
 
@@ -108,7 +117,8 @@ def extract(headers: Iterable[Any] | None) -> context.Context:
     TraceContextTextMapPropagator reads them, without its per-call carrier and getter). Never raises:
     headers come from any producer, and a trace link is advisory, so a header that is not a (str, bytes)
     pair, a value that is not ASCII or is longer than `MAX_HEADER_BYTES`, or a value the format refuses,
-    only costs the link (the span starts a new trace)."""
+    only costs the link (the span starts a new trace). A `tracestate` outside W3C's grammar is dropped
+    before opentelemetry's parser sees it (that parser logs what it refuses): the link stays, without it."""
     parent = state = None
     try:
         for item in headers or ():
@@ -129,10 +139,18 @@ def extract(headers: Iterable[Any] | None) -> context.Context:
         if version == "ff" or (version == "00" and rest) or trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
             return context.get_current()
         span_context = trace.SpanContext(int(trace_id, 16), int(span_id, 16), True, trace.TraceFlags(int(flags, 16)),
-                                         TraceState.from_header([state]) if state is not None else None)
+                                         _trace_state(state) if state is not None else None)
         return trace.set_span_in_context(trace.NonRecordingSpan(span_context), context.get_current())
     except Exception:  # a headers object that fails to iterate, a tracestate the parser refuses: no link
         return context.get_current()
+
+
+def _trace_state(header: str) -> TraceState | None:
+    """The TraceState `header` holds, or None (an empty one) if any member breaks W3C's grammar."""
+    members = [member for member in (item.strip(" \t") for item in header.split(",")) if member]  # as the parser splits
+    if len(members) > _TRACESTATE_MEMBERS or not all(_TRACESTATE_MEMBER.fullmatch(member) for member in members):
+        return None
+    return TraceState.from_header([header])
 
 
 def inject(ctx: context.Context | None = None) -> list[tuple[str, bytes]]:

@@ -30,11 +30,11 @@ class RequestWatch:
     def __init__(self, request: Request, models: Collection[str] = ()) -> None:
         """`models`: the configured ones. Any other name (the bridge passes on what the client sent, and
         ingest refuses it later) is labelled "other": a client could otherwise mint metric series and
-        span names without end, one per made-up model."""
+        span names without end, one per made-up model, and the span would carry text of its choosing."""
         self.model = request.model if request.model in models else OTHER
         self.span = tracing.tracer.start_span(f"chat {self.model}", kind=trace.SpanKind.CLIENT, attributes={
             "gen_ai.operation.name": "chat",
-            "gen_ai.request.model": request.model,
+            "gen_ai.request.model": self.model,  # as the metrics label it: no client-chosen name
             "gen_ai.request.max_tokens": request.sampling.max_tokens,
             "sluice.client.request_id": request.id,  # the client's random id; the pipeline's is <tenant>/<id>
             "sluice.request.messages": len(request.messages),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -51,6 +52,28 @@ def test_ignores_a_header_it_cannot_use(header: tuple[Any, Any]) -> None:
 )
 def test_a_bad_tracestate_leaves_the_traceparent_usable(tracestate: Any) -> None:
     assert _trace_id([("traceparent", TRACEPARENT), ("tracestate", tracestate)]) == TRACE_ID
+
+
+@pytest.mark.parametrize(
+    "tracestate",
+    [b"x\nFORGED", b"ok=1,x\nFORGED=2", b"a=FORGED\r\nb=c", b"k=v\n2025-01-01 ERROR FORGED", b"A=FORGED",
+     b",".join(b"k%d=FORGED" % n for n in range(33))],
+    ids=["newline", "second-member", "crlf", "forged-line", "upper-key", "33-members"],
+)
+def test_a_bad_tracestate_is_dropped_without_logging_it(tracestate: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    # opentelemetry's parser logs each member it refuses, newline and all: a producer could forge log lines
+    caplog.set_level(logging.DEBUG)
+    span_context = trace.get_current_span(tracing.extract([("traceparent", TRACEPARENT), ("tracestate", tracestate)]))
+    assert span_context.get_span_context().trace_id == TRACE_ID
+    assert len(span_context.get_span_context().trace_state) == 0
+    assert not [r for r in caplog.records if "FORGED" in r.getMessage()]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_tracestate_of_32_members_is_kept() -> None:
+    state = b",".join(b"k%d=v" % n for n in range(32))
+    headers = [("traceparent", TRACEPARENT), ("tracestate", state)]
+    assert len(trace.get_current_span(tracing.extract(headers)).get_span_context().trace_state) == 32
 
 
 @pytest.mark.parametrize(

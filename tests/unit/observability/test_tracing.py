@@ -123,3 +123,17 @@ def test_waterfall_of_the_last_finished_trace(exporter: InMemorySpanExporter) ->
     assert waterfall is not None and waterfall["root"] == "chat m" and root.get_span_context().is_valid
     assert [s["stage"] for s in waterfall["stages"]] == ["ingest", "guard"]
     assert all(0 <= s["start_ms"] <= s["end_ms"] <= waterfall["total_ms"] for s in waterfall["stages"])
+
+
+def test_a_client_span_names_a_configured_model_or_other(exporter: InMemorySpanExporter) -> None:
+    from pipeline.observability.watch import RequestWatch
+    from tests.unit.helpers import request
+
+    exporter.clear()
+    made_up = "sk-sluice-SECRET patient has HIV"  # a model name is the client's text, up to 256 characters
+    for rid, model in (("w1", made_up), ("w2", "smollm2-135m-instruct")):
+        RequestWatch(request(rid, model=model), models=("smollm2-135m-instruct",)).finish(None)
+    spans = {span.attributes["sluice.client.request_id"]: span for span in exporter.get_finished_spans()}
+    assert (spans["w1"].name, spans["w1"].attributes["gen_ai.request.model"]) == ("chat other", "other")
+    assert spans["w2"].attributes["gen_ai.request.model"] == "smollm2-135m-instruct"
+    assert made_up.encode() not in encode_spans([spans["w1"]]).SerializeToString()
