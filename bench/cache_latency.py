@@ -47,6 +47,7 @@ from pipeline import assemble, kafka
 from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
 from pipeline.bridge import serve
+from pipeline.cache import keys
 from pipeline.cache.index import from_vector
 from pipeline.cache.traps import salient
 from pipeline.guard.embedder import DIMS
@@ -79,7 +80,7 @@ async def fill(settings: Settings, tenant: str, model: str, n: int) -> None:
     try:
         for i, vector in enumerate(vectors):
             last = i == n - 1
-            entry = Entry(key=f"bench/{i}", tenant=tenant, model=model, context=f"filler-{i % 50}", chunks=("x",),
+            entry = Entry(key=f"{keys.scope(tenant, model)}bench-{i}", tenant=tenant, model=model, context=f"filler-{i % 50}", chunks=("x",),
                           finish_reason="stop", prompt_tokens=1, completion_tokens=1, stored_at=now, expires_at=now + 3600,
                           vector=from_vector(vector), salient=summary)
             if last:

@@ -18,7 +18,11 @@ The topics a stage hears besides its input (control, table, reports) are followe
 A terminal event built here for a request not yet authenticated (a `Request`, or a record whose id was
 salvaged) is under the client's bare id, and names the record it refuses (`Failed.nonce`): emit keeps one
 ending per refused record, not per id (`stage.state_id`). Where the stage is emit (`stage.Ending`), a
-terminal event sent here straight to the reply topic is told to it (`note_ended`), so it sends no other.
+terminal event sent here straight to the reply topic is told to it (`note_ended`), so it sends no other;
+and none is sent here once it has put the request's own on the reply topic (`has_ended`): a bug met after
+that (emit stores the answer in the cache after its `Done`) is dead-lettered without a second, contradictory
+ending. So that emit knows, a handler that fails after a terminal event went out (not for an outage) waits
+for that event's acknowledgement first (`_send_all`).
 
 Handover (`runtime.handover`, on by default): an output for the input topic of a request-part stage
 (guard, cache, route: no per-request state in memory, no order to keep) that runs in the same process
@@ -61,6 +65,7 @@ from pipeline.stage import Address, Ending, Out, Resettable, Stage, address_of
 from topics import codec, dlq, registry
 from topics.errors import ErrorCode
 from topics.requests import Request
+from topics.stream import Done, Failed
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +311,7 @@ class Handling:
         `earlier`: outputs of the records before this one in its group (`process_group`), held as if
         marked `with_next`."""
         acks: list[asyncio.Future[Any]] = []
+        endings: list[asyncio.Future[Any]] = []  # the acknowledgements of terminal events sent
         last: asyncio.Task[None] | None = None
         held: list[Out] = list(earlier or ())
 
@@ -316,6 +322,8 @@ class Handling:
             ack = await self._send_together(outs) if len(outs) > 1 else None
             if ack is not None:
                 acks.append(ack)
+                if any(isinstance(out.value, Done | Failed) for out in outs):
+                    endings.append(ack)
                 for out in outs:
                     on_delivery(ack, out)
                     if out.acked is not None:
@@ -330,6 +338,8 @@ class Handling:
                     await all_of(acks)
                 ack = await self.send(out)
                 acks.append(ack)
+                if isinstance(out.value, Done | Failed):
+                    endings.append(ack)
                 on_delivery(ack, out)
                 if out.acked is not None:
                     last = asyncio.create_task(after(ack, out.acked, last))
@@ -347,6 +357,14 @@ class Handling:
             await all_of(acks)
             if last is not None:
                 await last
+        except Exception as exc:
+            outage = isinstance(exc, INFRA) and not isinstance(exc, TOO_LARGE)
+            if endings and isinstance(self.stage, Ending) and not outage:
+                # A failure after the request's ending went out: once the broker has it, the stage knows
+                # (`has_ended`, through `delivered`), and the runner sends no second one (`terminal`). Not
+                # in an outage, where the acknowledgement may take the producer's whole timeout.
+                await asyncio.wait(endings)
+            raise
         finally:
             for ack in acks:  # on an early exit nobody awaits them: retrieve their errors quietly
                 ack.add_done_callback(quiet)
@@ -404,6 +422,10 @@ class Handling:
         topic = self.stage.topics.stream or address.reply_to
         if topic == address.reply_to and topic not in self.settings.reply_topics:
             log.warning("stage=%s request=%s names an unconfigured reply topic", self.stage.name, address.request_id)
+            return
+        if topic == address.reply_to and isinstance(self.stage, Ending) and self.stage.has_ended(address.state_id):
+            log.warning("stage=%s request=%s has its ending already: no %s ending after it", self.stage.name,
+                        address.request_id, code.value)
             return
         try:
             await self._send_surely(Out(topic, address.request_id, address.failed(code, message, **extra)))

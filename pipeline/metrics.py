@@ -151,7 +151,7 @@ CACHE_LOOKUPS = Counter(
     "semantic candidate refused by the trap check)",
     ["result"],
 )
-CACHE_DEGRADED = Counter("sluice_cache_degraded_total", "Exact-tier operations skipped because Redis was away", ["operation"])
+CACHE_DEGRADED = Counter("sluice_cache_degraded_total", "Exact-tier operations skipped because Redis was away or refused them", ["operation"])
 CACHE_ENTRIES = Gauge("sluice_cache_entries", "Entries in this worker's semantic index, over all tenants")
 DEPENDENCY_UP = Gauge(
     "sluice_dependency_up", "Whether this process reached a dependency at its last probe (1) or not (0)", ["dependency"],

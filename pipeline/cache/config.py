@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 DEFAULT_THRESHOLD = 0.82  # picked on the validation half of fow-cache's pairs (docs/caching.md, bench/cache_pairs.py)
+# The longest an answer may be kept: the retention of `llm.cache.entries` (topics/registry.py), which the
+# semantic tier is rebuilt from, so an entry never outlives its record. Also what emit stores under at most
+# (a ticket's TTL is checked against it) and Redis is asked to keep a key for.
+MAX_TTL_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,8 @@ class CacheSettings:
         thresholds += [(f"cache.tenants.{k}.threshold", v.threshold) for k, v in self.tenants.items() if v.threshold is not None]
         found += [f"{name} must be in (0, 1], got {value}" for name, value in thresholds if not 0 < value <= 1]
         ttls = [("cache.ttl_s", self.ttl_s)] + [(f"cache.models.{k}.ttl_s", v.ttl_s) for k, v in self.models.items() if v.ttl_s is not None]
-        found += [f"{name} must be positive, got {value}" for name, value in ttls if not value > 0]  # NaN too
+        found += [f"{name} must be positive and at most {MAX_TTL_S:g} s (7 days: llm.cache.entries' retention), "
+                  f"got {value}" for name, value in ttls if not 0 < value <= MAX_TTL_S]  # NaN and inf too
         if min(self.max_entry_bytes, self.max_entries_per_tenant, self.max_index_bytes) < 1:
             found.append("cache.max_entry_bytes, cache.max_entries_per_tenant and cache.max_index_bytes must be at least 1")
         return found

@@ -1,8 +1,11 @@
 """The exact tier: an answer per exact key (pipeline.cache.keys), in Redis, each with its TTL.
 
-Every key expires (Redis' `volatile-*` eviction may drop any of them first). A cache that cannot reach
-Redis answers nothing and stores nothing: a miss costs a generation, never a wrong or a late answer,
-so `get` and `put` never raise for Redis being away (they count it in a metric and log a warning).
+Every key expires (Redis' `volatile-*` eviction may drop any of them first), within `config.MAX_TTL_S`.
+A cache that cannot reach Redis, or that Redis refuses (an error reply: READONLY after a failover, OOM,
+NOPERM), answers nothing and stores nothing: a miss costs a generation, never a wrong or a late answer,
+so `get` and `put` never raise for Redis (they count it in a metric and log a warning). A refusal that
+escaped `put` once reached the client as a second terminal event after its answer (emit stores after it
+sent the `Done`; docs/reliability.md).
 `MemoryExactTier` is the same for one process (unit tests, the embedded demo without Redis).
 """
 
@@ -15,13 +18,15 @@ from typing import Protocol
 
 import msgspec
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from pipeline import metrics
+from pipeline.cache.config import MAX_TTL_S
 from pipeline.redis_lean import LeanRedis
-from pipeline.state.redis_store import DOWN
 from topics.cache import Entry
 
 log = logging.getLogger(__name__)
+AWAY = (RedisError, OSError)  # away (state.redis_store.DOWN) or refusing: either way the cache misses
 _decoder = msgspec.msgpack.Decoder(Entry)
 
 
@@ -47,7 +52,7 @@ class RedisExactTier:
     async def get(self, key: str) -> Entry | None:
         try:
             raw = await self._redis.get(key)
-        except DOWN as exc:
+        except AWAY as exc:
             _away("get", exc)
             return None
         if raw is None:
@@ -60,12 +65,14 @@ class RedisExactTier:
         return entry if entry.expires_at > time.time() else None
 
     async def put(self, entry: Entry) -> None:
-        ttl_ms = int((entry.expires_at - time.time()) * 1000)
-        if ttl_ms <= 0:
+        """Stores `entry` until it expires; nothing when it has, or when it would outlive MAX_TTL_S (an
+        expiry Redis refuses, or infinite, or not a number)."""
+        ttl_s = entry.expires_at - time.time()
+        if not 0 < ttl_s <= MAX_TTL_S:
             return
         try:
-            await self._redis.set(entry.key, _stored(entry), px=ttl_ms)
-        except DOWN as exc:
+            await self._redis.set(entry.key, _stored(entry), px=max(int(ttl_s * 1000), 1))
+        except AWAY as exc:
             _away("put", exc)
 
     async def purge(self, prefix: str) -> int:
@@ -111,4 +118,4 @@ class MemoryExactTier:
 
 def _away(operation: str, exc: BaseException) -> None:
     metrics.CACHE_DEGRADED.labels(operation).inc()
-    log.warning("cache: exact tier %s skipped, Redis unavailable (%s)", operation, type(exc).__name__)
+    log.warning("cache: exact tier %s skipped, Redis unavailable or refusing (%s)", operation, type(exc).__name__)

@@ -12,6 +12,12 @@ come from JWT claims: an entry already expired is never added; expired entries a
 expiry first, a few per `apply` and per `search` (a lookup's cost stays one vector search); and past
 `max_per_tenant` entries in a tenant, or `max_bytes` (an estimate: `footprint`) over every tenant, the
 oldest entries go. A tenant left with no entry is dropped with its index.
+
+What the topic says is checked, since anyone who may write it could put anything there: an entry whose
+key is not in its own tenant and model's scope (`keys.scope`), or that would live past MAX_TTL_S, is not
+added. A purge counts from its `at` or from now, whichever is earlier (one dated in the future turned a
+tenant's semantic cache off until a restart), and its mark is kept only MAX_TTL_S: whatever was stored
+before the mark has expired by then, so the marks stay as few as the purges of the last 7 days.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import numpy as np
 from usearch.index import Index
 
 from pipeline import metrics
+from pipeline.cache.config import MAX_TTL_S
+from pipeline.cache.keys import scope
 from pipeline.cache.traps import Salient, conflicts
 from pipeline.guard.embedder import DIMS
 from topics.cache import Entry, Purge
@@ -51,6 +59,14 @@ def _readable(entry: Entry) -> bool:
     except msgspec.DecodeError:
         return False
     return bool(np.isfinite(to_vector(entry.vector)).all())
+
+
+def _valid(entry: Entry) -> bool:
+    """Whether the entry is what emit stores: a key in its own tenant and model's scope (not another
+    tenant's, not an arbitrary string) and a lifetime within MAX_TTL_S (which purge marks rely on; a second
+    more for the rounding of `stored_at + ttl_s`)."""
+    lifetime = entry.expires_at - entry.stored_at
+    return entry.key.startswith(scope(entry.tenant, entry.model)) and lifetime <= MAX_TTL_S + 1.0
 
 
 def footprint(entry: Entry) -> int:
@@ -108,8 +124,8 @@ class SemanticIndex:
         now = self._clock()
         self._sweep(now)
         if isinstance(record, Purge):
-            self._purge(record)
-        elif record.expires_at > now and _readable(record) and not self._was_purged(record):
+            self._purge(record, now)
+        elif record.expires_at > now and _valid(record) and _readable(record) and not self._was_purged(record):
             self._add(record)
 
     def search(self, tenant: str, model: str, context: str, vector: np.ndarray, salient: Salient, threshold: float) -> Found | None:
@@ -180,12 +196,16 @@ class SemanticIndex:
         at = max(self._purged.get((entry.tenant, None), 0.0), self._purged.get((entry.tenant, entry.model), 0.0))
         return entry.stored_at <= at
 
-    def _purge(self, purge: Purge) -> None:
-        scope = (purge.tenant, purge.model)
-        self._purged[scope] = max(self._purged.get(scope, 0.0), purge.at)
+    def _purge(self, purge: Purge, now: float) -> None:
+        at = min(purge.at, now)  # one dated in the future refused every entry of its scope until a restart
+        horizon = now - MAX_TTL_S  # whatever was stored before a mark this old has expired: the mark can go
+        self._purged = {s: t for s, t in self._purged.items() if t > horizon}
+        if at > horizon:
+            marked = (purge.tenant, purge.model)
+            self._purged[marked] = max(self._purged.get(marked, 0.0), at)
         index = self._tenants.get(purge.tenant)
         if index is None:
             return
-        doomed = [i for i, e in index.entries.items() if e.stored_at <= purge.at and purge.model in (None, e.model)]
+        doomed = [i for i, e in index.entries.items() if e.stored_at <= at and purge.model in (None, e.model)]
         for ident in doomed:
             self._drop(ident)

@@ -10,12 +10,15 @@ worker's per-tenant index, fed by the runner with every record of `llm.cache.ent
 
 Not cached: tenants or models the config turns off, temperature > 0 without a seed (unless the tenant
 opts in), `no_cache` requests are not answered from it and `no_store` ones not stored. Redis away: the
-exact tier answers nothing (a miss), never an error.
+exact tier answers nothing (a miss), never an error. An entry of another tenant or model than the
+request's is never served, whichever tier finds it (the keys and the per-tenant index make that
+impossible; this is the second lock, since what emit stores comes off a topic).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -33,6 +36,8 @@ from pipeline.topology import Topics
 from topics.cache import CacheTier, Entry, Purge, TableRecord, Ticket
 from topics.hops import Admitted
 from topics.stream import FinishReason, Usage, digest_of
+
+log = logging.getLogger(__name__)
 
 # The embedder reads the first 256 tokens: two longer questions that differ after them would look the
 # same, so they are cached by their exact key only (this bound is the cheap first test; a text of fewer
@@ -75,7 +80,8 @@ class CacheStage:
             yield self._miss(message, None, clock)
             return
         key = keys.exact_key(message.tenant, request)
-        if not request.no_cache and (entry := await self._exact.get(key)) is not None:
+        entry = None if request.no_cache else await self._exact.get(key)
+        if entry is not None and _ours(entry, message.tenant, request.model):
             metrics.CACHE_LOOKUPS.labels("hit_exact").inc()
             for out in self._replay(message, entry, CacheTier.exact, clock):
                 yield out
@@ -84,7 +90,8 @@ class CacheStage:
         if question is not None and not request.no_cache:
             vector, marks = question
             context = keys.context(message.tenant, request)
-            if (found := self.index.search(message.tenant, request.model, context, vector, marks, policy.threshold)) is not None:
+            found = self.index.search(message.tenant, request.model, context, vector, marks, policy.threshold)
+            if found is not None and _ours(found.entry, message.tenant, request.model):
                 metrics.CACHE_LOOKUPS.labels("hit_semantic").inc()
                 for out in self._replay(message, found.entry, CacheTier.semantic, clock):
                     yield out
@@ -123,3 +130,11 @@ class CacheStage:
         )
         outs.append(Out(stream, message.id, msgspec.structs.replace(done, cache=tier, ticket=None)))
         return outs
+
+
+def _ours(entry: Entry, tenant: str, model: str) -> bool:
+    """Whether `entry` is the request's tenant's, for its model: one that is not is never served."""
+    if entry.tenant == tenant and entry.model == model:
+        return True
+    log.warning("cache: an entry of another tenant or model was found for a request and ignored")
+    return False

@@ -22,12 +22,18 @@ A finished answer (`Done`, stop or length, every chunk seen by this worker from 
 request carries a cache ticket is stored: in the exact tier (Redis) and, when the request had a semantic
 tier (its ticket carries an embedding), as an entry on `llm.cache.entries` for every cache worker's
 semantic index. Errors, cancellations, `content_filter` endings, answers over `cache.max_entry_bytes`
-and streams this worker took over midway are not.
+and streams this worker took over midway are not. Nor is an answer whose ticket is not the request's own
+to write (`_may_store`): `Ticket.key` comes off a topic, and was written to Redis as it came, so a crafted
+or buggy `Done` could set any key (a spend counter, an API key record) or plant an answer in another
+tenant's cache; a key must lie in the request's tenant and model scope (`keys.scope`) and its TTL within
+`cache.config.MAX_TTL_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -36,6 +42,8 @@ from typing import Protocol
 
 import msgspec
 
+from pipeline.cache import keys
+from pipeline.cache.config import MAX_TTL_S
 from pipeline.cache.exact import ExactTier
 from pipeline.errors import InfraUnavailable, Undeliverable
 from pipeline.observability import costs
@@ -50,6 +58,8 @@ from topics.errors import ErrorCode
 from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, StreamEvent, Usage, digest_step
 from topics.usage import UsageRecord
 
+log = logging.getLogger(__name__)
+
 # requests in flight whose progress this worker keeps in memory (the store has all of them); a request
 # leaves as soon as its terminal event and every chunk before it are recorded (`_retire`)
 _CACHED = 50_000
@@ -58,6 +68,10 @@ _CACHED = 50_000
 # after this one's partition was reassigned, which needs seconds of silence from it (a pause, a stall):
 # any such stall shows in the elapsed time, and then the check is made.
 OWNERSHIP_FRESH_S = 0.005
+# Requests retired with their terminal event recorded (`_retire`), still known to have ended (`has_ended`):
+# the runner asks about one whose message failed just after its ending, or met an outage past its deadline.
+# Fewer than `_CACHED`: an id is all each one keeps, and the question comes within the request's deadline.
+_ENDED = 10_000
 ACK_ORDER_WAIT_S = 40.0  # how long a chunk's record waits for the one before it: longer than the producer's
 # request timeout (30 s), by which the earlier chunk's produce has gone through or failed (and been reset)
 
@@ -142,6 +156,7 @@ class EmitStage:
         # failed): the retried message records it instead of sending it again. What the broker has is not
         # undone by a reset, so this outlives resets; bounded like `_sent`.
         self._delivered: OrderedDict[str, None] = OrderedDict()
+        self._retired: OrderedDict[str, None] = OrderedDict()  # see _ENDED
         self._owner = f"{name}:{uuid.uuid4().hex[:12]}"
         self._clock = clock  # monotonic: how long ago ownership was confirmed
 
@@ -217,7 +232,8 @@ class EmitStage:
             await self._meter.finish(self._billed(terminal))
         texts, sent.texts = sent.texts, None
         ticket = message.ticket if isinstance(message, Done) else None
-        if isinstance(terminal, Done) and ticket is not None and texts is not None and self.topics.table:
+        if (isinstance(terminal, Done) and ticket is not None and texts is not None and self.topics.table
+                and self._may_store(terminal, ticket)):
             entry = self._entry(terminal, ticket, texts)
             if self._answers is not None:
                 await self._answers.put(entry)
@@ -247,6 +263,16 @@ class EmitStage:
             sent.texts = None
         else:
             sent.texts.append(text)
+
+    @staticmethod
+    def _may_store(done: Done, ticket: Ticket) -> bool:
+        """Whether the ticket is the request's own: its key in the tenant and model's scope, its TTL in
+        (0, MAX_TTL_S]. Logged, the key as a digest only, when it is not (a bug, or a forged `Done`)."""
+        if ticket.key.startswith(keys.scope(done.tenant, done.model)) and 0 < ticket.ttl_s <= MAX_TTL_S:
+            return True
+        log.warning("cache: request %s not stored: its ticket (key %s, ttl_s %s) is not its tenant and model's",
+                    done.id, hashlib.sha256(ticket.key.encode()).hexdigest()[:12], ticket.ttl_s)
+        return False
 
     def _entry(self, done: Done, ticket: Ticket, texts: list[str]) -> Entry:
         now = time.time()
@@ -409,7 +435,7 @@ class EmitStage:
         """Whether this worker knows the request's terminal event is on the reply topic (`stage.Ending`):
         the broker acknowledged it, recorded or not yet."""
         sent = self._sent.get(state_id)
-        return state_id in self._delivered or (sent is not None and sent.ended)
+        return state_id in self._delivered or state_id in self._retired or (sent is not None and sent.ended)
 
     def note_ended(self, state_id: str) -> None:
         """The runner put the request's terminal event on the reply topic itself (`stage.Ending`: one of
@@ -429,9 +455,12 @@ class EmitStage:
         a late redelivery as well (its terminal event is not sent twice, a recorded chunk is not repeated).
         Kept until then, finished requests stayed until 50,000 more had passed, each with its lock, event
         and sequencer: 1.6 KB and five objects for the garbage collector per request, 80 MB at the bound
-        (seen growing in a long benchmark run)."""
+        (seen growing in a long benchmark run). Its id stays a while in `_retired` (`has_ended`)."""
         if sent.ended and sent.stored >= sent.order.next_seq and self._sent.get(rid) is sent:
             del self._sent[rid]
+            self._retired[rid] = None  # still ended: `has_ended` says so, not only while in `_sent`
+            if len(self._retired) > _ENDED:
+                self._retired.popitem(last=False)
 
 
 _HELD = "held:"  # field prefix of a chunk held behind a gap: "held:<seq>" -> the encoded chunk

@@ -5,6 +5,7 @@ The exact tier is the in-memory one; the semantic tier uses the real MiniLM embe
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgspec
 import pytest
@@ -12,22 +13,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.cache import keys
-from pipeline.cache.config import CacheSettings, TenantCache
+from pipeline.cache.config import MAX_TTL_S, CacheSettings, TenantCache
 from pipeline.cache.exact import MemoryExactTier
-from pipeline.guard.embedder import load_embedder
+from pipeline.cache.index import Found
+from pipeline.guard.embedder import DIMS, load_embedder
 from pipeline.settings import Settings
-from pipeline.stage import address_of
+from pipeline.stage import Address, address_of
 from pipeline.stages.cache import CacheStage
 from pipeline.stages.emit import EmitStage
 from pipeline.topology import graph
 from tests.unit.fakes import run_handler
 from tests.unit.helpers import SETTINGS, admitted, node, request
 from topics import registry
-from topics.cache import CacheTier, Entry, Purge
+from topics.cache import CacheTier, Entry, Purge, Ticket
 from topics.errors import ErrorCode
 from topics.hops import Admitted
 from topics.requests import ChatMessage, Sampling
-from topics.stream import Chunk, Done, FinishReason, Usage, digest_of
+from topics.stream import EMPTY_DIGEST, Chunk, Done, FinishReason, Usage, digest_of
 
 pytestmark = pytest.mark.asyncio
 CACHE, EMIT, ROUTE = node("cache"), node("emit"), node("route")
@@ -259,3 +261,53 @@ async def test_purge_records_of_different_scopes_never_share_a_compaction_key() 
 
     assert purge_key("a/b", "c") != purge_key("a", "b/c")  # both were purge/a/b/c: compaction kept one
     assert purge_key("a", None) != purge_key("a", "*") and purge_key("a", "m") == purge_key("a", "m")
+
+
+OWN = keys.scope("acme", "m") + "0" * 64
+
+
+@pytest.mark.parametrize(("key", "ttl_s", "stored"), [
+    (OWN, 60.0, True),
+    ("sluice:gateway:spend:acme", 60.0, False),  # any Redis key at all
+    (keys.scope("other", "m") + "0" * 64, 60.0, False),  # another tenant's answer
+    (keys.scope("acme", "n") + "0" * 64, 60.0, False),  # another model's
+    *[(OWN, ttl_s, False) for ttl_s in (0.0, -5.0, float("inf"), float("nan"), MAX_TTL_S + 1)],
+])
+async def test_emit_stores_only_in_the_requests_own_scope(key: str, ttl_s: float, stored: bool) -> None:
+    """Review found it (session 47): emit wrote to Redis under whatever key the `Done`'s ticket named."""
+    exact = MemoryExactTier()
+    emit = EmitStage(SETTINGS, EMIT.topics, answers=exact)
+    ticket = Ticket(key, "c", ttl_s, bytes(2 * DIMS))
+    address = Address("acme/e1", "llm.responses.sdk", "acme", "m", time.time(), 300.0, ticket)
+    done = address.done(chunks=0, digest=EMPTY_DIGEST, finish=FinishReason.stop, usage=Usage(), timings={})
+    outs = await run_handler(emit, done)
+    assert bool(exact._entries) is stored and any(o.topic == registry.CACHE_ENTRIES for o in outs) is stored
+
+
+def foreign(key: str, tenant: str, model: str) -> Entry:
+    now = time.time()
+    return Entry(key=key, tenant=tenant, model=model, context="c", chunks=("Red.",), finish_reason="stop",
+                 prompt_tokens=1, completion_tokens=1, stored_at=now, expires_at=now + 60.0)
+
+
+async def test_an_exact_entry_of_another_tenant_or_model_is_never_served() -> None:
+    """The key makes it impossible; the check is the second lock (what emit stores comes off a topic)."""
+    message = chat("Name a colour.", "x1")
+    key = keys.exact_key("acme", message.request)
+    own = message.request.model
+    for tenant, model, served in (("evil", own, False), ("acme", "other", False), ("acme", own, True)):
+        exact = MemoryExactTier()
+        await exact.put(foreign(key, tenant, model))
+        outs = await run_handler(CacheStage(CacheSettings(), CACHE.topics, exact, None), message)
+        assert (outs[0].topic != CACHE.topics.forward) is served
+
+
+async def test_a_semantic_entry_of_another_tenant_or_model_is_never_served(embedder) -> None:  # type: ignore[no-untyped-def]
+    message = chat("Name a colour.", "x2")
+    model = message.request.model
+    for tenant, entry_model, served in (("evil", model, False), ("acme", "other", False), ("acme", model, True)):
+        stage = CacheStage(CacheSettings(), CACHE.topics, MemoryExactTier(), embedder)
+        entry = foreign(keys.scope(tenant, entry_model) + "k", tenant, entry_model)
+        stage.index.search = lambda *_, found=Found(entry, 1.0): found  # type: ignore[method-assign]
+        outs = await run_handler(stage, message)
+        assert (outs[0].topic != CACHE.topics.forward) is served

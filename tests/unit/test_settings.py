@@ -223,6 +223,20 @@ def test_model_and_reply_keyed_entries_must_name_configured_ones(tmp_path: Path,
     load_text(tmp_path, right.replace('"brige"', '"bridge"'))
 
 
+@pytest.mark.parametrize(("table", "key"), [
+    ("[cache]\nttl_s = 604801\n", "cache.ttl_s"),
+    ('[cache.models."smollm2-135m-instruct"]\nttl_s = 1e12\n', "cache.models.smollm2-135m-instruct.ttl_s"),
+])
+def test_a_cache_ttl_past_the_entries_topics_retention_is_refused(tmp_path: Path, table: str, key: str) -> None:
+    """Redis refused an expiry that large ("invalid expire time"), and that refusal reached the client as a
+    second terminal event (docs/reliability.md, session 47); an entry would also outlive its record on
+    llm.cache.entries (7 days), from which the semantic tier is rebuilt."""
+    with pytest.raises(SettingsError) as caught:
+        load_text(tmp_path, table)
+    assert f"{key} must be positive and at most 604800 s" in str(caught.value)
+    load_text(tmp_path, table.replace("604801", "604800").replace("1e12", "604800"))
+
+
 def test_a_price_for_another_model_loads_while_no_tenant_has_a_budget(tmp_path: Path) -> None:
     """The chaos harness swaps in the instant model and keeps sluice.toml's price (tests/chaos/harness.py)."""
     settings = load_text(tmp_path, f'{BACKEND}[gateway.prices."smollm2-135m-instruct"]\nprompt_per_1k = 0.1\n')
@@ -294,7 +308,9 @@ def test_config_check_prints_the_values_the_file_leaves_out(tmp_path: Path, monk
     ("[gateway]\nwindow_s = nan\n", "window_s, chars_per_token and redis_timeout_s must be positive"),
     ("[gateway]\nkey_cache_s = inf\n", "gateway.key_cache_s must be 0 to 3600 seconds, got inf"),
     ("[gateway]\nkey_cache_s = nan\n", "gateway.key_cache_s must be 0 to 3600 seconds, got nan"),
-    ("[cache]\nttl_s = nan\n", "cache.ttl_s must be positive, got nan"),
+    ("[cache]\nttl_s = nan\n", "cache.ttl_s must be positive and at most 604800 s (7 days: llm.cache.entries' retention), got "
+                               "nan"),
+    ("[cache]\nttl_s = inf\n", "cache.ttl_s must be positive and at most 604800 s"),
 ])
 def test_not_a_number_and_infinity_are_refused_where_they_would_disable_a_bound(tmp_path: Path, toml: str, expected: str) -> None:
     with pytest.raises(SettingsError) as caught:

@@ -1,7 +1,8 @@
 """A terminal event that waits out an outage is cut off at its request's own deadline, which it carries
 (a batch line's 900 s, not a default 300 s), and a stage that has put the request's ending on the reply
-topic already (emit) is not made to send a second, contradictory one (pipeline/handling.py); nor, once
-the runner sent that deadline ending itself, does emit send another after it."""
+topic already (emit) is not made to send a second, contradictory one (pipeline/handling.py): neither past
+the deadline nor when a bug after its ending (storing the answer in the cache) dead-letters the message;
+nor, once the runner sent that deadline ending itself, does emit send another after it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from redis.exceptions import ResponseError
 
 from pipeline import handling
+from pipeline.cache import keys
+from pipeline.cache.exact import MemoryExactTier, RedisExactTier
 from pipeline.errors import InfraUnavailable
 from pipeline.handling import Handling
 from pipeline.settings import Settings
@@ -20,11 +24,14 @@ from pipeline.stage import Address, Out
 from pipeline.stages.emit import EmitStage
 from pipeline.state import MemoryStateStore
 from pipeline.topology import Topics
+from tests.unit.cache.test_exact import Refusing
 from tests.unit.fakes import HeldAcks, record_of
 from tests.unit.helpers import SETTINGS, node
 from topics import codec
+from topics.cache import Entry, Ticket
+from topics.dlq import DeadLetter
 from topics.errors import ErrorCode
-from topics.stream import Done, Failed, FinishReason, StreamEvent, Usage
+from topics.stream import EMPTY_DIGEST, Done, Failed, FinishReason, StreamEvent, Usage
 from topics.usage import UsageRecord
 
 REPLY = "llm.responses.sdk"
@@ -134,3 +141,39 @@ async def test_after_the_runner_ended_a_request_at_its_deadline_emit_sends_no_se
     assert len(terminals) == 1 and isinstance(terminals[0], Failed) and terminals[0].code is ErrorCode.deadline_exceeded
     if back:  # recorded once the store answered: a successor drops a redelivery too
         assert "terminal" in await store.read("default/r1#emit")
+
+
+class BrokenTier(MemoryExactTier):
+    """An exact tier with a bug: storing raises."""
+
+    async def put(self, entry: Entry) -> None:
+        raise RuntimeError("a bug")
+
+
+def answered(age_s: float = 0.0) -> Done:
+    """An empty answer emit may store (its ticket is in its tenant and model's scope)."""
+    address = Address("default/r1", REPLY, "default", "m", time.time() - age_s, 300.0,
+                      Ticket(keys.scope("default", "m") + "0" * 64, "c", 60.0))
+    return address.done(chunks=0, digest=EMPTY_DIGEST, finish=FinishReason.stop, usage=Usage(), timings={})
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("tier", "outcome"), [
+    (BrokenTier(), "dead_letter"), (RedisExactTier(Refusing(ResponseError("READONLY"))), "ok"),  # type: ignore[arg-type]
+])
+async def test_a_failure_after_emits_done_gives_the_client_no_second_ending(tier: object, outcome: str) -> None:
+    """Review found it (session 47): Redis refused the cache's SET (READONLY after a failover) after emit had
+    sent the Done and the usage record; the runner dead-lettered the message and sent `Failed(internal)`
+    after the Done. A refusal is a miss now (the exact tier); a bug there still goes to the dead-letter
+    topic, without a second ending."""
+    stage, producer = EmitStage(SETTINGS, node("emit").topics, answers=tier), HeldAcks()  # type: ignore[arg-type]
+    run = Handling(stage, SETTINGS, producer)
+    task = asyncio.create_task(run.process(record_of(answered(), "llm.checked"), None))
+    while not task.done():
+        producer.release()
+        await asyncio.sleep(0.01)
+    assert await task == outcome
+    sent = [codec.decode(value, StreamEvent | UsageRecord | DeadLetter)
+            for _, values in producer.calls for value in values]
+    assert [type(m) for m in sent if isinstance(m, Done | Failed)] == [Done]
+    assert sum(isinstance(m, DeadLetter) for m in sent) == (outcome == "dead_letter")

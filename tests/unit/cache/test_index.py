@@ -1,6 +1,7 @@
 """The semantic index's bounds: expired entries are neither added nor kept, and memory is bounded across
 tenants, since `llm.cache.entries` is replayed from its start (7 days) and tenant names can come from
-JWT claims."""
+JWT claims. What the topic says is checked: an entry outside its own tenant and model's scope is not
+added, a purge counts from now at the latest, and purge marks do not pile up."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import time
 
 import msgspec
 import numpy as np
+import pytest
 
 from pipeline.cache import index as semantic
-from pipeline.cache.config import CacheSettings
+from pipeline.cache.config import MAX_TTL_S, CacheSettings
 from pipeline.cache.index import SemanticIndex, from_vector
+from pipeline.cache.keys import scope
 from pipeline.cache.traps import Salient
 from pipeline.guard.embedder import DIMS
 from topics.cache import Entry, Purge
@@ -34,8 +37,8 @@ def unit() -> np.ndarray:
 
 
 def entry(key: str, tenant: str = "acme", ttl_s: float = 60.0, vector: np.ndarray | None = None, answer: str = "Paris.") -> Entry:
-    return Entry(key=key, tenant=tenant, model="m", context="c", chunks=(answer,), finish_reason="stop",
-                 prompt_tokens=5, completion_tokens=2, stored_at=NOW - 1, expires_at=NOW + ttl_s,
+    return Entry(key=scope(tenant, "m") + key, tenant=tenant, model="m", context="c", chunks=(answer,),
+                 finish_reason="stop", prompt_tokens=5, completion_tokens=2, stored_at=NOW - 1, expires_at=NOW + ttl_s,
                  vector=from_vector(unit() if vector is None else vector), salient=msgspec.msgpack.encode(Salient()))
 
 
@@ -50,7 +53,7 @@ def test_an_entry_that_expired_before_it_was_read_is_not_indexed() -> None:
     stale = entry("old")
     index.apply(msgspec.structs.replace(stale, expires_at=time.time() - 1.0))
     assert len(index) == 0
-    index.apply(msgspec.structs.replace(stale, key="new", expires_at=time.time() + 60.0))
+    index.apply(msgspec.structs.replace(entry("new"), stored_at=time.time(), expires_at=time.time() + 60.0))
     assert len(index) == 1
 
 
@@ -113,3 +116,44 @@ def test_a_key_stored_again_and_a_purge_keep_the_count_and_bytes_right() -> None
 def test_the_byte_bound_is_a_setting() -> None:
     assert CacheSettings().max_index_bytes == 256 * 2**20
     assert any("max_index_bytes" in p for p in CacheSettings(max_index_bytes=0).problems())
+
+
+@pytest.mark.parametrize("key", ["sluice:gateway:spend:acme", scope("other", "m") + "k", scope("acme", "n") + "k"])
+def test_an_entry_whose_key_is_not_its_own_tenant_and_models_is_not_indexed(key: str) -> None:
+    """Review found it (session 47): emit stored under whatever key a `Done`'s ticket named."""
+    index = SemanticIndex(clock=Clock())
+    index.apply(msgspec.structs.replace(entry("k"), key=key))
+    assert len(index) == 0
+    index.apply(entry("k"))
+    assert len(index) == 1
+
+
+def test_an_entry_that_would_outlive_the_longest_ttl_is_not_indexed() -> None:
+    index = SemanticIndex(clock=Clock())
+    index.apply(entry("k", ttl_s=MAX_TTL_S + 60.0))  # a purge mark dropped after MAX_TTL_S would not cover it
+    assert len(index) == 0
+
+
+def test_a_purge_dated_in_the_future_counts_from_now() -> None:
+    """Review found it (session 47): `Purge.at` a year ahead refused every entry of the tenant until a restart."""
+    clock = Clock()
+    index = SemanticIndex(clock=clock)
+    index.apply(entry("old"))
+    index.apply(Purge("acme", None, NOW + 365 * 86400.0))
+    assert len(index) == 0  # what was stored before it goes
+    clock.now += 5.0
+    index.apply(msgspec.structs.replace(entry("new"), stored_at=clock.now))
+    assert len(index) == 1
+
+
+def test_purge_marks_older_than_the_longest_ttl_are_dropped() -> None:
+    """A mark per tenant and model purged, for ever: the table only grew (tenant names can come from JWT claims)."""
+    clock = Clock()
+    index = SemanticIndex(clock=clock)
+    for i in range(5):
+        index.apply(Purge(f"t{i}", None, NOW))
+    assert len(index._purged) == 5
+    clock.now += MAX_TTL_S + 1.0
+    index.apply(Purge("later", "m", clock.now))
+    index.apply(Purge("replayed", None, NOW))  # a record read again at a start, older than any entry alive
+    assert list(index._purged) == [("later", "m")]
