@@ -5,8 +5,8 @@
     admit(request)  network rules -> authenticate (API key, JWT, or anonymous) -> authorise the model
                     -> tenant network rules -> limits and budgets; returns the request to forward, with
                     the authenticated tenant and key id and without the credential; raises StageError.
-    finish(event)   charges completion tokens (and the prompt-token estimate's shortfall), and spend to
-                    the scopes with a budget.
+    finish(event)   replaces the tokens reserved at admission (the prompt's estimate and max_tokens) by
+                    the prompt and completion tokens used, and charges spend to the scopes with a budget.
 
 Redis being away is a `StoreUnavailable`: limits follow `on_redis_down` (wait: the runner retries the
 request until Redis answers or its deadline passes; open: admit; closed: refuse
@@ -61,10 +61,11 @@ class Principal:
 
 
 class Ticket(msgspec.Struct, frozen=True):
-    """What admission remembers for the charge at the end: the scopes and the prompt estimate."""
+    """What admission remembers for the charge at the end: the scopes and the tokens it reserved."""
 
     scopes: list[tuple[str, str, bool]]  # (kind, name, billed: spend is added to it, `Scope.billed`)
     prompt_estimate: int
+    max_tokens: int = 0  # reserved with the estimate (0: a ticket written before completions were reserved)
 
 
 class Gateway:
@@ -128,13 +129,14 @@ class Gateway:
                 return
             ticket = self._ticket.decode(raw)
             usage = event.usage
-            tokens = usage.completion_tokens + max(0, usage.prompt_tokens - ticket.prompt_estimate)
+            reserved = ticket.prompt_estimate + ticket.max_tokens
+            tokens = usage.prompt_tokens + usage.completion_tokens
             price = self._settings.prices.get(event.model)
             spend = 0.0
             if price is not None:
                 spend = (usage.prompt_tokens * price.prompt_per_1k + usage.completion_tokens * price.completion_per_1k) / 1000
             scopes = [Scope(kind, name, billed=billed) for kind, name, billed in ticket.scopes]  # type: ignore[arg-type]
-            await self._limiter.charge(scopes, event.id, tokens, spend)
+            await self._limiter.charge(scopes, event.id, reserved, tokens, spend)
         except StoreUnavailable:
             GATEWAY_DEGRADED.labels("charge", "dropped").inc()
             log.warning("request %s: usage not charged, Redis unavailable", event.id)
@@ -265,10 +267,14 @@ class Gateway:
         scopes = self.scopes(principal, policy, ip)
         size = sum(len(m.content.encode()) for m in request.messages) + len((request.prompt or "").encode())
         estimate = math.ceil(size / self._settings.chars_per_token)
-        ticket = msgspec.msgpack.encode(Ticket([(sc.kind, sc.name, sc.billed) for sc in scopes], estimate))
+        # A request reserves all it may use, so the requests in flight cannot take a window past `tpm`
+        # (completions charged only at the end added up to max_tokens each over it); `finish` gives back
+        # what it did not use.
+        max_tokens = request.sampling.max_tokens
+        ticket = msgspec.msgpack.encode(Ticket([(sc.kind, sc.name, sc.billed) for sc in scopes], estimate, max_tokens))
         try:
             member = request_key(principal.tenant, request.id)  # a new id is a new request, per tenant
-            refusal = await self._limiter.admit(scopes, member, estimate, ticket, request.deadline_s + TICKET_GRACE_S)
+            refusal = await self._limiter.admit(scopes, member, estimate + max_tokens, ticket, request.deadline_s + TICKET_GRACE_S)
         except StoreUnavailable:
             decision = self._settings.on_redis_down
             GATEWAY_DEGRADED.labels("limit", decision).inc()
@@ -278,15 +284,18 @@ class Gateway:
                 raise InfraUnavailable("limits cannot be checked until Redis answers") from None
             raise StageError(ErrorCode.unavailable, "limits cannot be checked right now", retry_after_s=1.0) from None
         if refusal is not None:
-            raise refused(refusal)
+            raise refused(refusal, estimate, max_tokens)
 
 
-def refused(refusal: Refusal) -> StageError:
+def refused(refusal: Refusal, prompt_estimate: int, max_tokens: int) -> StageError:
     scope = refusal.scope.kind
     if refusal.resource == "budget":
         return StageError(ErrorCode.budget_exceeded, f"the {scope}'s budget is spent")
-    if refusal.retry_after_s is None:
-        return StageError(ErrorCode.invalid_request, f"the prompt alone is over this {scope}'s tokens-per-minute limit")
+    if refusal.retry_after_s is None:  # more than the limit: it can never fit, a retry (429) would never pass
+        return StageError(ErrorCode.invalid_request, (
+            f"this request may use {prompt_estimate + max_tokens} tokens (a prompt of about {prompt_estimate} and "
+            f"max_tokens {max_tokens}), over this {scope}'s limit of {int(refusal.limit)} tokens per minute: "
+            "lower max_tokens (or shorten the prompt)"))
     info = RateLimit(scope, refusal.resource, int(refusal.limit), refusal.remaining, round(refusal.retry_after_s, 3))
     message = f"rate limit reached: {refusal.resource} per minute for this {scope}"
     return StageError(ErrorCode.rate_limited, message, retry_after_s=info.reset_s, rate_limit=info)

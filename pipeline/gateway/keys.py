@@ -22,8 +22,11 @@ import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from pipeline.gateway.errors import KeyChanged
+
 PREFIX = "sk-sluice-"
 RANDOM_BYTES = 32  # 256 bits; the issue asks for at least 128
+REVOKE_TRIES = 10  # a revoke reads the record again after each rotation that changed it meanwhile
 MAX_KEY_CHARS = 128  # anything longer is refused before it is hashed
 SIGNING_LABEL = b"sluice-request-signing-v1"
 
@@ -44,6 +47,7 @@ class KeyRecord(msgspec.Struct, frozen=True):
     # hash -> the public half (hex) of the Ed25519 pair derived from that key, with which a direct Kafka
     # producer signs its requests instead of sending the key (principal.py); not a credential
     verify_keys: dict[str, str] = {}
+    version: int = 0  # one more at each `KeyStore.update`, which writes a record only over the one before it
 
 
 class KeyEntry(msgspec.Struct, frozen=True):
@@ -96,7 +100,12 @@ class KeyStore(Protocol):
     async def lookup(self, key_hash: str) -> KeyEntry | None: ...
 
     async def save(self, record: KeyRecord) -> None:
-        """Stores `record` under its id and under each of its hashes (each expiring at its time)."""
+        """Stores a new `record` under its id and under each of its hashes (each expiring at its time)."""
+
+    async def update(self, record: KeyRecord) -> None:
+        """Stores `record` as `save` does, only over the version it was made from, `record.version - 1`
+        (compare and set): else raises KeyChanged and writes nothing. A rotation that read the record
+        before a revocation saved it wrote back the record it read, not revoked, with its hashes."""
 
     async def forget_hash(self, key_hash: str) -> None: ...
 
@@ -126,6 +135,12 @@ class MemoryKeyStore:
         for key_hash in record.hashes:
             self._by_hash[key_hash] = record.key_id
 
+    async def update(self, record: KeyRecord) -> None:
+        stored = self._records.get(record.key_id)
+        if stored != record and (stored is None or stored.version != record.version - 1):
+            raise KeyChanged(f"key {record.key_id!r} was changed meanwhile")
+        await self.save(record)
+
     async def forget_hash(self, key_hash: str) -> None:
         self._by_hash.pop(key_hash, None)
 
@@ -138,6 +153,11 @@ class MemoryKeyStore:
 
 class KeyNotFound(LookupError):
     """`revoke` or `rotate` named a key id the store does not hold."""
+
+
+def next_version(record: KeyRecord, **changes: object) -> KeyRecord:
+    """`record` with `changes`, as `KeyStore.update` writes it over `record`."""
+    return msgspec.structs.replace(record, version=record.version + 1, **changes)
 
 
 async def confirmed(store: KeyStore, key_hash: str, entry: KeyEntry) -> KeyEntry | None:
@@ -189,21 +209,30 @@ class KeyManager:
         hashes[hash_key(raw)] = 0.0
         verify_keys = {h: v for h, v in record.verify_keys.items() if h in hashes}
         verify_keys[hash_key(raw)] = verify_key_of(raw)
-        rotated = msgspec.structs.replace(record, hashes=hashes, verify_keys=verify_keys, hint=raw[-4:])
-        await self._store.save(rotated)
+        rotated = next_version(record, hashes=hashes, verify_keys=verify_keys, hint=raw[-4:])
+        try:
+            await self._store.update(rotated)  # refused if revoked (or rotated) since `_live` read it
+        except KeyChanged:
+            raise KeyChanged(f"key {key_id!r} was changed while it was being rotated: run the rotation again") from None
         return raw, rotated
 
     async def revoke(self, key_id: str) -> KeyRecord:
-        """Revoked: the record says so (lookups check it: gateway `_confirmed`), then its hashes go. Run
-        again on a revoked record, it deletes what a cut-short run left."""
-        record = await self._store.get(key_id)
-        if record is None:
-            raise KeyNotFound(f"no key {key_id!r}")
-        revoked = msgspec.structs.replace(record, revoked=True, hashes={}, verify_keys={})
-        await self._store.save(revoked)
-        for key_hash in record.hashes:
-            await self._store.forget_hash(key_hash)
-        return revoked
+        """Revoked: the record says so (lookups check it: gateway `confirmed`), then its hashes go. Run
+        again on a revoked record, it deletes what a cut-short run left. A rotation saved between its read
+        and its write makes it read again (the new hash goes too): a revocation always wins."""
+        for _ in range(REVOKE_TRIES):
+            record = await self._store.get(key_id)
+            if record is None:
+                raise KeyNotFound(f"no key {key_id!r}")
+            revoked = next_version(record, revoked=True, hashes={}, verify_keys={})
+            try:
+                await self._store.update(revoked)
+            except KeyChanged:
+                continue
+            for key_hash in record.hashes:
+                await self._store.forget_hash(key_hash)
+            return revoked
+        raise KeyChanged(f"key {key_id!r} kept changing while it was being revoked: run the revocation again")
 
     async def list(self) -> list[KeyRecord]:
         return sorted(await self._store.all(), key=lambda r: r.created_at)

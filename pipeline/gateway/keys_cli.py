@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pipeline.gateway.build import redis_client
+from pipeline.gateway.errors import KeyChanged
 from pipeline.gateway.keys import KeyManager, KeyNotFound, KeyRecord
 from pipeline.gateway.limits import Scope
 from pipeline.gateway.redis_keys import RedisKeyStore
@@ -56,7 +57,7 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
                     spent = f"{await limiter.spent(Scope('key', r.key_id)):.4f}" if r.budget else "-"
                     status = "revoked" if r.revoked else f"active ({len(r.hashes)} keys)"
                     print(f"{r.key_id}\t{r.tenant}\t{','.join(r.models) or '*'}\t{r.rpm}\t{r.tpm}\t{r.budget}\t{spent}\t{status}\t...{r.hint}")
-        except KeyNotFound as exc:
+        except (KeyNotFound, KeyChanged) as exc:  # changed: another rotate or revoke ran at the same time
             print(exc)
             return 1
         except ValueError as exc:

@@ -2,11 +2,15 @@
 
 Every limit is a *sliding window log* over `window_s`: a scope (a key, a tenant, a client address, or
 everything) admits a request only if fewer than `rpm` requests and at most `tpm - tokens` tokens were
-recorded in the last window. A log is exact (no burst at a window edge, unlike fixed windows or a
-token bucket with a burst), and a refusal knows exactly when the oldest entry that blocks it leaves
-the window, which is the retry-after. Budgets are a running spend per scope with no window, kept only
-for a scope that has a budget: `llm.usage` records every charge for billing, and a spend kept for every
-scope left a key with no TTL in Redis per JWT subject ever seen.
+recorded in the last window. The tokens a request records at admission are a reservation: all it may
+use (its prompt's estimate and its `max_tokens`, as Azure OpenAI counts them). When it ends, the charge
+replaces the reservation by what it used, at the time of the charge, so the unused part is free again
+and the window never holds more than `tpm` (unless a prompt used more than its estimate). A log is
+exact (no burst at a window edge, unlike fixed windows or a token bucket with a burst), and a refusal
+knows exactly when the oldest entry that blocks it leaves the window, which is the retry-after.
+Budgets are a running spend per scope with no window, kept only for a scope that has a budget:
+`llm.usage` records every charge for billing, and a spend kept for every scope left a key with no TTL
+in Redis per JWT subject ever seen.
 
 Admission across scopes is all or nothing: each scope is checked and recorded atomically on its own
 (one Lua script per scope in Redis, so scopes may live on different Redis Cluster slots), and if a
@@ -65,12 +69,14 @@ class Limiter(Protocol):
     `StoreUnavailable` (errors.py) only when their store cannot be reached."""
 
     async def admit(self, scopes: Sequence[Scope], member: str, tokens: int, ticket: bytes, ticket_ttl_s: float) -> Refusal | None:
-        """Records request `member` with `tokens` in every scope, and keeps `ticket` for `take_ticket`,
-        if every scope has room; otherwise records nothing and says which limit refused."""
+        """Records request `member` with `tokens` reserved in every scope, and keeps `ticket` for
+        `take_ticket`, if every scope has room; otherwise records nothing and says which limit refused
+        (`retry_after_s` None for `tokens` over a limit: such a request can never fit)."""
 
-    async def charge(self, scopes: Sequence[Scope], member: str, tokens: int, spend: float) -> None:
-        """Adds tokens to every scope and spend to the billed ones, after the fact (completion tokens);
-        never refuses; idempotent per member."""
+    async def charge(self, scopes: Sequence[Scope], member: str, reserved: int, tokens: int, spend: float) -> None:
+        """Replaces the `reserved` tokens `admit` recorded by the `tokens` the request used, in every scope
+        (a reservation that already left the window, the request having run longer than it, is not
+        replaced: it counted in full), and adds spend to the billed ones; never refuses; once per member."""
 
     async def take_ticket(self, member: str) -> bytes | None:
         """The ticket `admit` kept for `member`, removed so a second call returns None."""
@@ -96,6 +102,17 @@ class _Log:
     def add_tokens(self, entry: str, at: float, tokens: int) -> None:
         self.tokens[entry] = (at, tokens)
         self.total += tokens
+
+    def charge(self, member: str, at: float, tokens: int) -> bool:
+        """As charge.lua: the reservation, if still in the window, replaced by `tokens` at `at` (the newest
+        time, so the entries stay in time order); else a mark of weight 0. False if charged already."""
+        if member + "|c" in self.tokens:
+            return False
+        reserved = self.tokens.pop(member + "|p", None)
+        if reserved is not None:
+            self.total -= reserved[1]
+        self.add_tokens(member + "|c", at, tokens if reserved is not None else 0)
+        return True
 
     def used(self) -> int:
         return self.total
@@ -148,15 +165,12 @@ class MemoryLimiter:
             return Refusal(scope, "tokens", scope.tpm, max(scope.tpm - used, 0), retry)
         return None
 
-    async def charge(self, scopes: Sequence[Scope], member: str, tokens: int, spend: float) -> None:
-        if tokens <= 0 and spend <= 0:
-            return
+    async def charge(self, scopes: Sequence[Scope], member: str, reserved: int, tokens: int, spend: float) -> None:
         now = self._clock()
         for scope in scopes:
             log = self._logs.setdefault(scope.tag, _Log())
-            entry = member + "|c"
-            if entry not in log.tokens:
-                log.add_tokens(entry, now, tokens)
+            log.expire(now - self._window)
+            if log.charge(member, now, max(tokens, 0)):
                 log.spend += spend if scope.billed else 0.0
 
     async def take_ticket(self, member: str) -> bytes | None:

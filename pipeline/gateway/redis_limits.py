@@ -1,6 +1,7 @@
 """The Redis Limiter: `lua/admit.lua`, `lua/charge.lua` and `lua/release.lua`, one atomic script per
-scope, on Redis's clock. A scope's keys share the hash tag `{kind:name}`, so on Redis Cluster each
-script touches one slot; the scopes of one request are sent in one pipeline (one round trip)."""
+scope, on Redis's clock, each sent with `lua/window.lua` (the clock, the token log and its total, TTLs) in
+front of it. A scope's keys share the hash tag `{kind:name}`, so on Redis Cluster each script touches
+one slot; the scopes of one request are sent in one pipeline (one round trip)."""
 
 from __future__ import annotations
 
@@ -38,10 +39,11 @@ def ticket_key(member: str) -> str:
 
 
 class _Script:
-    """A Lua file called by EVALSHA; `RedisLimiter._run` loads it again after Redis lost it (a restart)."""
+    """A Lua file called by EVALSHA, after `lua/window.lua` (what the scripts share: Redis has no include);
+    `RedisLimiter._run` loads it again after Redis lost it (a restart)."""
 
     def __init__(self, name: str) -> None:
-        self.text = (_LUA / name).read_text()
+        self.text = (_LUA / "window.lua").read_text() + (_LUA / name).read_text()
         self.sha = hashlib.sha1(self.text.encode()).hexdigest()
 
     def __call__(self, pipe: Pipe, keys: list[str], args: list[Any]) -> None:
@@ -98,13 +100,12 @@ class RedisLimiter:
         retry = None if int(retry_ms) < 0 else max(int(retry_ms), 1) / 1000.0
         return Refusal(scope, res, limit_value, int(remaining), retry)
 
-    async def charge(self, scopes: Sequence[Scope], member: str, tokens: int, spend: float) -> None:
-        if tokens <= 0 and spend <= 0:
-            return
+    async def charge(self, scopes: Sequence[Scope], member: str, reserved: int, tokens: int, spend: float) -> None:
         def charge_all(pipe: Pipe) -> None:
             for s in scopes:
                 keys = [rate_keys(s)[1], rate_keys(s)[2], spend_key(s)]
-                self._charge(pipe, keys, [self._window_ms, member, tokens, repr(float(spend if s.billed else 0.0))])
+                args = [self._window_ms, member, reserved, max(tokens, 0), repr(float(spend if s.billed else 0.0))]
+                self._charge(pipe, keys, args)
 
         await self._run(charge_all)
 

@@ -7,31 +7,46 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import pytest_asyncio
+from redis.asyncio import Redis
 
+from pipeline.errors import StageError
 from pipeline.gateway.build import redis_client, stage_redis
+from pipeline.gateway.config import GatewaySettings
+from pipeline.gateway.errors import KeyChanged
+from pipeline.gateway.gateway import Gateway
 from pipeline.gateway.keys import KeyEntry, KeyManager, KeyRecord, KeyStore, MemoryKeyStore, hash_key
 from pipeline.gateway.limits import Limiter, MemoryLimiter, Scope
 from pipeline.gateway.redis_keys import RedisKeyStore
 from pipeline.gateway.redis_limits import RedisLimiter, rate_keys
 from pipeline.settings import Settings
 from tests.integration.gateway_fixtures import with_gateway
+from tests.unit.helpers import MODEL, request
+from topics.errors import ErrorCode
+from topics.requests import ChatMessage, Sampling
+from topics.stream import Done, FinishReason, Usage
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 WINDOW_S = 1.0
 
 
 @pytest_asyncio.fixture(params=["memory", "redis", "lean"], loop_scope="session")
-async def limiter(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[Limiter]:
+async def make_limiter(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[Callable[[float], Limiter]]:
+    """A limiter of each implementation, with the window a test asks for."""
     if request.param == "memory":
-        yield MemoryLimiter(WINDOW_S)
+        yield MemoryLimiter
         return
     redis = (redis_client if request.param == "redis" else stage_redis)(with_gateway(settings, redis_timeout_s=2.0))
-    yield RedisLimiter(redis, WINDOW_S)
+    yield lambda window_s: RedisLimiter(redis, window_s)
     await redis.aclose()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def limiter(make_limiter: Callable[[float], Limiter]) -> Limiter:
+    return make_limiter(WINDOW_S)
 
 
 @pytest_asyncio.fixture(params=["memory", "redis", "lean"], loop_scope="session")
@@ -82,9 +97,9 @@ async def test_tokens_admission_and_charge(limiter: Limiter) -> None:
     first = rid()
     assert await limiter.admit([s], first, 30, b"ticket", 10) is None
     assert await limiter.take_ticket(first) == b"ticket" and await limiter.take_ticket(first) is None
-    await limiter.charge([s], first, 60, 0.0)
-    await limiter.charge([s], first, 60, 0.0)  # once per request
-    assert await limiter.admit([s], rid(), 10, b"t", 10) is None  # 30 + 60 + 10 = 100
+    await limiter.charge([s], first, 30, 90, 0.0)  # the reservation of 30 replaced by the 90 it used
+    await limiter.charge([s], first, 30, 90, 0.0)  # once per request
+    assert await limiter.admit([s], rid(), 10, b"t", 10) is None  # 90 + 10 = 100
     refusal = await limiter.admit([s], rid(), 1, b"t", 10)
     assert refusal is not None and refusal.resource == "tokens" and refusal.remaining == 0
     assert refusal.retry_after_s is not None and refusal.retry_after_s <= WINDOW_S
@@ -92,11 +107,21 @@ async def test_tokens_admission_and_charge(limiter: Limiter) -> None:
     assert never is not None and never.retry_after_s is None
 
 
+async def test_a_request_longer_than_the_window_is_charged_its_spend_once_and_no_more_tokens(limiter: Limiter) -> None:
+    s, member = scope(tpm=100, budget=10.0), rid()
+    assert await limiter.admit([s], member, 60, b"t", 10) is None
+    await asyncio.sleep(WINDOW_S + 0.05)  # its reservation counted for a whole window, and left it
+    await limiter.charge([s], member, 60, 60, 1.5)
+    await limiter.charge([s], member, 60, 60, 1.5)  # once per request
+    assert await limiter.spent(s) == pytest.approx(1.5)
+    assert await limiter.admit([s], rid(), 100, b"t", 10) is None
+
+
 async def test_spend_goes_to_billed_scopes_and_budgets_refuse(limiter: Limiter) -> None:
     key, address = scope(budget=1.0), scope("ip")
     member = rid()
     assert await limiter.admit([key, address], member, 1, b"t", 10) is None
-    await limiter.charge([key, address], member, 5, 1.25)
+    await limiter.charge([key, address], member, 1, 5, 1.25)
     assert await limiter.spent(key) == pytest.approx(1.25) and await limiter.spent(address) == 0.0
     refusal = await limiter.admit([key, address], rid(), 1, b"t", 10)
     assert refusal is not None and refusal.resource == "budget" and refusal.retry_after_s is None
@@ -168,3 +193,134 @@ async def test_rate_limit_keys_keep_a_window_of_ttl_set_about_once_a_second(sett
     finally:
         await redis.aclose()
         await check.aclose()
+
+
+async def held(limiter: Limiter, s: Scope, check: Redis) -> int:
+    """The tokens `s`'s window holds: its running total, checked against the weights in its log."""
+    if isinstance(limiter, MemoryLimiter):
+        log = limiter._logs[s.tag]
+        weights, total = sum(n for _, n in log.tokens.values()), log.total
+    else:
+        entries = await check.zrange(rate_keys(s)[1], 0, -1)
+        weights, total = sum(int(e.rsplit(b"|", 1)[1]) for e in entries), int(await check.get(rate_keys(s)[2]) or 0)
+    assert total == weights
+    return total
+
+
+def finished(rid: str, prompt_tokens: int, completion_tokens: int) -> Done:
+    return Done(id=rid, reply_to="x", chunks=1, digest="", finish_reason=FinishReason.stop, tenant="acme", model=MODEL,
+                created_at=1.0, usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))
+
+
+async def test_completions_are_reserved_so_a_window_never_holds_more_than_tpm(
+    make_limiter: Callable[[float], Limiter], settings: Settings
+) -> None:
+    """Completions were charged only at the end, and a charge never refuses: with tpm = 1000, 50 requests
+    of a 10-token prompt in flight at once were all admitted, and the window held 50,500 tokens."""
+    limiter, check = make_limiter(60.0), redis_client(with_gateway(settings, redis_timeout_s=2.0))
+    store = MemoryKeyStore()
+    gateway = Gateway(GatewaySettings(auth_required=True, key_cache_s=0.0, chars_per_token=1), store, limiter)
+    keys = KeyManager(store, rotate_overlap_s=60)
+
+    async def admit(key: str, name: str, max_tokens: int) -> None:  # a prompt of 10 tokens (chars_per_token = 1)
+        await gateway.admit(request(name, api_key=key, messages=(ChatMessage("user", "x" * 10),),
+                                    sampling=Sampling(max_tokens=max_tokens)))
+
+    async def refusal(key: str, name: str, max_tokens: int) -> StageError:
+        with pytest.raises(StageError) as refused:
+            await admit(key, name, max_tokens)
+        return refused.value
+
+    try:
+        raw, record = await keys.create("acme", tpm=1000)
+        s = Scope("key", record.key_id)
+        for i in range(10):  # each reserves 10 + 90
+            await admit(raw, f"r{i}", 90)
+        assert await held(limiter, s, check) == 1000
+        full = await refusal(raw, "r10", 90)  # the 11th would take the window past the limit
+        assert full.code is ErrorCode.rate_limited and full.retry_after_s is not None
+        for i in range(10):  # each used all it reserved
+            await gateway.finish(finished(f"acme/r{i}", 10, 90))
+            assert await held(limiter, s, check) == 1000
+        assert (await refusal(raw, "r11", 1)).code is ErrorCode.rate_limited
+
+        raw, record = await keys.create("acme", tpm=1000)
+        s = Scope("key", record.key_id)
+        for i in range(10):
+            await admit(raw, f"f{i}", 90)
+        await gateway.finish(finished("acme/f0", 10, 40))  # 50 of its 100 unused: free again
+        await gateway.finish(finished("acme/f0", 10, 40))  # (once)
+        assert await held(limiter, s, check) == 950
+        await admit(raw, "f10", 40)
+        assert (await refusal(raw, "f11", 1)).code is ErrorCode.rate_limited
+
+        never = await refusal(raw, "f12", 991)  # 1001 tokens can never fit: not a 429 to retry for ever
+        assert never.code is ErrorCode.invalid_request and not never.retriable
+        assert "max_tokens" in never.message and "1001" in never.message
+    finally:
+        await check.aclose()
+
+
+@pytest.mark.parametrize("lost", ["tok", "toksum"])
+@pytest.mark.parametrize("client", ["redis", "lean"])
+async def test_a_lost_token_log_or_total_is_recomputed(settings: Settings, client: str, lost: str) -> None:
+    """A scope's token total is a key beside its log: with one of them evicted, the total stayed wrong for as
+    long as traffic kept the other alive. Without the total, each admission counted from 0 (over the limit;
+    and negative once entries expired); without the log, the total was never decremented again (every
+    request refused: for the global scope, everyone's)."""
+    gateway = with_gateway(settings, redis_timeout_s=2.0)
+    redis, check = (redis_client if client == "redis" else stage_redis)(gateway), redis_client(gateway)
+    limiter, s = RedisLimiter(redis, 60.0), scope(tpm=100)
+    log, total = rate_keys(s)[1], rate_keys(s)[2]
+    try:
+        assert await limiter.admit([s], rid(), 40, b"t", 10) is None
+        assert await limiter.admit([s], rid(), 40, b"t", 10) is None
+        await check.delete(log if lost == "tok" else total)
+        if lost == "toksum":  # the log still holds 80
+            assert await limiter.admit([s], rid(), 20, b"t", 10) is None
+            refusal = await limiter.admit([s], rid(), 1, b"t", 10)
+            assert refusal is not None and refusal.resource == "tokens"
+            assert int(await check.get(total)) == 100
+        else:  # the entries are gone: the total follows the log
+            assert await limiter.admit([s], rid(), 90, b"t", 10) is None
+            assert int(await check.get(total)) == 90
+    finally:
+        await redis.aclose()
+        await check.aclose()
+
+
+class FirstReadLate:
+    """A key store whose first `get` answers 10 ms late, with what it read when asked."""
+
+    def __init__(self, store: KeyStore) -> None:
+        self._store, self._late = store, True
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    async def get(self, key_id: str) -> KeyRecord | None:
+        record = await self._store.get(key_id)
+        if self._late:
+            self._late = False
+            await asyncio.sleep(0.01)
+        return record
+
+
+@pytest.mark.parametrize("first", ["rotate", "revoke"])
+async def test_a_rotation_racing_a_revocation_never_brings_the_key_back(key_store: KeyStore, first: str) -> None:
+    """The rotation read the record, the revocation saved it revoked and deleted its hashes, then the
+    rotation saved the record it had read (not revoked, old and new hash live): the revoked key worked again."""
+    manager = KeyManager(FirstReadLate(key_store), rotate_overlap_s=60.0)  # type: ignore[arg-type]
+    raw, record = await KeyManager(key_store, rotate_overlap_s=60.0).create("tenant-" + uuid.uuid4().hex[:6])
+    calls = [manager.rotate(record.key_id), manager.revoke(record.key_id)]
+    rotated, revoked = await asyncio.gather(*(calls if first == "rotate" else calls[::-1]), return_exceptions=True)
+    if first == "revoke":
+        rotated, revoked = revoked, rotated
+    assert isinstance(revoked, KeyRecord) and revoked.revoked
+    assert isinstance(rotated, KeyChanged) or isinstance(rotated, tuple)  # refused, or saved before the revocation
+    stored = await key_store.get(record.key_id)
+    assert stored is not None and stored.revoked and stored.hashes == {}
+    for key in [raw] + ([rotated[0]] if isinstance(rotated, tuple) else []):
+        assert await key_store.lookup(hash_key(key)) is None
+    if isinstance(rotated, KeyChanged):
+        assert "again" in str(rotated)

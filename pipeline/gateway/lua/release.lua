@@ -1,11 +1,11 @@
 -- Undo `admit.lua` for one member in one scope (a later scope refused the request).
 -- KEYS[1] request log, KEYS[2] token log, KEYS[3] tokens in the log. ARGV: window ms, member, tokens.
+-- window.lua comes first: now, weight(), settle(), touch().
 local window, tokens = tonumber(ARGV[1]), tonumber(ARGV[3])
+settle(KEYS[2], KEYS[3], now - window)
 redis.call('ZREM', KEYS[1], ARGV[2])
 if tokens > 0 and redis.call('ZREM', KEYS[2], ARGV[2] .. ':p|' .. tokens) == 1 then
   redis.call('DECRBY', KEYS[3], tokens)
 end
-for i = 1, 3 do  -- as admit.lua's touch()
-  if redis.call('PTTL', KEYS[i]) < window then redis.call('PEXPIRE', KEYS[i], window + 1000) end
-end
+touch(window, 3)
 return 1

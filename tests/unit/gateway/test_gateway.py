@@ -15,6 +15,7 @@ from pipeline.metrics import GATEWAY_DEGRADED
 from tests.unit.gateway.helpers import rig
 from tests.unit.helpers import MODEL, request
 from topics.errors import ErrorCode
+from topics.requests import Sampling
 from topics.stream import Done, FinishReason, Usage
 
 pytestmark = pytest.mark.asyncio
@@ -126,16 +127,17 @@ async def test_requests_per_minute_with_retry_after_and_the_window_sliding() -> 
     await r.gateway.admit(request("r4", api_key=raw))
 
 
-async def test_tokens_per_minute_count_prompts_at_admission_and_completions_at_the_end() -> None:
+async def test_tokens_per_minute_reserve_the_prompt_and_max_tokens_and_charge_what_was_used() -> None:
     r = rig(chars_per_token=1)
     raw, _ = await r.keys.create("acme", tpm=100)
-    forwarded, _ = await r.gateway.admit(request("a", api_key=raw))  # "hello there": 11 tokens estimated
-    await r.gateway.finish(Done(id="acme/a", reply_to="x", chunks=1, digest="", finish_reason=FinishReason.stop,
-                                usage=Usage(prompt_tokens=11, completion_tokens=85), tenant="acme", model=MODEL, created_at=1.0))
-    error = await refusal(r.gateway.admit(request("b", api_key=raw)))
+    await r.gateway.admit(request("a", api_key=raw, sampling=Sampling(max_tokens=85)))  # "hello there": 11 + 85
+    error = await refusal(r.gateway.admit(request("b", api_key=raw)))  # 11 + 8 more: over 100
     assert error.code is ErrorCode.rate_limited and error.rate_limit is not None and error.rate_limit.resource == "tokens"
-    big = await refusal(r.gateway.admit(request("c", api_key=raw, prompt="x" * 101, messages=())))
-    assert big.code is ErrorCode.invalid_request
+    await r.gateway.finish(Done(id="acme/a", reply_to="x", chunks=1, digest="", finish_reason=FinishReason.stop,
+                                usage=Usage(prompt_tokens=11, completion_tokens=40), tenant="acme", model=MODEL, created_at=1.0))
+    await r.gateway.admit(request("b", api_key=raw))  # 51 held: 45 unused tokens were given back
+    big = await refusal(r.gateway.admit(request("c", api_key=raw, prompt="x" * 93, messages=())))  # 93 + 8 > 100
+    assert big.code is ErrorCode.invalid_request and "lower max_tokens" in big.message
 
 
 async def test_budgets_refuse_once_spend_reaches_them() -> None:
