@@ -100,7 +100,7 @@ def _build(node: Node, settings: Settings, backends: Mapping[str, Backend], work
         from pipeline.stages.cache import CacheStage
 
         embedder = load_embedder(settings.model_cache, threads=1) if settings.cache.semantic or _any_semantic(settings) else None
-        return CacheStage(settings.cache, t, exact_tier(settings), embedder, name=name)
+        return CacheStage(settings.cache, t, exact_tier(settings), embedder, state_store(settings, name), name=name)
     if node.kind == "guard":
         from pipeline.guard.loader import InputGuard
         from pipeline.stages.guard import GuardStage

@@ -16,11 +16,13 @@ from pipeline.cache import keys
 from pipeline.cache.config import MAX_TTL_S, CacheSettings, TenantCache
 from pipeline.cache.exact import MemoryExactTier
 from pipeline.cache.index import Found
+from pipeline.errors import InfraUnavailable, StageError
 from pipeline.guard.embedder import DIMS, load_embedder
 from pipeline.settings import Settings
 from pipeline.stage import Address, address_of
 from pipeline.stages.cache import CacheStage
 from pipeline.stages.emit import EmitStage
+from pipeline.state import MemoryStateStore
 from pipeline.topology import graph
 from tests.unit.fakes import run_handler
 from tests.unit.helpers import SETTINGS, admitted, node, request
@@ -311,3 +313,86 @@ async def test_a_semantic_entry_of_another_tenant_or_model_is_never_served(embed
         stage.index.search = lambda *_, found=Found(entry, 1.0): found  # type: ignore[method-assign]
         outs = await run_handler(stage, message)
         assert (outs[0].topic != CACHE.topics.forward) is served
+
+
+def answer(key: str, chunks: tuple[str, ...], tenant: str = "acme") -> Entry:
+    """An answer emit stored under `key` (another request's, with the same key or a paraphrase)."""
+    now = time.time()
+    return Entry(key=key, tenant=tenant, model=request("x").model, context="c", chunks=chunks, finish_reason="stop",
+                 prompt_tokens=1, completion_tokens=len(chunks), stored_at=now, expires_at=now + 60.0)
+
+
+def workers(exact: MemoryExactTier, embedder: object = None) -> tuple[CacheStage, CacheStage]:
+    """Two cache workers sharing the exact tier and the state store: A's try, then B's redelivery."""
+    store = MemoryStateStore()
+    return (CacheStage(CacheSettings(), CACHE.topics, exact, embedder, store),  # type: ignore[arg-type]
+            CacheStage(CacheSettings(), CACHE.topics, exact, None, store))
+
+
+async def test_a_redelivered_miss_is_not_answered_from_an_entry_stored_meanwhile() -> None:
+    """Review found it (session 47): worker A missed and forwarded, then died before its commit; an answer
+    for the same key was stored meanwhile; worker B replayed it on the redelivery while A's generation
+    streamed, and emit, which keeps the first chunk of each seq, gave the client a splice of the two."""
+    exact = MemoryExactTier()
+    a, b = workers(exact)
+    message = chat("What is the capital of Austria?", "v1")
+    [forwarded] = await run_handler(a, message)
+    assert forwarded.topic == CACHE.topics.forward
+    await exact.put(answer(keys.exact_key("acme", message.request), ("Vienna ", " the capital.")))
+    redelivered = await run_handler(b, message)
+    address = address_of(forwarded.value)
+    assert address is not None
+    generated = ("Vienna ", "is the capital.")
+    events = [address.chunk(0, generated[0]), *(o.value for o in redelivered if o.topic == CACHE.topics.stream),
+              address.chunk(1, generated[1]),
+              address.done(chunks=2, digest=digest_of(generated), finish=FinishReason.stop, usage=Usage(7, 2), timings={})]
+    emit = EmitStage(SETTINGS, EMIT.topics)
+    sent = [o.value for e in events for o in await run_handler(emit, e) if o.topic == message.request.reply_to]
+    assert [c.text for c in sent if isinstance(c, Chunk)] == list(generated) and isinstance(sent[-1], Done)
+    assert [o.topic for o in redelivered] == [CACHE.topics.forward] and redelivered[0].value.cache == forwarded.value.cache
+
+
+async def test_a_redelivered_hit_replays_the_same_answer_or_none() -> None:
+    """The reverse: a hit whose entry is gone (expired, evicted, stored again with another answer) on its
+    redelivery was generated, and the generation could splice into the replay. It ends `unavailable`."""
+    exact = MemoryExactTier()
+    a, b = workers(exact)
+    message = chat("What is the capital of Austria?", "v2")
+    key = keys.exact_key("acme", message.request)
+    await exact.put(answer(key, ("Vienna ", "is the capital.")))
+    first = await run_handler(a, message)
+    again = await run_handler(b, message)
+    assert [(o.topic, getattr(o.value, "text", None)) for o in again] == [(o.topic, getattr(o.value, "text", None)) for o in first]
+    assert first[-1].topic == CACHE.topics.stream and first[-1].value.cache is CacheTier.exact  # type: ignore[attr-defined]
+    for gone in (answer(key, ("Vienna.",)), None):  # stored again with another answer, then purged
+        await exact.purge(keys.scope("acme"))
+        if gone is not None:
+            await exact.put(gone)
+        with pytest.raises(StageError) as ended:
+            await run_handler(b, message)
+        assert ended.value.code is ErrorCode.unavailable and ended.value.retriable
+
+
+async def test_a_redelivered_semantic_hit_is_replayed_by_a_worker_whose_index_lacks_it(embedder) -> None:  # type: ignore[no-untyped-def]
+    exact = MemoryExactTier()
+    a, b = workers(exact, embedder)
+    message = chat("How can I reset my password?", "v3")
+    entry = answer(keys.scope("acme", message.request.model) + "paraphrase", ("Open ", "settings."))
+    await exact.put(entry)  # emit stores every answer in the exact tier, under its own request's key
+    a.index.search = lambda *_: Found(entry, 1.0)  # type: ignore[method-assign]
+    first = await run_handler(a, message)
+    again = await run_handler(b, message)  # no embedder, an empty index: its own lookup misses
+    assert [o.topic for o in again] == [CACHE.topics.stream] * 3
+    assert [o.value for o in again[:-1]] == [o.value for o in first[:-1]] and again[-1].value.cache is CacheTier.semantic  # type: ignore[attr-defined]
+
+
+async def test_the_state_store_away_is_waited_for_and_a_no_cache_request_records_nothing() -> None:
+    class Away(MemoryStateStore):
+        async def claim(self, key: str, field: str, value: bytes) -> bool:
+            raise InfraUnavailable("redis state store: ConnectionError")
+
+    stage = CacheStage(CacheSettings(), CACHE.topics, MemoryExactTier(), None, Away())
+    with pytest.raises(InfraUnavailable):  # the runner's backoff, as for every stage that claims
+        await run_handler(stage, chat("Name a colour.", "v4"))
+    [out] = await run_handler(stage, chat("Name a colour.", "v5", no_cache=True))  # it never reads the cache
+    assert out.topic == CACHE.topics.forward and out.value.cache is not None  # type: ignore[attr-defined]
