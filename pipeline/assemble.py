@@ -52,7 +52,8 @@ def _any_semantic(settings: Settings) -> bool:
 def _stats(config: BackendSettings, stage: str, settings: Settings) -> BackendStats:
     """What a generation stage reports of its backend; `worker` tells this process's stage from others."""
     worker = f"{stage}:{socket.gethostname()}:{os.getpid()}"
-    return BackendStats(config.name, config.pool, worker, config.max_batch, settings.routing.eject_after)
+    return BackendStats(config.name, config.pool, worker, config.max_batch, settings.routing.eject_after,
+                        routing=settings.routing)
 
 
 def pool_backend(node: Node, settings: Settings, backends: Mapping[str, Backend]) -> Backend:

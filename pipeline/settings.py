@@ -312,7 +312,7 @@ class Settings:
             raise SettingsError("; ".join(problems))
         if problems := self.cache.problems(self.models):
             raise SettingsError("; ".join(problems))
-        if problems := self.routing.problems(frozenset(names)):
+        if problems := self.routing.problems({b.name: b.model for b in self.backends}, frozenset(self.gateway.prices)):
             raise SettingsError("; ".join(problems))
         if problems := self.batch.problems():
             raise SettingsError("; ".join(problems))

@@ -1,8 +1,9 @@
 """`[routing]` and `[[routing.rules]]` in sluice.toml.
 
 Rules are tried in order; the first that matches a request names its candidate backends (in order of
-preference). A request no rule matches is served by the backends of its model, in config order. A
-field left empty (or 0) matches anything.
+preference): those of its `backends` that serve the request's model, never another model's (a rule
+with none for it does not match it). A request no rule matches is served by the backends of its model,
+in config order. A field left empty (or 0) matches anything.
 
     [[routing.rules]]
     name = "code-to-the-big-pool"
@@ -11,12 +12,13 @@ field left empty (or 0) matches anything.
     languages = ["en"]               # detected offline from the last user turn (py3langid)
     max_prompt_chars = 8000
     backends = ["gpu-a", "gpu-b", "local"]
-    max_cost_per_1k = 0.5            # only candidates whose model's price is at most this
-    ttft_p95_ms = 800                # only candidates whose reported TTFT p95 meets this (when known)
+    max_cost_per_1k = 0.5            # refused when the model's price is above this (every backend needs a price)
+    ttft_p95_ms = 800                # candidates whose reported TTFT p95 meets it (or is unknown) first
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 
@@ -49,13 +51,24 @@ class RoutingSettings:
     affinity_slack: int = 3  # requests of slack on that share, and running above the mean now that pass it over too
     rules: tuple[RouteRule, ...] = ()
 
-    def problems(self, backends: frozenset[str]) -> list[str]:
+    def term_s(self, ejections: int) -> float:
+        """How long a backend's `ejections`-th ejection in a row lasts."""
+        return min(self.ejection_s * ejections, self.max_ejection_s)
+
+    def problems(self, models: Mapping[str, str], priced: Collection[str]) -> list[str]:
+        """`models`: each backend's model, by backend name; `priced`: the models gateway.prices names."""
         found = []
         for rule in self.rules:
             if not rule.backends:
                 found.append(f"routing rule {rule.name!r} names no backends")
-            if unknown := sorted(set(rule.backends) - backends):
+            if unknown := sorted(set(rule.backends) - set(models)):
                 found.append(f"routing rule {rule.name!r} names unknown backends {unknown}")
+            served = {models[b] for b in rule.backends if b in models}
+            if rule.models and served and not served & set(rule.models):
+                found.append(f"routing rule {rule.name!r} can match no request: none of its backends serves {list(rule.models)}")
+            for backend in (b for b in rule.backends if rule.max_cost_per_1k and b in models and models[b] not in priced):
+                found.append(f"routing rule {rule.name!r} has a cost ceiling but backend {backend!r} serves "
+                             f"{models[backend]!r}, which gateway.prices gives no price")
             if rule.priority not in ("", "interactive", "batch"):
                 found.append(f"routing rule {rule.name!r}: priority must be interactive or batch")
         if self.eject_after < 1 or self.ejection_s <= 0:

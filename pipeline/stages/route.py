@@ -2,11 +2,14 @@
 as its fallbacks.
 
 Candidates: the first `[[routing.rules]]` entry that matches the request (model, task, detected
-language, tenant, priority lane, prompt length, `max_tokens`) names them, else the backends serving the
-request's model. A rule's cost ceiling drops candidates whose model costs more per 1K tokens; its
-latency objective prefers candidates whose reported time to first token meets it. Among the rest,
-`pipeline.routing.choose` orders them by health (ejected backends last resort only), prefix affinity
-and load, from what every generation worker reports on `llm.backend.health` (read whole: `on_table`).
+language, tenant, priority lane, prompt length, `max_tokens`) and has backends serving the request's
+model names them (those backends only, in the rule's order: a rule never sends a request to another
+model, whatever the client's task header says), else the backends serving the request's model. A rule's
+cost ceiling refuses the request when its model costs more per 1K tokens, or has no price (fail closed);
+its latency objective puts candidates whose reported time to first token meets it first.
+`pipeline.routing.choose` orders the candidates by health (silent and ejected backends last resort
+only), prefix affinity and load, from what every generation worker reports on `llm.backend.health`
+(read whole: `on_table`) and what this process sent since (`HealthView.sent`).
 """
 
 from __future__ import annotations
@@ -58,8 +61,7 @@ class RouteStage:
     def choose(self, admitted: Admitted) -> Route:
         request = admitted.request
         prefix = _prefix(request)
-        rule = next((r for r in self._routing.rules if _matches(r, request, admitted.tenant, len(prefix))), None)
-        names = list(rule.backends) if rule is not None else self._by_model.get(request.model, [])
+        rule, names = self._candidates(admitted, prefix)
         if not names:
             raise StageError(ErrorCode.not_found, "no backend serves this model")
         if rule is not None and rule.max_cost_per_1k:
@@ -71,11 +73,22 @@ class RouteStage:
         objective = rule.ttft_p95_ms if rule is not None else 0.0
         ordered = choose(names, members, prefix, self._routing, objective, self._rng, self._affinity)
         first = self._backends[ordered[0]]
+        self.health.sent(first.name)
         return Route(backend=first.name, pool=first.pool, fallbacks=tuple(ordered[1:]))
 
+    def _candidates(self, admitted: Admitted, prefix: str) -> tuple[RouteRule | None, list[str]]:
+        """The first matching rule with backends of the request's model, and those; else none and the model's."""
+        model = admitted.request.model
+        for rule in self._routing.rules:
+            serving = [n for n in rule.backends if self._backends[n].model == model]
+            if serving and _matches(rule, admitted.request, admitted.tenant, len(prefix)):
+                return rule, serving
+        return None, self._by_model.get(model, [])
+
     def _price(self, backend: str) -> float:
+        """Per 1K tokens, prompt + completion; no price: infinite (settings refuse a ceiling over one)."""
         price = self._prices.get(self._backends[backend].model)
-        return price.prompt_per_1k + price.completion_per_1k if price is not None else 0.0
+        return price.prompt_per_1k + price.completion_per_1k if price is not None else float("inf")
 
     async def handle(self, message: Admitted) -> AsyncIterator[Out]:
         clock = Stopwatch()

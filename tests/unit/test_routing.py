@@ -35,6 +35,14 @@ ROUTING = RoutingSettings()
 NAMES = ["a", "b", "c"]
 
 
+class FakeClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
 def members(**loads: float) -> dict[str, Member]:
     return {n: Member(load=loads.get(n, 0.0), ejected=False, ttft_p95_ms=0.0, known=True) for n in NAMES}
 
@@ -45,16 +53,16 @@ async def test_power_of_two_choices_never_picks_the_most_loaded_of_three() -> No
     assert picks["a"] == 0 and picks["b"] > picks["c"] > 0
 
 
-async def test_ejected_backends_are_skipped_unless_every_one_is() -> None:
+async def test_ejected_backends_are_only_a_last_resort() -> None:
     view = members()
     view["b"] = dataclasses.replace(view["b"], ejected=True)
     assert all(choose(NAMES, view, "", ROUTING)[0] != "b" for _ in range(50))
-    assert "b" not in choose(NAMES, view, "", ROUTING)
+    assert choose(NAMES, view, "", ROUTING)[-1] == "b"  # listed last, not dropped (session 47: it was dropped)
     all_out = {n: dataclasses.replace(m, ejected=True) for n, m in view.items()}
     assert sorted(choose(NAMES, all_out, "", ROUTING)) == NAMES  # panic: better tried than refused
 
 
-async def test_a_backend_that_went_silent_draws_no_traffic() -> None:
+async def test_a_backend_that_went_silent_draws_no_traffic_while_others_are_up() -> None:
     view = HealthView(ROUTING)
     now = time.time()
     for name, in_flight in (("a", 3), ("b", 3)):
@@ -62,7 +70,7 @@ async def test_a_backend_that_went_silent_draws_no_traffic() -> None:
     view.apply(BackendHealth("c", "pc", "w1", now - 60, 0, 4, 0, 0, 0.0, 0.0, 0.0))  # its last word: idle, a minute ago
     current = {n: view.member(n, now) for n in NAMES}
     assert current["c"].silent and not current["a"].silent
-    assert all("c" not in choose(NAMES, current, "", ROUTING) for _ in range(50))
+    assert all(choose(NAMES, current, "", ROUTING)[-1] == "c" for _ in range(50))  # a last resort, not dropped
     never = {**current, "c": view.member("never-reported", now)}  # unknown (a new backend): still tried
     assert any(choose(NAMES, never, "", ROUTING)[0] == "c" for _ in range(50))
     gone = {n: dataclasses.replace(m, silent=True) for n, m in current.items()}
@@ -119,22 +127,32 @@ async def test_a_prefix_spreads_to_another_backend_when_its_own_is_busy_or_takes
     assert len(placed) == 1  # a prefix that is not more than one backend's share stays on one
 
 
-async def test_a_failure_streak_ejects_for_a_growing_term_and_a_success_ends_it() -> None:
+async def test_a_failure_streak_ejects_for_a_growing_term_and_a_success_after_it_resets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A success used to end an ejection at once and reset its growing term, even one of a request that
+    started before the ejection (session 47): now it ends nothing while the term runs; after it, it resets."""
+    clock = FakeClock(1_000_000.0)
+    monkeypatch.setattr("pipeline.routing.stats.time", clock)
     stats = BackendStats("a", "pa", "w1", capacity=4, eject_after=5)
     view = HealthView(ROUTING)
     published = [stats.finished(failed=True) for _ in range(5)]
     assert published == [False, False, False, False, True]  # the 5th failure is reported at once
-    view.apply(stats.report())
-    now = time.time()
-    assert view.member("a", now).ejected and not view.member("a", now + 31).ejected
+    view.apply(stats.report(), now=clock.now)
+    assert view.member("a", clock.now).ejected and not view.member("a", clock.now + 31).ejected
     for _ in range(5):
         stats.finished(failed=True)
-    view.apply(stats.report())
-    assert view.member("a", time.time() + 31).ejected  # the second ejection lasts 60 s
-    stats.finished(failed=False)
-    view.apply(stats.report())
-    assert not view.member("a", time.time()).ejected
-    assert view.member("zzz", time.time()) == UNKNOWN
+    view.apply(stats.report(), now=clock.now)
+    assert view.member("a", clock.now + 31).ejected  # the second ejection lasts 60 s
+    stats.finished(failed=False)  # during the term: ends nothing
+    view.apply(stats.report(), now=clock.now)
+    assert view.member("a", clock.now + 59).ejected and stats.ejections == 2
+    clock.now += 61
+    stats.finished(failed=False)  # after the term: the streak and the growth are over
+    assert (stats.streak, stats.ejections) == (0, 0)
+    for _ in range(5):
+        stats.finished(failed=True)
+    view.apply(stats.report(), now=clock.now)
+    assert view.member("a", clock.now + 29).ejected and not view.member("a", clock.now + 31).ejected  # 30 s again
+    assert view.member("zzz", clock.now) == UNKNOWN
 
 
 async def test_load_is_summed_over_a_backends_fresh_reports() -> None:
@@ -245,3 +263,94 @@ async def test_the_health_view_forgets_workers_past_a_bound() -> None:
     for n in range(MAX_WORKERS * 3):  # a restart (or a forged record) per name
         view.apply(BackendHealth("a", "pa", f"w{n}", now - 3600 + n, 0, 4, 0, 0, 0.0, 0.0, 0.0), now=now)
     assert len(view._reports["a"]) <= MAX_WORKERS
+
+
+def two_model_settings(*rules: RouteRule, prices: dict[str, ModelPrice] | None = None) -> Settings:
+    """`a` serves model "big"; `b` and `c` serve "m"."""
+    backends = tuple(BackendSettings(name=n, model=m, pool=f"p{n}", kind="openai", base_url="http://127.0.0.1:1/v1")
+                     for n, m in (("a", "big"), ("b", "m"), ("c", "m")))
+    prices = {"m": ModelPrice(0.1, 0.2), "big": ModelPrice(1.0, 2.0)} if prices is None else prices
+    base = Settings()
+    return dataclasses.replace(base, backends=backends, routing=RoutingSettings(rules=rules),
+                               gateway=dataclasses.replace(base.gateway, prices=prices))
+
+
+async def test_a_rule_sends_a_request_only_to_its_backends_that_serve_the_requested_model() -> None:
+    """A rule with no `models` matched every model and named its backends whatever they serve: a request for
+    "m" with the client's `x-sluice-task: code` went to the backend of "big" (served, billed and cached as
+    "m") (docs/reliability.md, session 47)."""
+    stage = route_stage(two_model_settings(RouteRule(name="code", backends=("a", "b"), tasks=("code",))))
+    for i in range(20):
+        small = stage.choose(admitted(request(f"s{i}", model="m", task="code")))
+        assert (small.backend, small.fallbacks) == ("b", ())  # the rule's backends of "m", in the rule's order
+        big = stage.choose(admitted(request(f"b{i}", model="big", task="code")))
+        assert (big.backend, big.fallbacks) == ("a", ())
+    only_big = route_stage(two_model_settings(RouteRule(name="code", backends=("a",), tasks=("code",))))
+    fallthrough = only_big.choose(admitted(request("r1", model="m", task="code")))
+    assert {fallthrough.backend, *fallthrough.fallbacks} == {"b", "c"}  # no backend of "m": the model's own
+
+
+async def test_a_latency_objective_orders_and_does_not_drop_candidates() -> None:
+    """The objective, ejection and silence filtered: the first choice failing before its first token had no
+    fallback (502) while healthy backends were left (docs/reliability.md, session 47)."""
+    view = members()
+    view["b"] = dataclasses.replace(view["b"], ttft_p95_ms=900.0)
+    view["c"] = dataclasses.replace(view["c"], ttft_p95_ms=900.0)
+    for _ in range(20):
+        assert choose(NAMES, view, "", ROUTING, ttft_objective_ms=800)[0] == "a"
+        assert sorted(choose(NAMES, view, "", ROUTING, ttft_objective_ms=800)) == NAMES
+    view["b"] = dataclasses.replace(view["b"], ejected=True)
+    view["c"] = dataclasses.replace(view["c"], silent=True)
+    assert choose(NAMES, view, "", ROUTING, ttft_objective_ms=800) == ["a", "c", "b"]  # healthy, silent, ejected
+
+
+async def test_power_of_two_choices_counts_what_it_sent_since_the_last_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Load came only from the once-a-second reports, so for a whole second every request went to the backend
+    that had looked lighter (docs/reliability.md, session 47)."""
+    clock = FakeClock(1_000_000.0)
+    monkeypatch.setattr("pipeline.stages.route.time", clock)
+    stage = route_stage(settings_with())
+    for name, in_flight in (("a", 1), ("b", 2), ("c", 2)):
+        await stage.on_table(BackendHealth(name, f"p{name}", "w1", clock.now, in_flight, 16, 0, 0, 0.0, 0.0, 0.0))
+    sent: Counter[str] = Counter()
+    for i in range(60):  # 60 requests within one report interval
+        clock.now += 0.01
+        sent[stage.choose(admitted(request(f"r{i}", model="m"))).backend] += 1
+    assert max(sent.values()) <= 24 and min(sent.values()) >= 16, sent  # about a third each, not a's 2/3
+    for name in NAMES:  # a newer report counts what reached the backend: what route counted is dropped
+        stage.health.apply(BackendHealth(name, f"p{name}", "w1", clock.now, 0, 16, 0, 0, 0.0, 0.0, 0.0), now=clock.now)
+    assert all(stage.health.member(n, clock.now).load == 0.0 for n in NAMES)
+
+
+async def test_a_backend_without_a_price_fails_a_cost_ceiling_closed() -> None:
+    """A model with no price passed every cost ceiling (price read as 0) (docs/reliability.md, session 47)."""
+    stage = route_stage(two_model_settings(RouteRule(name="cheap", backends=("b", "c"), max_cost_per_1k=5.0), prices={}))
+    with pytest.raises(StageError):
+        stage.choose(admitted(request("r1", model="m")))
+
+
+async def test_a_success_during_an_ejection_term_does_not_end_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream that started before the ejection and ended well un-ejected its backend at the next report
+    and reset the growing term (docs/reliability.md, session 47)."""
+    clock = FakeClock(1_000_000.0)
+    monkeypatch.setattr("pipeline.routing.stats.time", clock)
+    stats = BackendStats("a", "pa", "w1", capacity=4, eject_after=5)
+    view = HealthView(ROUTING)
+    for _ in range(6):
+        stats.started()  # the 6th: a long stream, still running when the backend is ejected
+    for _ in range(5):
+        stats.finished(failed=True)
+    clock.now += 10
+    stats.finished(failed=False)  # the long stream ends well, 10 s into the 30 s term
+    view.apply(stats.report(), now=clock.now)
+    assert view.member("a", clock.now).ejected and not view.member("a", clock.now + 21).ejected
+    for _ in range(5):
+        stats.finished(failed=True)  # still failing: the second ejection's term is 60 s
+    view.apply(stats.report(), now=clock.now)
+    assert view.member("a", clock.now + 59).ejected
+    longer = BackendStats("a", "pa", "w2", capacity=4, eject_after=5, routing=RoutingSettings(ejection_s=60.0))
+    for _ in range(5):
+        longer.finished(failed=True)
+    clock.now += 45
+    longer.finished(failed=False)  # within the configured 60 s term
+    assert longer.ejected(clock.now) and longer.ejections == 1

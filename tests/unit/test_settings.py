@@ -316,3 +316,22 @@ def test_not_a_number_and_infinity_are_refused_where_they_would_disable_a_bound(
     with pytest.raises(SettingsError) as caught:
         load_text(tmp_path, toml)
     assert expected in str(caught.value)
+
+
+def test_a_cost_ceiling_over_a_backend_without_a_price_is_refused(tmp_path: Path) -> None:
+    """Its model read as free and passed any ceiling (docs/reliability.md, session 47)."""
+    two = ('[[backends]]\nname = "gpu-a"\nmodel = "m"\npool = "a"\n[[backends]]\nname = "gpu-b"\nmodel = "n"\npool = "b"\n'
+           '[gateway.prices.m]\nprompt_per_1k = 0.1\n'
+           '[[routing.rules]]\nname = "cheap"\nbackends = ["gpu-a", "gpu-b"]\nmax_cost_per_1k = 0.5\n')
+    with pytest.raises(SettingsError, match="routing rule 'cheap' has a cost ceiling but backend 'gpu-b'"):
+        load_text(tmp_path, two)
+    assert load_text(tmp_path, two.replace('"gpu-a", "gpu-b"]', '"gpu-a"]')).routing.rules[0].backends == ("gpu-a",)
+
+
+def test_a_rule_whose_backends_serve_none_of_its_models_is_refused(tmp_path: Path) -> None:
+    """A rule sends a request only to its backends of the request's model (session 47): this one never would."""
+    two = ('[[backends]]\nname = "gpu-a"\nmodel = "m"\npool = "a"\n[[backends]]\nname = "gpu-b"\nmodel = "n"\npool = "b"\n'
+           '[[routing.rules]]\nname = "r"\nmodels = ["n"]\nbackends = ["gpu-a"]\n')
+    with pytest.raises(SettingsError, match="routing rule 'r' can match no request: none of its backends serves"):
+        load_text(tmp_path, two)
+    assert load_text(tmp_path, two.replace('["gpu-a"]', '["gpu-a", "gpu-b"]')).routing.rules[0].models == ("n",)
