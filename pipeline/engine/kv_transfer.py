@@ -1,6 +1,7 @@
 """A sequence's state as bytes, so a decode worker in another process continues it: its tokens, its
 request fields, and the K/V of every computed token. Encoded as safetensors (tensors plus a JSON
-header; no pickle), checked against the importing engine's model shape and block-independent.
+header; no pickle), checked against the importing engine's model (shape, dtype and a digest of its
+weights) and block-independent.
 
 Neither direction copies the K/V on its own: `to_buffers` hands out the header and the tensors' memory
 (a writer puts them in a file with one `writev`), and `from_buffer` reads the tensors in place from
@@ -31,7 +32,7 @@ _MAX_HEADER = 1 << 24  # a header this large is not one we wrote (prompt ids of 
 @dataclass(frozen=True)
 class KVState:
     request: EngineRequest  # prompt and completion so far (the last completion token has no KV yet)
-    model: str  # a fingerprint of the model shape and dtype the K/V belong to
+    model: str  # a fingerprint of the model (shape, dtype, weights digest) the K/V belong to
     k: torch.Tensor  # [layers, computed tokens, kv_heads, head_dim]
     v: torch.Tensor
 

@@ -7,7 +7,8 @@ rotary embedding with the config's rope_theta), so greedy output matches `genera
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ from pipeline.engine.config import ModelConfig
 from pipeline.engine.packed_linear import linear
 
 __all__ = ["LayerWeights", "LlamaWeights", "rms_norm", "rotary", "apply_rotary"]
+
+DIGEST_SAMPLE = 4096  # values of each tensor that `LlamaWeights.digest` reads
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,25 @@ class LlamaWeights:
         )
         embed = w(config.vocab_size, h)
         return cls(embed=embed, layers=layers, norm=ones(), lm_head=embed)
+
+    def digest(self) -> str:
+        """sha256 (hex) over every tensor's role, shape, dtype and DIGEST_SAMPLE of its values, evenly
+        strided through it (an odd stride, so a matrix is not read down one column). Two loads of one
+        checkpoint in one dtype agree, whether read from disk or shared by a transformers model; other
+        weights of the same shape (a fine-tune, a re-conversion of a changed source) differ unless every
+        sampled value is equal. Taken of plain tensors, before `pack`: 11-45 ms for SmolLM2-135M on a
+        busy 2-core CPU (1-2% of its `ModelRunner.from_path`), against 560 ms to hash every byte and
+        170 ms to sum every value as an integer."""
+        h = hashlib.sha256()
+        named = [("embed", self.embed), ("norm", self.norm), ("lm_head", self.lm_head)]
+        for i, layer in enumerate(self.layers):
+            named += [(f"{i}.{f.name}", getattr(layer, f.name)) for f in fields(layer) if getattr(layer, f.name) is not None]
+        for name, tensor in named:
+            flat = tensor.reshape(-1)
+            sample = flat[:: flat.numel() // DIGEST_SAMPLE | 1][:DIGEST_SAMPLE]
+            h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+            h.update(sample.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

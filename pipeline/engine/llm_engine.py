@@ -67,8 +67,12 @@ class LLMEngine:
 
     @property
     def model_fingerprint(self) -> str:
+        """The model a KV state must come from to be imported here: its shape, dtype and a digest of its
+        weights (`LlamaWeights.digest`), so a checkpoint of the same shape with other weights (a
+        fine-tune, a re-conversion during a rolling update) never hands its K/V to this one."""
         c = self.runner.model_config
-        return f"{c.num_layers}x{c.num_kv_heads}x{c.head_dim}/{c.vocab_size}/{c.rope_theta}/{self.config.dtype}"
+        shape = f"{c.num_layers}x{c.num_kv_heads}x{c.head_dim}/{c.vocab_size}/{c.rope_theta}/{self.config.dtype}"
+        return f"{shape}/{self.runner.weights_digest[:16]}"
 
     def export_kv(self, seq: Sequence, *, staged: bool = False) -> KVState:
         """The state of a parked (or otherwise idle) sequence; it stays where it is. `staged`: its K/V

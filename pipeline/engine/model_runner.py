@@ -92,6 +92,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         cpu = self.device.type == "cpu"
+        # which weights the KV pool's K/V come from (`LLMEngine.model_fingerprint`): of the plain tensors, once
+        self.weights_digest = weights.digest()
         self.weights = pack(weights) if cpu and config.packed_weights else weights  # reordered once for oneDNN
         self.dtype = _DTYPES[config.dtype]
         # The KV pool's dtype, in which attention computes: the model's, except on a CPU, where PyTorch's

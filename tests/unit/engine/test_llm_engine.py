@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from pipeline.engine.config import EngineConfig, ModelConfig
+from pipeline.engine.errors import KVMismatch
 from pipeline.engine.kv_transfer import KVState
+from pipeline.engine.llama import LlamaWeights
+from pipeline.engine.llm_engine import LLMEngine
+from pipeline.engine.model_runner import ModelRunner
 from pipeline.engine.params import EngineRequest, SamplingParams
 from pipeline.engine.sequence import SequenceStatus
-from tests.unit.engine.conftest import Loaded, chat_ids, make_engine
+from pipeline.models import convert_default_model
+from tests.unit.engine.conftest import MODEL_CACHE, Loaded, chat_ids, make_engine
 
 SYSTEM = "You are a helpful assistant who answers briefly and politely, in plain English. " * 3
 
@@ -53,6 +60,38 @@ def test_export_then_import_continues_identically(loaded: Loaded) -> None:
     while target.has_unfinished():
         target.step()
     assert moved.completion_ids == whole
+
+
+TINY = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=True,
+)
+
+
+def tiny_engine(seed: int) -> LLMEngine:
+    weights = LlamaWeights.random(TINY, "cpu", torch.float32, seed=seed)
+    return LLMEngine(ModelRunner(TINY, weights, EngineConfig(num_blocks=16, block_size=4, max_num_batched_tokens=64)))
+
+
+def test_kv_of_other_weights_of_the_same_shape_is_refused_and_never_cached() -> None:
+    source, other = tiny_engine(seed=0), tiny_engine(seed=1)  # a fine-tune of the same architecture
+    seq = source.add_request(EngineRequest(tuple(range(1, 14)), 4), park_after_first=True)
+    while seq.status is not SequenceStatus.PARKED:
+        source.step()
+    state = KVState.from_buffer(source.export_kv(seq).to_bytes())
+    with pytest.raises(KVMismatch):
+        other.import_kv(state, seq.to_request())
+    assert other.block_manager.num_free_blocks == other.block_manager.num_blocks
+    other.generate([EngineRequest(state.request.prompt_ids, 1)])  # computes its own KV: none of source's was cached
+    assert other.block_manager.hit_blocks == 0
+    same = tiny_engine(seed=0)  # the same weights loaded again: the state fits
+    assert same.import_kv(state, seq.to_request()).num_computed_tokens == 13
+
+
+def test_the_weights_digest_is_the_same_loaded_from_disk_or_shared_by_transformers(loaded: Loaded) -> None:
+    shared = make_engine(loaded)
+    read = LLMEngine(ModelRunner.from_path(convert_default_model(MODEL_CACHE), shared.config))
+    assert read.model_fingerprint == shared.model_fingerprint
 
 
 def test_a_staged_export_equals_a_fresh_one_until_the_next_staged_export(loaded: Loaded) -> None:
