@@ -56,7 +56,9 @@ def apply_penalty(logits: torch.Tensor, params: SamplingParams, history: Ids[int
 
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy draw uses: temperature, then top-k, then top-p (the nucleus always
-    keeps the most likely token). Speculative decoding's rejection sampling compares these."""
+    keeps the most likely token), renormalised after each cut so it sums to 1: rejection sampling
+    compares p(token) with q(token) directly, and a nucleus summing to its mass S < 1 there kept a draft
+    with probability S * p(draft) instead of p(draft)."""
     logits = logits.float()
     # Shifted so that the largest is 0 before the division: a temperature of 1e-40 (the API allows any
     # above 0) then gives 0 and -inf, a one-hot draw, not inf / inf = NaN, which failed the whole step
@@ -71,4 +73,5 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly more likely tokens
         sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs

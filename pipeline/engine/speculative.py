@@ -9,8 +9,10 @@ One step (Leviathan et al. 2023; prompt lookup decoding for the n-gram proposer)
     3. acceptance keeps the longest run of drafts the target agrees with and adds one token of the
        target's own, so a step emits 1..k+1 tokens. Greedy (`accept_greedy`): a draft is kept while it
        equals the target's argmax, so the output is exactly the target's greedy output. Sampling
-       (`accept_rejection_sampling`): keep with probability min(1, p/q), else draw from
-       norm(max(0, p - q)), so the output is distributed as the target's samples;
+       with a draft model (`accept_rejection_sampling`): keep with probability min(1, p/q), else draw
+       from norm(max(0, p - q)), so the output is distributed as the target's samples. Sampling with
+       n-gram drafts (`accept_coupled`): draw each position's token as plain decoding would and keep
+       the drafts while they equal the draws, so the output is plain decoding's own tokens;
     4. the target's KV is truncated to the tokens kept; the target's own token is the next pending one.
 
 `AdaptiveDraftLength` moves k with the running acceptance rate. `SpeculativeDecoder` runs the loop
@@ -20,7 +22,7 @@ against the `TargetModel` protocol; `HuggingFaceModel` implements it over a tran
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -46,6 +48,7 @@ __all__ = [
     "SpeculativeDecoder",
     "SpeculativeStats",
     "TargetModel",
+    "accept_coupled",
     "accept_greedy",
     "accept_rejection_sampling",
     "to_probs",
@@ -152,6 +155,26 @@ def accept_greedy(draft_tokens: Sequence[int], target_logits: Tensor) -> list[in
     return [*draft_tokens[:n], choices[n]]
 
 
+def accept_coupled(draft_tokens: Sequence[int], draw: Callable[[int], int]) -> list[int]:
+    """Acceptance for deterministic drafts (n-gram, or a greedy draft): `draw(i)` is the token plain
+    decoding would draw at row i (the drafts before it taken as the text so far). Draft i is kept while
+    it equals draw(i); the first draw that differs is emitted and ends the step; when every draft is
+    kept, draw(k) is the bonus token. Rows are drawn only as far as they are needed.
+
+    For a proposal q one-hot at the draft this is the min(1, p/q) rule: a draft is kept with
+    probability p(draft), and a draw that differs is distributed as p without the draft, the residual
+    norm(max(0, p - q)); so it keeps as many drafts as rejection sampling. Unlike it, the emitted tokens
+    are exactly plain decoding's for the same draws, whether a step drafted or not and however many.
+    """
+    out: list[int] = []
+    for i, token in enumerate(draft_tokens):
+        out.append(draw(i))
+        if out[-1] != token:
+            return out
+    out.append(draw(len(draft_tokens)))
+    return out
+
+
 def accept_rejection_sampling(
     draft_tokens: Sequence[int],
     draft_probs: Tensor | None,
@@ -162,18 +185,16 @@ def accept_rejection_sampling(
 
     Draft i is kept with probability min(1, p(x)/q(x)); at the first rejection a token is drawn from
     norm(max(0, p - q)) and the step ends; when every draft is kept, a bonus token is drawn from row k
-    of `target_probs` ([k+1, vocab]). `draft_probs` ([k, vocab]) is None for a deterministic proposer
-    (n-gram, or a greedy draft): q is then one-hot at the draft. Either way each emitted token is
-    distributed exactly as a sample from the target.
+    of `target_probs` ([k+1, vocab]; each row normalised, as `to_probs` and `sampler.token_probs` give).
+    Each emitted token is distributed exactly as a sample from the target. `draft_probs` ([k, vocab])
+    is None for a deterministic proposer (n-gram, or a greedy draft): q is then one-hot at the draft and
+    the rule is `accept_coupled`, one draw from `generator` per emitted token as plain decoding makes.
     """
+    if draft_probs is None:
+        return accept_coupled(draft_tokens, lambda i: _draw(target_probs[i], generator))
     out: list[int] = []
     for i, token in enumerate(draft_tokens):
-        p = target_probs[i]
-        if draft_probs is None:
-            q = torch.zeros_like(p)
-            q[token] = 1.0
-        else:
-            q = draft_probs[i]
+        p, q = target_probs[i], draft_probs[i]
         if torch.rand((), generator=generator) * q[token] < p[token]:  # u < p/q, without dividing by q
             out.append(token)
             continue
@@ -208,6 +229,11 @@ class Generation:
 
 class SpeculativeDecoder:
     """The speculative loop for one sequence at a time. Without a proposer it is plain decoding.
+
+    With a deterministic proposer (n-gram) the tokens are plain decoding's, at temperature too: each
+    emitted token is one draw from `generator`, as without drafts. With a draft model at temperature
+    they are distributed as plain decoding's but are not the same draws (the draft draws from
+    `generator` too, and a kept draft is the draft's sample); a fixed generator seed still repeats them.
 
     `draft_length` keeps its running rate between `generate` calls: use one decoder per request (or per
     workload) when that should not carry over.

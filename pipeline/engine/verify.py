@@ -1,20 +1,24 @@
 """Verification of a chunk with drafts (scheduler.py's speculative decode steps): which of the drafts
 the target keeps, and the target's own token after them, from the chunk's logits at every position.
 
-Greedy: `accept_greedy`, so the output is exactly the target's greedy output. Temperature: rejection
-sampling with the n-gram drafts as a deterministic proposal (q one-hot at the draft: keep draft i with
-probability p_i(draft), else draw from p_i with the draft taken out), so every emitted token is
-distributed as the target's own sample. The repetition penalty of row i counts the drafts before it, as
-plain decoding would have counted them as tokens.
+The drafts are n-gram guesses, a deterministic proposal, so verification is plain decoding with a check
+(`accept_coupled`): row i draws exactly what plain decoding draws for the completion token at index
+`chunk.completion_index + i` (`sample_token`: the same penalty, the same distribution, the generator
+seeded by that index), a draft is kept while it equals the draw, and the first draw that differs is
+emitted and ends the step. Greedy: `accept_greedy`, the argmax of every row at once. Either way a
+sequence emits exactly the tokens plain decoding would, whether a step drafted or not and however many
+drafts the step's token budget and free blocks allowed, so a seeded request's tokens do not depend on
+the load around it, nor on whether a recompute or handoff speculated. The repetition penalty of row i
+counts the drafts before it, as plain decoding would have counted them as tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pipeline.engine.sampler import apply_penalty, seeded_generator, token_probs
+from pipeline.engine.sampler import apply_penalty, sample_token
 from pipeline.engine.scheduler import ScheduledChunk
-from pipeline.engine.speculative import accept_greedy, accept_rejection_sampling
+from pipeline.engine.speculative import accept_coupled, accept_greedy
 
 __all__ = ["verify"]
 
@@ -24,11 +28,13 @@ def verify(chunk: ScheduledChunk, logits: torch.Tensor) -> tuple[int, ...]:
     row i scores the token after `chunk.token_ids[i]`."""
     params = chunk.seq.sampling
     drafts = list(chunk.token_ids[1:])
-    if params.repetition_penalty != 1.0:
-        history = list(chunk.seq.token_ids)
-        logits = torch.stack([apply_penalty(logits[i], params, history + drafts[:i]) for i in range(logits.shape[0])])
+    history = list(chunk.seq.token_ids)
     if params.greedy:
+        if params.repetition_penalty != 1.0:
+            logits = torch.stack([apply_penalty(logits[i], params, history + drafts[:i]) for i in range(len(logits))])
         return tuple(accept_greedy(drafts, logits))
-    # seeded by the first new token's completion index: a recomputed step draws the same
-    generator = seeded_generator(params, chunk.completion_index)
-    return tuple(accept_rejection_sampling(drafts, None, token_probs(logits, params).cpu(), generator))
+
+    def draw(i: int) -> int:  # plain decoding's draw for this completion index, the drafts before it as text
+        return sample_token(logits[i], params, chunk.completion_index + i, history + drafts[:i])
+
+    return tuple(accept_coupled(drafts, draw))

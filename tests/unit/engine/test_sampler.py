@@ -46,3 +46,13 @@ def test_a_temperature_or_top_p_that_is_not_a_number_is_refused() -> None:
     for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")}):
         with pytest.raises(ValueError):  # NaN passed `< 0.0` and failed every row of its step in multinomial
             SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+def test_top_p_renormalises_the_nucleus() -> None:
+    """Rejection sampling compares p(draft) with q(draft): a nucleus summing to its mass (0.85 here) kept
+    drafts with probability 0.85 * p(draft)."""
+    logits = torch.log(torch.tensor([0.45, 0.40, 0.10, 0.05]))
+    probs = token_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert torch.allclose(probs, torch.tensor([0.45, 0.40, 0.0, 0.0]) / 0.85)
+    both = token_probs(logits, SamplingParams(temperature=0.7, top_k=3, top_p=0.9))
+    assert abs(float(both.sum()) - 1.0) < 1e-6

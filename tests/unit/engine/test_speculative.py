@@ -10,10 +10,13 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from pipeline.engine.params import SamplingParams
+from pipeline.engine.sampler import token_probs
 from pipeline.engine.speculative import (
     AdaptiveDraftLength,
     DraftModelProposer,
     EngineModel,
+    Generation,
     HuggingFaceModel,
     NGramProposer,
     SpeculativeDecoder,
@@ -129,6 +132,25 @@ def test_rejection_sampling_second_token_follows_the_target_given_the_first() ->
         assert chi_square(pairs[first], p2_after[first]) < 40
 
 
+@pytest.mark.parametrize("draft", ["model", "deterministic"])
+def test_rejection_sampling_under_top_p_follows_the_nucleus(draft: str) -> None:
+    """p from `token_probs` with top_p 0.8: the nucleus {0, 1} renormalised, 0.529 / 0.471. Before the
+    nucleus was renormalised a draft was kept with probability 0.85 * p(draft): token 0 came out 0.45 of
+    the time with either draft. 20,000 draws: the standard error is 0.0035, the tolerance 0.02."""
+    p = token_probs(torch.log(torch.tensor([0.45, 0.40, 0.10, 0.05])), SamplingParams(temperature=1.0, top_p=0.8))
+    q = torch.tensor([0.6, 0.1, 0.15, 0.15])
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros(4)
+    for _ in range(DRAWS):
+        if draft == "model":
+            out = accept_rejection_sampling([int(torch.multinomial(q, 1, generator=gen))], q[None], torch.stack([p, p]), gen)
+        else:
+            out = accept_rejection_sampling([0], None, torch.stack([p, p]), gen)
+        counts[out[0]] += 1
+    assert counts[2:].sum() == 0
+    assert abs(float(counts[0]) / DRAWS - 0.45 / 0.85) < 0.02
+
+
 def test_to_probs_is_one_hot_at_temperature_zero() -> None:
     logits = torch.tensor([[0.1, 3.0, 0.2]])
     assert to_probs(logits, 0.0).tolist() == [[0.0, 1.0, 0.0]]
@@ -232,6 +254,21 @@ def test_sampling_with_the_target_as_its_own_draft_keeps_every_draft(loaded: Loa
     result = decoder.generate(rewrite_prompt, N_DRAFT)
     assert result.stats.acceptance_rate == 1.0
     assert len(result.tokens) == N_DRAFT
+
+
+def test_ngram_speculation_under_temperature_gives_the_plain_samples(loaded: Loaded, rewrite_prompt: list[int]) -> None:
+    """n-gram drafts are checked against the draws plain decoding makes, one per emitted token, so the
+    same generator seed gives the same tokens with and without drafts (rejection sampling spent extra
+    uniform draws on each draft and drifted apart at the first step that drafted)."""
+    def run(proposer: NGramProposer | None) -> Generation:
+        decoder = SpeculativeDecoder(
+            HuggingFaceModel(loaded[0]), proposer, temperature=0.7, generator=torch.Generator().manual_seed(3)
+        )
+        return decoder.generate(rewrite_prompt, N)
+
+    speculative = run(NGramProposer())
+    assert speculative.tokens == run(None).tokens
+    assert speculative.stats.accepted > 0
 
 
 def test_the_engine_as_target_gives_the_plain_greedy_output(loaded: Loaded, rewrite_prompt: list[int], plain: list[int]) -> None:

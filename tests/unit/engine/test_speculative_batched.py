@@ -141,3 +141,21 @@ def test_temperature_runs_respects_max_tokens_and_stops_and_is_reproducible(load
             assert EOS not in completion[:-1]  # nothing after a stop token
             assert len(completion) == request.max_tokens or completion[-1] == EOS
     assert outputs[0] == outputs[1]
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_or_without_drafts_under_any_budget(loaded: Loaded) -> None:
+    """Under temperature a seeded request's tokens are plain decoding's, however many drafts each step
+    had room for: verification draws each row as plain decoding draws that completion index. Before,
+    one generator per step was spent on the drafts' uniform draws, so the tokens followed the budget
+    and the other requests' load (and a recompute after a handoff could differ from the original)."""
+    sampling = SamplingParams(temperature=0.7, seed=1234)
+    requests = [replace(r, sampling=sampling) for r in workload(loaded)[:3]]
+    plain, _ = run(make_engine(loaded, block_size=8), requests)
+    speculative = [replace(r, speculative=SPEC) for r in requests]
+    roomy_engine = make_engine(loaded, block_size=8, max_num_batched_tokens=256)
+    roomy, _ = run(roomy_engine, speculative)
+    tight, tight_steps = run(make_engine(loaded, block_size=8, max_num_batched_tokens=4), speculative)
+    assert roomy_engine.scheduler.spec_accepted > 0
+    assert any(c.num_drafts for out, _ in tight_steps for c in out.chunks)  # the tight budget still drafted
+    assert [s.completion_ids for s in tight] == [s.completion_ids for s in roomy]
+    assert [s.completion_ids for s in roomy] == [s.completion_ids for s in plain]
