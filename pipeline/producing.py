@@ -10,6 +10,8 @@ sender has stopped, replaces the client with a fresh one (a new producer id) bef
 recovers from an outage of any length. The old client stops in the background: aiokafka's stop waits for
 its pending batches to be delivered or to expire (30 s), and the send that renewed it waited that long.
 The messages that were in flight are retried by the runner (their offsets were never committed).
+A stopped `Producer` is not renewed: a send after `stop()` raises `ProducerClosed` (not retriable), where
+it started a client that nobody would stop (an SDK stream's late cancellation did).
 
 Records of the `lingering` topics (the stages' processes pass `registry.LINGERING`: records no request
 waits for) go through a second `Producer` that waits `kafka.lingering_ms` to batch them, so a usage
@@ -25,7 +27,13 @@ from functools import partial
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import InvalidProducerEpoch, KafkaError, OutOfOrderSequenceNumber, UnknownProducerId
+from aiokafka.errors import (
+    InvalidProducerEpoch,
+    KafkaError,
+    OutOfOrderSequenceNumber,
+    ProducerClosed,
+    UnknownProducerId,
+)
 
 from pipeline import kafka, metrics
 from pipeline.settings import Settings
@@ -44,6 +52,7 @@ class Producer:
         self._client: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
         self._poisoned = False
+        self._stopped = False  # stop() was called: a send raises ProducerClosed rather than start a client no one stops
         self.renewals = 0
         self._retiring: set[asyncio.Task[None]] = set()  # replaced clients, stopping
         self._lingering = lingering
@@ -63,6 +72,7 @@ class Producer:
                 raise
 
     async def stop(self) -> None:
+        self._stopped = True
         if self._batching is not None:
             await self._batching.stop()
         if self._client is not None:
@@ -77,10 +87,7 @@ class Producer:
         when the broker acknowledged it."""
         if self._batching is not None and topic in self._lingering:
             return await self._batching.send(topic, value, key=key, headers=headers, partition=partition)
-        if self._unusable():
-            await self._renew()
-        client = self._client
-        assert client is not None
+        client = await self._usable()
         ack = await client.send(topic, value, key=key, headers=headers, partition=partition)
         ack.add_done_callback(partial(self._watch, client))
         return ack
@@ -93,10 +100,7 @@ class Producer:
         failed. None, with nothing queued, when they do not fit in one batch (`max_batch_size`)."""
         if self._batching is not None and topic in self._lingering:
             return await self._batching.send_together(topic, key, items)
-        if self._unusable():
-            await self._renew()
-        client = self._client
-        assert client is not None
+        client = await self._usable()
         batch = client.create_batch()
         for value, headers in items:
             if batch.append(key=key, value=value, timestamp=None, headers=headers) is None:
@@ -119,6 +123,15 @@ class Producer:
         if client is self._client and not ack.cancelled() and isinstance(ack.exception(), KafkaError):
             self._poisoned = True
 
+    async def _usable(self) -> AIOKafkaProducer:
+        """The client to send with, renewed first if it can no longer deliver (a stopped one cannot either)."""
+        if self._stopped:
+            raise ProducerClosed(f"producer {self._client_id} was stopped")
+        if self._unusable():
+            await self._renew()
+        assert self._client is not None
+        return self._client
+
     def _unusable(self) -> bool:
         sender = getattr(self._client, "_sender", None)
         task = getattr(sender, "sender_task", None)
@@ -126,6 +139,8 @@ class Producer:
 
     async def _renew(self) -> None:
         async with self._lock:
+            if self._stopped:
+                raise ProducerClosed(f"producer {self._client_id} was stopped")
             if not self._unusable():
                 return  # another task renewed it meanwhile
             old = self._client

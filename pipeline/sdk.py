@@ -43,7 +43,7 @@ from pipeline.observability.watch import RequestWatch
 from pipeline.producing import POISONED, Producer
 from pipeline.sequencing import Sequencer
 from pipeline.settings import Settings
-from pipeline.stage import address_of
+from pipeline.stage import Address, address_of
 from topics import codec, registry
 from topics.control import Cancel, CancelReason
 from topics.errors import ErrorCode
@@ -75,24 +75,52 @@ class Completion:
 
 
 class Stream:
-    """The chunks of one request, in order, once each. `done` is set when iteration ends normally."""
+    """The chunks of one request, in order, once each. `done` is set when iteration ends normally.
+
+    `aclose()` (or leaving `async with stream`) stops it early and tells the pipeline to cancel the
+    request. Another task may call it while one reads (a stop button): the reader's `async for` then
+    ends as if the answer had, with `done` still None. A stream its caller drops unfinished (a `break`,
+    no `aclose`) is freed at once, and asyncio's finalizer for its iterator cancels it the same way."""
 
     def __init__(self, client: Client, request: Request) -> None:
         self._client = client
         self.request = request
-        self.done: Done | None = None
-        self.pipeline_id: str | None = None  # `<tenant>/<id>`, once the pipeline has answered
-        self._events: deque[StreamEvent] = deque()  # delivered, not yet taken by `_iterate`
-        self._waiter: asyncio.Future[None] | None = None  # set while `_iterate` waits for the next event
-        self._chunks = self._iterate()
+        # The iterator holds this and never the stream: a stream<->iterator cycle kept a dropped stream,
+        # and the generation it asked for, alive until a full collection of the garbage collector.
+        self._state = state = _State(request)
+        self._events = state.events  # delivered, not yet taken by the iterator
+        self._deliver = state.deliver  # how the reply reader hands this stream an event
+        self._chunks = _iterate(client, state)
+
+    @property
+    def done(self) -> Done | None:
+        return self._state.done
+
+    @property
+    def pipeline_id(self) -> str | None:
+        """`<tenant>/<id>`, once the pipeline has answered."""
+        return self._state.pipeline_id
 
     def __aiter__(self) -> AsyncGenerator[Chunk, None]:
         return self._chunks
 
     async def aclose(self) -> None:
-        """Stops early: the pipeline is told to cancel the request (decode stops within a step)."""
-        await self._chunks.aclose()
+        """Stops early: the pipeline is told to cancel the request (decode stops within a step); returns
+        once the broker took the cancellation (at most `CANCEL_WAIT_S`). While another task waits inside
+        the iterator, that reader is woken and its loop ends (closing the iterator under it would raise)."""
+        state = self._state
+        state.closing = True
+        if self._chunks.ag_running:
+            if state.stopped is None:
+                state.stopped = asyncio.get_running_loop().create_future()
+            state.wake()
+            await asyncio.shield(state.stopped)  # the reader's iterator has run its cleanup
+        else:
+            await self._chunks.aclose()
         self._client._forget(self.id)  # also when it was never iterated
+        if state.owed:
+            state.owed = False
+            await _cancel(self._client, state)
 
     async def __aenter__(self) -> Stream:
         return self
@@ -104,80 +132,130 @@ class Stream:
     def id(self) -> str:
         return self.request.id
 
-    def _deliver(self, event: StreamEvent) -> None:
+
+class _State:
+    """What a `Stream` and its iterator (`_iterate`) share."""
+
+    __slots__ = ("request", "events", "waiter", "done", "pipeline_id", "closing", "owed", "stopped")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.events: deque[StreamEvent] = deque()  # delivered, not yet taken by the iterator
+        self.waiter: asyncio.Future[None] | None = None  # set while the iterator waits for the next event
+        self.done: Done | None = None
+        self.pipeline_id: str | None = None  # `<tenant>/<id>`, once the pipeline has answered
+        self.closing = False  # `aclose()` (or `Client.stop()`) was called: the iterator stops at its next step
+        self.owed = False  # it stopped for `closing` before the request settled: `aclose()` sends the cancel
+        self.stopped: asyncio.Future[None] | None = None  # `aclose()` waits on it for another task's iterator
+
+    def deliver(self, event: StreamEvent) -> None:
         if "/" in event.id:  # namespaced by ingest: the first one seen is this request's
             if self.pipeline_id is None:
                 self.pipeline_id = event.id
             elif event.id != self.pipeline_id:
                 return
-        self._events.append(event)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self.events.append(event)
+        if self.waiter is not None and not self.waiter.done():  # `wake`, inline: once per event
+            self.waiter.set_result(None)
 
-    async def _next(self, timeout: float) -> StreamEvent | None:
-        """The next event delivered, or None when `timeout` seconds pass first. One future and one timer
-        for a wait, none when an event is already here: `asyncio.wait_for(queue.get())` made a task, a
-        future and a timer for every event (about 8 µs of CPU each, `bridge`'s two per answer)."""
-        if not self._events:
+    def wake(self) -> None:
+        if self.waiter is not None:
+            _wake(self.waiter)
+
+    async def next(self, timeout: float) -> StreamEvent | None:
+        """The next event delivered, or None when `timeout` seconds pass first or the stream is closing.
+        One future and one timer for a wait, none when an event is already here: `asyncio.wait_for(
+        queue.get())` made a task, a future and a timer for every event (about 8 µs of CPU each,
+        `bridge`'s two per answer)."""
+        if not self.events and not self.closing:
             loop = asyncio.get_running_loop()
-            waiter = self._waiter = loop.create_future()
+            waiter = self.waiter = loop.create_future()
             timer = loop.call_later(timeout, _wake, waiter)
             try:
                 await waiter
             finally:
                 timer.cancel()
-                self._waiter = None
-        return self._events.popleft() if self._events else None
+                self.waiter = None
+        return self.events.popleft() if self.events and not self.closing else None
 
-    async def _iterate(self) -> AsyncGenerator[Chunk, None]:
-        order = Sequencer()
-        deadline = time.monotonic() + self.request.deadline_s + GRACE_S
-        settled = False  # nothing to cancel: its terminal event came, or the broker never took it
-        watch = RequestWatch(self.request, self._client.settings.models)  # the trace's root span; TTFT and ITL
-        ended: Done | None = None  # a Done that came before some of its chunks
+
+async def _iterate(client: Client, state: _State) -> AsyncGenerator[Chunk, None]:
+    """A `Stream`'s chunks (its docstring and the module's say what the caller gets)."""
+    request = state.request
+    order = Sequencer()
+    deadline = time.monotonic() + request.deadline_s + GRACE_S
+    settled = False  # nothing to cancel: its terminal event came, or the broker never took it
+    watch = RequestWatch(request, client.settings.models)  # the trace's root span; TTFT and ITL
+    ended: Done | None = None  # a Done that came before some of its chunks
+    try:
         try:
-            try:
-                await self._client._produce(self.request, watch.headers())
-            except KafkaError:
-                settled = True  # a cancel would wait out the same outage, for a request never taken
-                raise
-            while True:
-                timeout = deadline - time.monotonic()
-                if timeout <= 0:
-                    if ended is not None:
-                        raise RequestFailed(_incomplete(ended, order.next_seq))
-                    raise TimeoutError(f"no terminal event for request {self.id}")
-                if (event := await self._next(timeout)) is None:
+            await client._produce(request, watch.headers())
+        except KafkaError:
+            settled = True  # a cancel would wait out the same outage, for a request never taken
+            raise
+        while not state.closing:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                if ended is not None:
+                    raise RequestFailed(_incomplete(ended, order.next_seq))
+                raise TimeoutError(f"no terminal event for request {request.id}")
+            if (event := await state.next(timeout)) is None:
+                continue
+            if isinstance(event, Chunk):
+                if ended is not None and event.seq >= ended.chunks:
+                    continue  # past the end its Done counts: a stray, not a late chunk
+                try:
+                    ready = order.accept(event)
+                except OverflowError as exc:  # more held behind a gap than the sequencer keeps
+                    raise RequestFailed(_overflowed(event, request, order.next_seq, exc)) from None
+                for chunk in ready:
+                    watch.chunk()
+                    yield chunk
+                if ended is None or ended.chunks > order.next_seq:
                     continue
-                if isinstance(event, Chunk):
-                    for chunk in order.accept(event):
-                        watch.chunk()
-                        yield chunk
-                    if ended is None or order.gap() or ended.chunks > order.next_seq:
-                        continue
-                    event = ended  # the last late chunk came
-                elif ended is not None:
-                    continue  # the terminal event again
-                settled = True
-                if isinstance(event, Done) and (order.gap() or event.chunks > order.next_seq):
+                event = ended  # the last late chunk came
+            elif ended is not None:
+                continue  # the terminal event again
+            settled = True
+            if isinstance(event, Done):
+                order.drop_from(event.chunks)  # held strays past the end it counts would hold it for nothing
+                if event.chunks > order.next_seq:
                     ended = event
                     deadline = min(deadline, time.monotonic() + LATE_CHUNKS_S)
                     continue
-                watch.finish(event)
-                if order.gap():
-                    raise RequestFailed(_incomplete(event, order.next_seq))
-                if isinstance(event, Failed):
-                    raise RequestFailed(event)
-                self.done = event
-                return
-        finally:
-            watch.finish(None)
-            self._client._forget(self.id)
-            if not settled:  # the caller stopped early: let decode stop too (not waiting out an outage for it)
-                try:
-                    await asyncio.wait_for(self._client.cancel(self.pipeline_id or self.id), CANCEL_WAIT_S)
-                except (TimeoutError, KafkaError) as exc:
-                    log.warning("the cancellation of request %s was not sent (%s)", self.id, type(exc).__name__)
+            watch.finish(event)
+            state.done = _ending(event, order)
+            return
+    finally:
+        watch.finish(None)
+        client._forget(request.id)
+        if not settled:  # the caller stopped early: let decode stop too (not waiting out an outage for it)
+            if state.closing:
+                state.owed = True  # `aclose()` sends it: awaiting here, another task's `anext` would find this running
+            else:
+                await _cancel(client, state)
+        if state.stopped is not None and not state.stopped.done():
+            state.stopped.set_result(None)
+
+
+def _ending(event: Done | Failed, order: Sequencer) -> Done:
+    """The Done of a stream whose terminal event came with no chunk it counts missing; else the failure."""
+    if isinstance(event, Done) and event.chunks < order.next_seq:
+        text = f"{order.next_seq} chunks arrived, more than the {event.chunks} this answer counts"
+        raise RequestFailed(_incomplete(event, order.next_seq, text))
+    if order.gap():
+        raise RequestFailed(_incomplete(event, order.next_seq))
+    if isinstance(event, Failed):
+        raise RequestFailed(event)
+    return event
+
+
+async def _cancel(client: Client, state: _State) -> None:
+    """Tells the pipeline to stop a request its caller left, waiting at most `CANCEL_WAIT_S` for the broker."""
+    try:
+        await asyncio.wait_for(client.cancel(state.pipeline_id or state.request.id), CANCEL_WAIT_S)
+    except (TimeoutError, KafkaError) as exc:
+        log.warning("the cancellation of request %s was not sent (%s)", state.request.id, type(exc).__name__)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -191,11 +269,18 @@ def _outage(exc: KafkaError) -> bool:
     return exc.retriable or isinstance(exc, (KafkaTimeoutError, *POISONED))
 
 
-def _incomplete(event: Done | Failed, received: int) -> Failed:
+def _incomplete(event: Done | Failed, received: int, text: str | None = None) -> Failed:
     address = address_of(event)
     assert address is not None
-    text = f"only chunks 0..{received - 1} of this answer arrived"
+    text = text or f"only chunks 0..{received - 1} of this answer arrived"
     return address.failed(ErrorCode.stream_incomplete, text, chunks=received, usage=event.usage, timings=event.timings)
+
+
+def _overflowed(chunk: Chunk, request: Request, received: int, exc: OverflowError) -> Failed:
+    """The failure of a stream that held more chunks behind a gap than `Sequencer` keeps (MAX_HELD)."""
+    address = Address(chunk.id, chunk.reply_to, chunk.tenant, request.model, request.created_at, request.deadline_s)
+    text = f"only chunks 0..{received - 1} of this answer arrived in order ({exc})"
+    return address.failed(ErrorCode.stream_incomplete, text, chunks=received)
 
 
 class Client:
@@ -205,8 +290,8 @@ class Client:
         self.model = model or settings.models[0]
         self._client_id = client_id or f"sluice-sdk-{uuid.uuid4().hex[:8]}"
         # Weak: a stream its caller dropped unfinished (a `break` out of `async for`, no `aclose`) is
-        # collected, and asyncio's finalizer for its generator runs the cleanup (forget, cancel), so
-        # neither it nor the generation it asked for outlives the caller's interest.
+        # freed at once (no cycle holds it: `_State`), and asyncio's finalizer for its iterator runs the
+        # cleanup (forget, cancel), so neither it nor the generation it asked for outlives the caller's interest.
         self._streams: weakref.WeakValueDictionary[str, Stream] = weakref.WeakValueDictionary()
         self._producer: Producer | None = None
         self._consumer: AIOKafkaConsumer | None = None
@@ -234,6 +319,16 @@ class Client:
         self._reader = asyncio.create_task(self._read())
 
     async def stop(self) -> None:
+        """Ends every open stream first, as `Stream.aclose()` does (a reader's loop ends; the cancellations
+        go out while the producer still works, at most `CANCEL_WAIT_S`), then stops reading and producing."""
+        closing = [asyncio.create_task(stream.aclose()) for stream in list(self._streams.values())]
+        if closing:
+            _, late = await asyncio.wait(closing, timeout=CANCEL_WAIT_S)
+            for task in late:  # a reader still waiting for the broker to take its request
+                task.cancel()
+            for outcome in await asyncio.gather(*closing, return_exceptions=True):
+                if isinstance(outcome, Exception):
+                    log.warning("closing a stream at stop failed: %r", outcome)
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
@@ -301,7 +396,8 @@ class Client:
         """The whole answer (built from kwargs, a non-streaming request)."""
         stream = self.stream(request or self.request(**{"stream": False, **kwargs}))  # type: ignore[arg-type]
         text = "".join([chunk.text async for chunk in stream])
-        assert stream.done is not None
+        if stream.done is None:  # closed meanwhile: `Client.stop()`
+            raise RuntimeError(f"request {stream.id} was closed before its answer ended")
         return Completion(text, stream.done)
 
     async def cancel(self, request_id: str, reason: CancelReason = CancelReason.client_gone) -> None:

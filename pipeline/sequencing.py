@@ -45,6 +45,11 @@ class Sequencer:
             self.next_seq += 1
         return ready
 
+    def drop_from(self, seq: int) -> None:
+        """Forgets the held chunks numbered `seq` and above: past the end a terminal event counts."""
+        for stray in [held for held in self._held if held >= seq]:
+            self._chars -= len(self._held.pop(stray).text)
+
     def holds(self, seq: int) -> bool:
         return seq in self._held
 

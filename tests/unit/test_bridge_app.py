@@ -130,6 +130,26 @@ def test_a_request_the_broker_refuses_is_a_503_with_retry_after(bridge: tuple[Te
         assert response.json()["error"]["code"] == "unavailable"
 
 
+class Overflowing(AnsweringClient):
+    """Answers with chunk 0, then seq 2..4099 behind a gap chunk 1 never fills: more than the SDK's
+    sequencer holds (`MAX_HELD`)."""
+
+    def _answer(self, request: Request) -> None:
+        stream = self._streams.get(request.id)
+        assert stream is not None
+        for seq in (0, *range(2, 4100)):
+            stream._deliver(Chunk(id=f"default/{request.id}", reply_to=request.reply_to, seq=seq, text="t", tenant="default"))
+
+
+def test_a_stream_that_holds_too_much_behind_a_gap_ends_with_an_error_event_and_done() -> None:
+    """The sequencer's OverflowError escaped the SDK as itself: the body ended with neither."""
+    with TestClient(create_app(SETTINGS, Overflowing(SETTINGS)), base_url="http://127.0.0.1:8080") as http:
+        response = http.post("/v1/chat/completions", json={**chat(), "stream": True})
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert response.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "stream_incomplete"
+
+
 def test_a_page_on_another_origin_may_not_post_or_open_the_websocket(bridge: tuple[TestClient, AnsweringClient]) -> None:
     http, client = bridge
     evil = {"origin": "http://evil.example"}

@@ -10,6 +10,7 @@ from aiokafka.errors import (
     LeaderNotAvailableError,
     MessageSizeTooLargeError,
     OutOfOrderSequenceNumber,
+    ProducerClosed,
 )
 
 from pipeline.producing import Producer
@@ -159,3 +160,34 @@ async def test_one_client_without_lingering_topics_or_linger(monkeypatch: pytest
     producer, clients = await started_clients(monkeypatch, settings, **{k: v for k, v in kwargs.items() if k != "lingering_ms"})
     await (await producer.send(registry.USAGE, b"v", key=b"k", headers=[]))
     assert len(clients) == 1 and clients[0].topics == [registry.USAGE]
+
+
+class SenderStopping(FakeClient):
+    """As aiokafka's client: once stopped, its sender task is done (which `_unusable` reads as dead)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self._sender = type("Sender", (), {"sender_task": asyncio.get_running_loop().create_future()})()
+
+    async def stop(self) -> None:
+        await super().stop()
+        self._sender.sender_task.set_result(None)
+
+
+@pytest.mark.asyncio
+async def test_a_send_after_stop_raises_rather_than_start_a_client_nobody_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[FakeClient] = []
+
+    async def start(*args: object, **kwargs: object) -> FakeClient:
+        started.append(FakeClient(None))
+        return started[-1]
+
+    monkeypatch.setattr("pipeline.producing.kafka.started", start)
+    producer = Producer(Settings(), "test")
+    producer._client = SenderStopping()  # type: ignore[assignment]
+    await producer.stop()
+    with pytest.raises(ProducerClosed):
+        await producer.send("t", b"v", key=b"k", headers=[])
+    with pytest.raises(ProducerClosed):
+        await producer.send_together("t", b"k", [(b"v", [])])
+    assert started == [] and producer.renewals == 0

@@ -16,7 +16,7 @@ from aiokafka.structs import ConsumerRecord
 from pipeline.errors import InfraUnavailable
 from pipeline.handling import Handling
 from pipeline.runner import GROUP_MAX, Runner
-from pipeline.sdk import Client
+from pipeline.sdk import Client, Stream
 from pipeline.settings import Settings
 from pipeline.stage import Out
 from pipeline.stages.emit import EmitStage
@@ -313,13 +313,14 @@ async def test_a_route_handover_cancelled_midway_is_finished_once_by_the_redeliv
     assert sent.count("end") == 1, sent  # a chunk in flight at the cancel may come twice: clients keep the first
 
 
-def bridge_client() -> tuple[Client, str]:
+def bridge_client() -> tuple[Client, str, Stream]:
     """The SDK client of a bridge in emit's process, not started (nothing here reaches a broker), with a
-    stream waiting for one request; and that request's id as the pipeline names it."""
+    stream waiting for one request; that request's id as the pipeline names it; and the stream, which
+    the client holds only weakly (a stream its caller dropped is forgotten)."""
     client = Client(Settings(), reply_name="sdk")
     request = client.request(prompt="hi")
-    client.stream(request)
-    return client, f"acme/{request.id}"
+    stream = client.stream(request)
+    return client, f"acme/{request.id}", stream
 
 
 async def emitted_beside(client: Client, rid: str) -> tuple[HeldAcks, MemoryStateStore]:
@@ -334,10 +335,10 @@ async def emitted_beside(client: Client, rid: str) -> tuple[HeldAcks, MemoryStat
 
 @pytest.mark.asyncio
 async def test_a_reply_one_of_this_process_s_streams_waits_for_is_delivered_in_memory_not_produced() -> None:
-    client, rid = bridge_client()
+    client, rid, stream = bridge_client()
     producer, store = await emitted_beside(client, rid)
     assert replies(producer) == []  # nothing on the reply topic (the usage record still goes to its topic)
-    stream = client._streams[rid.split("/")[1]]
+    assert client._streams[rid.split("/")[1]] is stream
     assert [type(e).__name__ for e in stream._events] == ["Chunk", "Done"]
     stored = await store.read(rid + "#emit")
     assert stored.get("terminal") == b"1" and stored.get("emitted") == b"1"  # recorded as after a broker's ack
@@ -345,7 +346,7 @@ async def test_a_reply_one_of_this_process_s_streams_waits_for_is_delivered_in_m
 
 @pytest.mark.asyncio
 async def test_a_reply_no_stream_of_this_process_waits_for_is_produced() -> None:
-    client, _ = bridge_client()
+    client, _, _stream = bridge_client()
     producer, _ = await emitted_beside(client, RID)
     assert replies(producer) == [("batch", ["0", "end"])]  # another client's request: through the topic
     other = Client(Settings(), reply_name="other")  # a stream for this request, but another reply topic

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from pipeline import sdk
@@ -81,7 +82,7 @@ async def test_events_already_delivered_are_taken_at_once_and_silence_ends_at_th
     with pytest.raises(TimeoutError):
         await read(silent)
     assert 0.15 < asyncio.get_running_loop().time() - started < 2.0
-    assert silent._waiter is None  # nothing left waiting
+    assert silent._state.waiter is None  # nothing left waiting
     assert silent._client.cancelled == silent.id  # and the pipeline is told to stop
 
 
@@ -116,3 +117,161 @@ async def test_a_request_the_broker_cannot_take_fails_by_its_deadline_not_after_
     request = client.request(prompt="hi", deadline_s=0.3)
     with pytest.raises(sdk.KafkaTimeoutError):
         await asyncio.wait_for(client.complete(request), 3.0)
+
+
+@pytest.mark.asyncio
+async def test_a_stream_dropped_unfinished_is_cancelled_without_waiting_for_the_collector() -> None:
+    """Its iterator held the stream (a cycle): nothing was sent until a full collection, which can be
+    minutes away, and decode generated to `max_tokens` meanwhile."""
+    import gc
+
+    client = Offline(SETTINGS)
+    client.cancelled = None
+    stream = client.stream(prompt="hi")
+    rid = stream.id
+    (c0, c1), _ = events(stream, 2)
+    stream._deliver(c0)
+    stream._deliver(c1)
+    gc.disable()
+    try:
+        async for _chunk in stream:
+            break
+        del stream, _chunk
+        for _ in range(5):
+            await asyncio.sleep(0.01)  # asyncio's finalizer runs the iterator's cleanup on the loop
+    finally:
+        gc.enable()
+    assert rid not in client._streams and client.cancelled == "default/" + rid
+
+
+@pytest.mark.asyncio
+async def test_aclose_from_another_task_ends_the_reader_and_cancels() -> None:
+    """A stop button while a task reads: the iterator is running in the reader, so closing it raised
+    `RuntimeError: aclose(): asynchronous generator is already running` and sent nothing."""
+    client = Offline(SETTINGS)
+    client.cancelled = None
+    stream = client.stream(prompt="hi")
+    (c0, _c1), _ = events(stream, 2)
+    stream._deliver(c0)
+    got: list[str] = []
+
+    async def reader() -> None:
+        async for chunk in stream:
+            got.append(chunk.text)
+
+    reading = asyncio.create_task(reader())
+    await asyncio.sleep(0.01)  # the reader took chunk 0 and waits inside the iterator for more
+    await asyncio.wait_for(stream.aclose(), 1.0)
+    await asyncio.wait_for(reading, 1.0)  # its loop just ends
+    assert got == ["t0"] and stream.done is None
+    assert client.cancelled == "default/" + stream.id and stream.id not in client._streams
+
+
+@pytest.mark.asyncio
+async def test_aclose_from_another_task_between_chunks_ends_the_reader_cleanly() -> None:
+    """The reader busy with a chunk (its iterator suspended at its yield): closed from elsewhere while
+    the broker takes its time with the cancellation, the reader's next step ends its loop, not
+    `anext(): asynchronous generator is already running` (the iterator's cleanup was still awaiting)."""
+    busy, closed = asyncio.Event(), asyncio.Event()
+
+    class SlowCancel(Offline):
+        async def cancel(self, request_id, reason=None) -> None:  # type: ignore[no-untyped-def]
+            closed.set()  # the reader goes on meanwhile
+            await asyncio.sleep(0.02)
+            self.cancelled = request_id
+
+    client = SlowCancel(SETTINGS)
+    client.cancelled = None
+    stream = client.stream(prompt="hi")
+    (c0, c1), _ = events(stream, 2)
+    stream._deliver(c0)
+    stream._deliver(c1)
+    got: list[str] = []
+
+    async def reader() -> None:
+        async for chunk in stream:
+            got.append(chunk.text)
+            busy.set()
+            await closed.wait()
+
+    reading = asyncio.create_task(reader())
+    await busy.wait()
+    await asyncio.wait_for(stream.aclose(), 1.0)
+    await asyncio.wait_for(reading, 1.0)
+    assert got == ["t0"] and client.cancelled == "default/" + stream.id
+
+
+@pytest.mark.asyncio
+async def test_stop_ends_the_streams_being_read_and_cancels_them_before_the_producer_stops() -> None:
+    """They waited to their deadline (plus `GRACE_S`), and their late cancellation renewed the stopped
+    producer: a client nobody stopped."""
+    order: list[str] = []
+
+    class Recording(Offline):
+        async def cancel(self, request_id, reason=None) -> None:  # type: ignore[no-untyped-def]
+            order.append("cancel " + request_id)
+
+    class StoppingProducer:
+        async def stop(self) -> None:
+            order.append("producer stopped")
+
+    client = Recording(SETTINGS)
+    client._producer = StoppingProducer()  # type: ignore[assignment]
+    stream = client.stream(prompt="hi", deadline_s=60)
+    (c0, _c1), _ = events(stream, 2)
+    stream._deliver(c0)
+    reading = asyncio.create_task(read(stream))
+    await asyncio.sleep(0.01)
+    started = asyncio.get_running_loop().time()
+    await asyncio.wait_for(client.stop(), 2.0)
+    assert await asyncio.wait_for(reading, 1.0) == ["t0"]
+    assert asyncio.get_running_loop().time() - started < 1.0
+    assert order == ["cancel default/" + stream.id, "producer stopped"]
+
+
+@pytest.mark.asyncio
+async def test_more_chunks_held_than_the_sequencer_keeps_is_a_request_failure() -> None:
+    """The sequencer's OverflowError escaped as itself: the bridge ended the SSE body with no error
+    event, and callers catching RequestFailed missed it."""
+    client = Offline(SETTINGS)
+    client.cancelled = None
+    stream = client.stream(prompt="hi")
+    rid = "default/" + stream.id
+    for seq in (0, *range(2, 4100)):
+        stream._deliver(Chunk(id=rid, reply_to=stream.request.reply_to, seq=seq, text="t", tenant="default"))
+    got: list[str] = []
+    with pytest.raises(RequestFailed) as failed:
+        async for chunk in stream:
+            got.append(chunk.text)
+    assert got == ["t"] and failed.value.code is ErrorCode.stream_incomplete and failed.value.failed.chunks == 1
+    assert failed.value.failed.id == rid and failed.value.failed.model == stream.request.model
+    assert client.cancelled == rid  # decode is told to stop
+
+
+@pytest.mark.asyncio
+async def test_a_done_that_counts_fewer_chunks_than_arrived_is_incomplete() -> None:
+    stream = Offline(SETTINGS).stream(prompt="hi")
+    made, done = events(stream, 4)
+    short = msgspec.structs.replace(done, chunks=2)
+    with pytest.raises(RequestFailed) as failed:
+        await read(stream, *((0, c) for c in made), (0, short))
+    assert failed.value.code is ErrorCode.stream_incomplete and failed.value.failed.chunks == 4 and stream.done is None
+
+
+@pytest.mark.asyncio
+async def test_a_held_chunk_past_the_end_done_counts_does_not_hold_a_whole_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stray with seq >= Done.chunks turned a complete answer into `stream_incomplete` after the
+    `LATE_CHUNKS_S` wait; also one that arrives while a late chunk is awaited."""
+    monkeypatch.setattr(sdk, "LATE_CHUNKS_S", 0.5)
+    stream = Offline(SETTINGS).stream(prompt="hi")
+    (c0, c1, c2, _c3, stray), _ = events(stream, 5)
+    _, done = events(stream, 3)
+    started = asyncio.get_running_loop().time()
+    texts = await read(stream, (0, c0), (0, stray), (0, c1), (0, c2), (0, done))  # 4 held behind 3 at the Done
+    assert texts == ["t0", "t1", "t2"] and stream.done == done
+    late = Offline(SETTINGS).stream(prompt="hi")
+    (c0, c1, c2, stray, stray2), _ = events(late, 5)
+    _, done = events(late, 3)
+    texts = await read(late, (0, c0), (0, stray2), (0, c2), (0, done), (0, stray), (0.01, c1))
+    assert texts == ["t0", "t1", "t2"] and late.done == done
+    assert asyncio.get_running_loop().time() - started < 0.4  # neither waited for the late chunks' limit

@@ -29,3 +29,14 @@ def test_what_waits_behind_a_gap_is_bounded_in_text_not_only_in_count() -> None:
     released = order.accept(chunk(0))
     assert len(released) == MAX_HELD_CHARS // len(big) + 1 and not order.gap()
     order.accept(chunk(len(released) + 1, big))  # the count of what is held starts again from nothing
+
+
+def test_held_chunks_past_an_end_are_dropped_with_their_text() -> None:
+    order = Sequencer()
+    order.accept(chunk(0))
+    for seq in (2, 4, 5):
+        order.accept(chunk(seq, "x" * 10))
+    order.drop_from(4)
+    assert [c.seq for c in order.held()] == [2] and order._chars == 10
+    order.drop_from(2)
+    assert not order.gap() and order._chars == 0
