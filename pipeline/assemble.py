@@ -92,7 +92,8 @@ def _build(node: Node, settings: Settings, backends: Mapping[str, Backend], work
 
         backend = pool_backend(node, settings, backends)
         return GenerateStage(backend, t, state_store(settings, name), name=name, stats=_stats(by_name[backend.name], name, settings),
-                             backends=by_name, chunk_window_s=settings.runtime.chunk_window_ms / 1000)
+                             backends=by_name, chunk_window_s=settings.runtime.chunk_window_ms / 1000,
+                             chars_per_token=settings.gateway.chars_per_token)
     if node.kind == "emit":
         answers = exact_tier(settings) if t.table else None
         return EmitStage(settings, t, state_store(settings, name), meter=redis_gateway(settings), name=name, answers=answers)

@@ -2,13 +2,26 @@
 
 Streams `/chat/completions` (or `/completions` for a prompt) with server-sent events over httpx and
 turns each event into a `Delta`; the last one carries the upstream's usage (`stream_options.
-include_usage`). A request whose client waits for the whole answer (`stream` false) is asked for in
-one piece: one JSON body, one `Delta`. `base_url` and the key's environment variable come from the config file only: no
-request field names an address. Cancelling closes the upstream stream (the server sees the client
-leave and stops); a request cancelled before its stream began is never asked for. Errors: 429 is
-`Overloaded` with the upstream's `retry-after`, 5xx and timeouts `ModelError` (retriable: route may
-try another backend), other 4xx `InvalidRequest`. The upstream's error body is never passed on (it
-may echo the prompt); its status is.
+include_usage`; an upstream that sends none leaves the counts None and the stage estimates them). The
+upstream is asked for a stream even when the client waits for the whole answer (`stream` false): a
+server such as vLLM sends nothing of a non-streamed answer until all of it is generated, so the read
+timeout would cap the whole generation; streamed, `timeout_s` bounds the wait between events, and the
+stage's chunking (`pipeline.stages.coalesce`) gives the non-streamed shape. `base_url` and the key's
+environment variable come from the config file only: no request field names an address. Cancelling
+closes the upstream stream (the server sees the client leave and stops); a request cancelled before its
+stream began is never asked for.
+
+The body is read as bytes and split at LF only (a trailing CR dropped), as SSE defines its lines: text
+holding U+2028, U+2029 or U+0085 is not cut. Bounds: a line of at most `MAX_LINE_BYTES`, a body of at
+most `max_tokens * BYTES_PER_TOKEN + BODY_SLACK` bytes, and an upstream that sends no text and no ending
+for `timeout_s` (keep-alive comments and empty events do not count) has stalled. Each is `ModelError`.
+
+Errors: 429 is `Overloaded` with the upstream's `retry-after` (seconds or an HTTP date); 400, 413 and 422
+`InvalidRequest` (the request itself); every other status (3xx, 401/403/404/405/407: the upstream's
+address or key is wrong, 5xx), timeouts, a body of another shape and an ending other than a finish
+(`abort`, `error`, one sluice does not know) `ModelError` (retriable: route tries another backend, and
+it counts against this one's health). The upstream's error body is never passed on (it may echo the
+prompt); its status is.
 
 No token ids: the upstream speaks text. A successor that takes a stream over asks again and drops
 what was delivered (pipeline.stages.generate).
@@ -16,21 +29,34 @@ what was delivered (pipeline.stages.generate).
 
 from __future__ import annotations
 
+import asyncio
+import email.utils
 import json
 import logging
 import math
 import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from contextlib import aclosing
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
-from pipeline.backends.base import Delta, GenerationRequest
+from pipeline.backends.base import Delta, FinishReason, GenerationRequest
 from pipeline.backends.errors import BackendError, Cancelled, Filtered, InvalidRequest, ModelError, Overloaded
 
 log = logging.getLogger(__name__)
 _CANCELLED_MEMORY = 4096  # request ids remembered as cancelled (a cancel may come before its generate)
+MAX_LINE_BYTES = 1 << 20  # one SSE line (an event is some hundred bytes; a 600 MB one took the worker down)
+BYTES_PER_TOKEN = 2048  # a body's allowance per `max_tokens`: an event per token is 150-400 bytes with its framing
+BODY_SLACK = 1 << 20  # and for the rest (the usage event, keep-alive comments)
+MAX_RETRY_AFTER_S = 3600.0  # an upstream's Retry-After is passed on to the client up to this
+# The upstream's endings that are an answer, as sluice's: eos, a stop string, TGI's names, a tool call.
+_ANSWERED: dict[str, FinishReason] = {
+    "stop": "stop", "length": "length", "tool_calls": "stop", "function_call": "stop", "eos_token": "stop",
+    "stop_sequence": "stop", "end_turn": "stop",
+}
 
 
 class OpenAIBackend:
@@ -42,7 +68,9 @@ class OpenAIBackend:
             raise ValueError(f"backend {name}: base_url must be an http(s) URL")
         self.name = name
         self._model = model
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout_s = timeout_s
+        # identity: the size bounds count what the upstream sent, not what a compressed body expands to
+        headers = {"accept-encoding": "identity"} | ({"authorization": f"Bearer {api_key}"} if api_key else {})
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", headers=headers, timeout=timeout,
                                        transport=transport, follow_redirects=False, trust_env=False)
@@ -70,11 +98,11 @@ class OpenAIBackend:
             await response.aclose()  # the read in `generate` ends; the upstream sees the client leave
 
     def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
+        """Always a stream (the module says why), whatever `request.stream`."""
         body: dict[str, Any] = {
             "model": self._model, "max_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+            "stream": True, "stream_options": {"include_usage": True},
         }
-        if request.stream:
-            body |= {"stream": True, "stream_options": {"include_usage": True}}
         if request.stop:
             body["stop"] = list(request.stop)
         if request.seed is not None:
@@ -95,32 +123,8 @@ class OpenAIBackend:
                     raise Cancelled(rid)
                 if response.status_code != 200:
                     raise _refused(response)
-                if not request.stream:
-                    whole = _whole(json.loads(await response.aread()))
-                    if rid in self._cancelled:
-                        raise Cancelled(rid)
-                    yield whole
-                    return
-                finish: str | None = None
-                ended = False  # the delta with the finish reason was yielded
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    if rid in self._cancelled:
-                        raise Cancelled(rid)
-                    delta, finish = _event(json.loads(data), finish)
-                    if delta is not None:
-                        ended = delta.finish_reason is not None
-                        yield delta
-                if rid in self._cancelled:
-                    raise Cancelled(rid)
-                if finish is None:
-                    raise ModelError("the upstream stream ended without a finish reason")
-                if not ended:  # an upstream that sends no usage event
-                    yield Delta("", (), "length" if finish == "length" else "stop")
+                async for delta in self._deltas(response, request):
+                    yield delta
         except (httpx.StreamClosed, httpx.ReadError, httpx.RemoteProtocolError) as exc:
             if rid in self._cancelled:
                 raise Cancelled(rid) from None
@@ -129,13 +133,94 @@ class OpenAIBackend:
             raise ModelError(f"upstream timed out ({type(exc).__name__})") from None
         except httpx.TransportError as exc:
             raise ModelError(f"upstream unreachable ({type(exc).__name__})") from None
-        except (json.JSONDecodeError, httpx.DecodingError):
-            raise ModelError("the upstream sent an event that is not JSON") from None
+        except httpx.DecodingError:
+            raise ModelError("the upstream's body could not be decoded") from None
         finally:
             self._running.pop(rid, None)
 
+    async def _deltas(self, response: httpx.Response, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """The stream's events as deltas, the ending last (with the usage when the upstream sent it)."""
+        rid = request.request_id
+        stalled = _Stall(self._timeout_s)
+        finish: FinishReason | None = None
+        ended = False  # the delta with the finish reason was yielded
+        async for data in _data(response, request.max_tokens * BYTES_PER_TOKEN + BODY_SLACK, stalled):
+            if data == "[DONE]":
+                break
+            if rid in self._cancelled:
+                raise Cancelled(rid)
+            if ended:  # past the ending (an upstream that sends its usage twice): nothing more is news
+                continue
+            before = finish
+            delta, finish = _event(_json(data), finish)
+            if delta is not None or finish != before:
+                stalled.moved()
+            if delta is not None:
+                ended = delta.finish_reason is not None
+                yield delta
+        if rid in self._cancelled:
+            raise Cancelled(rid)
+        if finish is None:
+            raise ModelError("the upstream stream ended without a finish reason")
+        if not ended:  # an upstream that sends no usage event
+            yield Delta("", (), finish)
 
-def _event(event: Any, finish: str | None) -> tuple[Delta | None, str | None]:
+
+class _Stall:
+    """When an upstream that sends only keep-alive comments or empty events has stalled: `timeout_s` after
+    its last text or ending (httpx's read timeout restarts at every byte, so it never fires then)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._timeout_s = timeout_s
+        self.at = self._loop.time() + timeout_s
+
+    def moved(self) -> None:
+        self.at = self._loop.time() + self._timeout_s
+
+
+async def _data(response: httpx.Response, max_body: int, stalled: _Stall) -> AsyncIterator[str]:
+    """The payloads of the body's `data:` lines. The timeout wraps each read, never a yield (a timeout
+    open across a yield would cancel whatever the consumer awaits meanwhile)."""
+    buffer, read, scanned = bytearray(), 0, 0
+    async with aclosing(response.aiter_bytes()) as chunks:
+        while True:
+            try:
+                async with asyncio.timeout_at(stalled.at):
+                    chunk = await anext(chunks, None)
+            except TimeoutError:
+                raise ModelError("the upstream sent no text for the backend's timeout") from None
+            if chunk is None:
+                return
+            read += len(chunk)
+            if read > max_body:
+                raise ModelError("the upstream's answer is larger than max_tokens allows")
+            buffer += chunk
+            while (end := buffer.find(b"\n", scanned)) >= 0:
+                line = bytes(buffer[:end]).removesuffix(b"\r")
+                del buffer[: end + 1]
+                scanned = 0
+                if len(line) > MAX_LINE_BYTES:
+                    raise ModelError("the upstream sent a line longer than the bound")
+                if line.startswith(b"data:"):
+                    try:
+                        data = line[5:].decode().strip()
+                    except UnicodeDecodeError:
+                        raise ModelError("the upstream sent an event that is not UTF-8") from None
+                    yield data
+            if len(buffer) > MAX_LINE_BYTES:
+                raise ModelError("the upstream sent a line longer than the bound")
+            scanned = len(buffer)
+
+
+def _json(data: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
+        raise ModelError("the upstream sent an event that is not JSON") from None
+
+
+def _event(event: Any, finish: FinishReason | None) -> tuple[Delta | None, FinishReason | None]:
     """One streamed event as a delta (None when it carries nothing), and the finish reason so far. An event
     of another shape is the upstream's failure (ModelError: retried elsewhere, counted against it)."""
     if not isinstance(event, dict):
@@ -157,25 +242,10 @@ def _event(event: Any, finish: str | None) -> tuple[Delta | None, str | None]:
     if reason is not None:
         finish = _finish(reason)
     if usage is not None and finish is not None:  # the last event (include_usage): the counts, and the ending
-        return Delta(text, (), finish, *_counts(usage)), finish  # type: ignore[arg-type]
+        return Delta(text, (), finish, *_counts(usage)), finish
     if not text:
         return None, finish
     return Delta(text, (), None), finish  # the ending waits for the usage event (or [DONE])
-
-
-def _whole(answer: dict[str, Any]) -> Delta:
-    """A non-streamed answer as one delta with its ending and the upstream's usage."""
-    try:
-        choice = answer["choices"][0]
-        text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
-        reason = choice.get("finish_reason")
-    except (KeyError, IndexError, TypeError, AttributeError):
-        raise ModelError("the upstream's answer has no choices") from None
-    if reason is None:
-        raise ModelError("the upstream's answer has no finish reason")
-    if not isinstance(text, str):
-        raise ModelError("the upstream sent text that is not a string")
-    return Delta(text, (), _finish(reason), *_counts(answer.get("usage")))
 
 
 def _counts(usage: object) -> tuple[int | None, int | None]:
@@ -186,28 +256,46 @@ def _counts(usage: object) -> tuple[int | None, int | None]:
     return tuple(v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31 else None for v in got)  # type: ignore[return-value]
 
 
-def _finish(reason: object) -> str:
-    """sluice's finish reason for the upstream's: `length`, or `stop` for every other ending (eos, a stop
-    string, `tool_calls`, TGI's `eos_token`), except the upstream's content filter, which is an error."""
+def _finish(reason: object) -> FinishReason:
+    """sluice's finish reason for the upstream's (`_ANSWERED`). The upstream's content filter is
+    `Filtered`; `abort` and `error` (vLLM: the engine dropped or failed the request) and any ending not
+    known here (vLLM's `repetition`, a server's own) are `ModelError`: a cut answer is never a whole one."""
     if reason == "content_filter":
         raise Filtered("the upstream's content filter ended the answer")
-    return "length" if reason == "length" else "stop"
-
-
-MAX_RETRY_AFTER_S = 3600.0  # an upstream's Retry-After is passed on to the client up to this
+    if reason in ("abort", "error"):
+        raise ModelError(f"the upstream ended the answer with {reason!r}")
+    if not isinstance(reason, str) or (ours := _ANSWERED.get(reason)) is None:
+        raise ModelError("the upstream ended the answer with a finish reason sluice does not know")
+    return ours
 
 
 def _refused(response: httpx.Response) -> BackendError:
+    """A status other than 200. Only 400, 413 and 422 blame the request; a redirect, 401/403 (the key),
+    404/405 (the address) and the rest say the upstream is misconfigured or failing, which another backend
+    may not be: `ModelError`, counted against this one (ejected after a streak)."""
     status = response.status_code
     if status == 429:
-        retry = response.headers.get("retry-after")
+        return Overloaded(f"upstream is overloaded (HTTP {status})", _retry_after(response.headers.get("retry-after")))
+    if status in (400, 413, 422):
+        return InvalidRequest(f"upstream refused the request (HTTP {status})")
+    return ModelError(f"upstream failed (HTTP {status})")
+
+
+def _retry_after(header: str | None) -> float | None:
+    """Seconds from a Retry-After of seconds or an HTTP date (a past date: 0), up to MAX_RETRY_AFTER_S;
+    None for one that is neither, NaN, infinite or negative."""
+    if header is None:
+        return None
+    try:
+        seconds = float(header)
+    except ValueError:
         try:
-            seconds = float(retry) if retry is not None else None
-        except ValueError:
-            seconds = None
-        if seconds is not None and not 0 <= seconds <= MAX_RETRY_AFTER_S:  # NaN and inf too: not a number of seconds
-            seconds = None if not math.isfinite(seconds) or seconds < 0 else MAX_RETRY_AFTER_S
-        return Overloaded(f"upstream is overloaded (HTTP {status})", seconds)
-    if status >= 500 or status in (408, 409):
-        return ModelError(f"upstream failed (HTTP {status})")
-    return InvalidRequest(f"upstream refused the request (HTTP {status})")
+            when = email.utils.parsedate_to_datetime(header)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        if when.tzinfo is None:  # "-0000": UTC, origin unknown
+            when = when.replace(tzinfo=UTC)
+        seconds = max(0.0, (when - datetime.now(UTC)).total_seconds())
+    if not math.isfinite(seconds) or seconds < 0:
+        return None
+    return min(seconds, MAX_RETRY_AFTER_S)

@@ -180,7 +180,7 @@ class DecodeStage:
             self.stats.started()
             self._counting.add(rid)
         try:
-            deltas = self._deltas(message, progress, "progress" in stored)
+            deltas = _until(self._deltas(message, progress, "progress" in stored), address.deadline)
             chunks = coalesced(deltas, streaming=message.request.stream, first_alone=progress.next_seq == 0, window_s=self._window_s)
             async with aclosing(deltas), aclosing(chunks) as stream:  # closed in reverse: the merging first
                 async for delta in stream:
@@ -207,6 +207,8 @@ class DecodeStage:
                     elif time.time() > address.deadline:
                         error = (ErrorCode.deadline_exceeded, "the request's deadline passed during generation")
                         break
+        except _DeadlinePassed:
+            error = (ErrorCode.deadline_exceeded, "the request's deadline passed during generation")
         except Cancelled:
             reason = self._cancelled.reason(rid) or CancelReason.client_gone
             error = (CANCEL_CODE[reason], f"generation stopped: {reason.value}")
@@ -357,3 +359,55 @@ class DecodeStage:
                 raise InfraUnavailable("taken over by another decode worker")
 
         return Out(self.topics.stream or "", rid, event, acked=acked)
+
+
+class _DeadlinePassed(Exception):
+    """The request's deadline passed while the backend had sent nothing (`_until`)."""
+
+
+class _Deadline:
+    """One timer per stream that cancels the task waiting on the backend once the deadline passes
+    (`asyncio.timeout_at` around each wait cost 8 us a delta, more than the instant backend's step)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        self.passed = False
+        self.waiting: asyncio.Task[object] | None = None  # set only while the task waits on the backend
+        self.cancelled: asyncio.Task[object] | None = None  # the task this timer cancelled
+        self._timer = loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self.passed = True
+        if self.waiting is not None:
+            self.cancelled = self.waiting
+            self.waiting.cancel()
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+
+async def _until(deltas: AsyncIterator[Delta], deadline: float) -> AsyncIterator[Delta]:
+    """`deltas` until the request's `deadline` (epoch seconds, as `Address.deadline`), then
+    `_DeadlinePassed`. The check after each delta in `_generate` cannot end a backend that sends none
+    (an upstream that sends only keep-alive comments held a request 10 s past a 2 s deadline, to end
+    `client_gone`). Only a wait on the backend is cancelled, never a yield: cancelling the task while it
+    runs the consumer would cancel whatever the consumer awaits."""
+    loop = asyncio.get_running_loop()
+    bound = _Deadline(loop, loop.time() + (deadline - time.time()))  # the loop's clock, not the wall clock
+    try:
+        while not bound.passed:
+            task = bound.waiting = asyncio.current_task()
+            try:
+                delta = await anext(deltas)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if bound.cancelled is task and task is not None and task.uncancel() == 0:  # ours alone
+                    raise _DeadlinePassed() from None
+                raise
+            finally:
+                bound.waiting = None
+            yield delta
+        raise _DeadlinePassed()
+    finally:
+        bound.close()
+        await deltas.aclose()  # type: ignore[attr-defined]

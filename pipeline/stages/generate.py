@@ -8,12 +8,14 @@ asks for the answer again and drops the characters already delivered (`Progress.
 on numbering chunks where its predecessor stopped. With greedy or seeded sampling on the same backend
 the client sees one seamless stream; otherwise the continuation is a valid answer that may not join
 the delivered part exactly (docs/reliability.md). Token counts come from the backend's last delta when
-it reports them (an upstream server's usage), else from the token ids it streamed. A retriable failure
-before the first chunk sends the request on to the route's next fallback backend.
+it reports them (an upstream server's usage), else from the token ids it streamed, else (a backend that
+streams text only, an upstream that sends no usage) they are estimated from characters (`_usage`). A
+retriable failure before the first chunk sends the request on to the route's next fallback backend.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Mapping
 
 from pipeline.backends.base import Backend, Delta
@@ -27,6 +29,8 @@ from pipeline.topology import Topics
 from topics.hops import Routed
 from topics.stream import EMPTY_DIGEST, Usage
 
+CHARS_PER_TOKEN = 4  # the gateway's default `chars_per_token`, which its admission estimate divides by
+
 
 class GenerateStage(DecodeStage):
     input_type = Routed
@@ -36,10 +40,11 @@ class GenerateStage(DecodeStage):
     def __init__(
         self, backend: Backend, topics: Topics, store: StateStore, name: str = "generate",
         stats: BackendStats | None = None, backends: Mapping[str, BackendSettings] | None = None,
-        chunk_window_s: float = STREAM_WINDOW_S,
+        chunk_window_s: float = STREAM_WINDOW_S, chars_per_token: int = CHARS_PER_TOKEN,
     ) -> None:
         super().__init__(backend, topics, store, name=name, stats=stats, backends=backends,  # type: ignore[arg-type]
                          chunk_window_s=chunk_window_s)
+        self._chars_per_token = chars_per_token  # for the usage estimate of a backend that reports none
 
     def _first(self, message: Routed) -> Progress:  # type: ignore[override]
         return Progress((), 0, 0, EMPTY_DIGEST)
@@ -49,10 +54,23 @@ class GenerateStage(DecodeStage):
         return _after_chars(stream, progress.sent_chars) if resumed and progress.sent_chars else stream
 
     def _usage(self, message: Routed, progress: Progress, reported: Delta | None) -> Usage:  # type: ignore[override]
-        prompt = reported.prompt_tokens if reported is not None and reported.prompt_tokens is not None else 0
-        if reported is not None and reported.completion_tokens is not None:
-            return Usage(prompt, reported.completion_tokens)
-        return Usage(prompt, len(progress.tokens))
+        """The backend's counts where its last delta has them. Else ESTIMATES, as the gateway estimates a
+        prompt at admission: the prompt's characters / `chars_per_token`, and the completion's token ids,
+        or for a backend that streams text only its characters sent / `chars_per_token` (never 0 for
+        text). A request the backend gave nothing for (no text, no ending) is billed nothing."""
+        prompt = reported.prompt_tokens if reported is not None else None
+        completion = reported.completion_tokens if reported is not None else None
+        if not (progress.sent_chars or progress.tokens or (reported is not None and reported.finish_reason is not None)):
+            return Usage(prompt or 0, completion or 0)
+        if prompt is None:
+            request = message.request
+            prompt = self._estimate(sum(len(m.content) for m in request.messages) + len(request.prompt or ""))
+        if completion is None:
+            completion = len(progress.tokens) or self._estimate(progress.sent_chars)
+        return Usage(prompt, completion)
+
+    def _estimate(self, chars: int) -> int:
+        return math.ceil(chars / self._chars_per_token)
 
 
 async def _after_chars(stream: AsyncIterator[Delta], skip: int) -> AsyncIterator[Delta]:

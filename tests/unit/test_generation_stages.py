@@ -473,3 +473,16 @@ async def test_a_cancellation_is_recorded_only_for_a_request_the_pipeline_admitt
         await stage.on_control(Cancel(id=rid, reason=CancelReason.client_gone, at=time.time()))
     assert (await store.read("default/admitted"))["cancel"] == b"client_gone"
     assert await store.read("default/made-up") == {} and await store.read("other/made-up-too") == {}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("window_s", [0.0, 0.005])
+async def test_a_backend_that_sends_nothing_is_stopped_at_the_requests_deadline(window_s: float) -> None:
+    """The deadline was checked only when a delta came: a backend stalled between deltas held the
+    request past it (an upstream's keep-alives, 10 s past a 2 s deadline). With and without merging."""
+    backend = ScriptedBackend(WORDS, step_s=3.0)
+    handed = await prefilled(backend, deadline_s=1.0)
+    started = time.monotonic()
+    events = [o.value for o in await run_handler(decode_stage(backend, window_s=window_s), handed)]
+    assert isinstance(events[-1], Failed) and events[-1].code is ErrorCode.deadline_exceeded
+    assert time.monotonic() - started < 2.0 and events[-1].chunks == 1  # prefill's chunk only

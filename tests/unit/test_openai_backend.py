@@ -4,13 +4,20 @@ the generation stage that serves a pool of such backends."""
 from __future__ import annotations
 
 import asyncio
+import email.utils
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+import httpx
 import pytest
 
 from bench.fake_openai import FakeUpstream, State
 from pipeline.backends.base import Backend, GenerationRequest, Message, SplitBackend
 from pipeline.backends.errors import Cancelled, Filtered, InvalidRequest, ModelError, Overloaded
-from pipeline.backends.openai_compat import OpenAIBackend, _event, _whole
+from pipeline.backends.openai_compat import MAX_RETRY_AFTER_S, OpenAIBackend, _event, _refused
+from pipeline.routing.stats import BackendStats
 from pipeline.stages.generate import GenerateStage
 from pipeline.state import MemoryStateStore
 from tests.ports import free_port
@@ -44,14 +51,153 @@ async def test_streams_chat_and_completions_with_the_upstreams_usage() -> None:
         await backend.aclose()
 
 
-async def test_a_non_streaming_request_is_asked_for_in_one_piece() -> None:
+async def test_a_non_streaming_request_is_streamed_from_the_upstream_too() -> None:
     async with FakeUpstream(free_port()) as fake:
         backend = OpenAIBackend("up", fake.base_url, "m")
         for req in (ask(6), ask(4, prompt="once upon")):
-            [whole] = await collect(backend, GenerationRequest(**{**req.__dict__, "stream": False}))
-            assert whole.text == "".join(f"w{i} " for i in range(req.max_tokens)) and whole.finish_reason == "length"
-            assert (whole.prompt_tokens, whole.completion_tokens) == (8, req.max_tokens)
+            deltas = await collect(backend, GenerationRequest(**{**req.__dict__, "stream": False}))
+            assert "".join(d.text for d in deltas) == "".join(f"w{i} " for i in range(req.max_tokens))
+            assert deltas[-1].finish_reason == "length" and (deltas[-1].prompt_tokens, deltas[-1].completion_tokens) == (8, req.max_tokens)
         assert fake.state.served == 2
+        await backend.aclose()
+
+
+class Raw:
+    """A bare HTTP/1.1 upstream whose answer the test writes byte for byte: `answer(body, writer)`."""
+
+    def __init__(self, answer: Callable[[dict[str, Any], asyncio.StreamWriter], Awaitable[None]]) -> None:
+        self._answer = answer
+        self.bodies: list[dict[str, Any]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def __aenter__(self) -> Raw:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.base_url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/v1"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._tasks.add(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            self.bodies.append(json.loads(await reader.readexactly(length)))
+            await self._answer(self.bodies[-1], writer)
+            await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass  # the client left, or the test ended
+        finally:
+            writer.close()
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+
+
+def sse(event: object) -> bytes:
+    return b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+
+
+def said(text: str, reason: str | None = None) -> bytes:
+    return sse({"choices": [{"delta": {"content": text}, "finish_reason": reason}]})
+
+
+async def test_a_whole_answer_is_streamed_so_the_timeout_is_between_events_not_over_the_answer() -> None:
+    """vLLM sends a non-streamed answer only once all of it is generated: asked so, every answer longer
+    than `timeout_s` failed (and counted against a healthy backend)."""
+    async def answer(body: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        if not body.get("stream"):  # the whole answer, after generating it
+            await asyncio.sleep(1.6)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+            return
+        writer.write(SSE_HEAD)
+        for _ in range(4):
+            await asyncio.sleep(0.3)
+            writer.write(said("w"))
+        writer.write(said("", "stop") + sse({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 4}}) + b"data: [DONE]\n\n")
+
+    async with Raw(answer) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m", timeout_s=0.5)
+        deltas = await collect(backend, GenerationRequest(**{**ask(4).__dict__, "stream": False}))
+        assert "".join(d.text for d in deltas) == "wwww" and deltas[-1].finish_reason == "stop"
+        assert (deltas[-1].prompt_tokens, deltas[-1].completion_tokens) == (2, 4)
+        assert upstream.bodies[0]["stream"] is True and upstream.bodies[0]["stream_options"] == {"include_usage": True}
+        await backend.aclose()
+
+
+async def test_lines_end_at_lf_only_so_unicode_line_separators_stay_in_the_text() -> None:
+    text = "a\u2028b\u2029c\u0085d\u00e9"
+
+    async def answer(body: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        event = said(text).replace(b"\n\n", b"\r\n\r\n")  # CRLF lines too
+        writer.write(SSE_HEAD + event[:-6])  # the last character's two bytes split across reads
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(event[-6:] + said("", "stop") + b"data: [DONE]\n\n")
+
+    async with Raw(answer) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m")
+        deltas = await collect(backend, ask())
+        assert "".join(d.text for d in deltas) == text and deltas[-1].finish_reason == "stop"
+        await backend.aclose()
+
+
+async def test_an_upstream_that_sends_only_keep_alives_has_stalled() -> None:
+    """Comments and empty events restart httpx's read timeout: the stream waited for the upstream to close."""
+    async def answer(body: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + said("a"))
+        for i in range(40):
+            writer.write(b": ping\n\n" if i % 2 else sse({"choices": []}))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+    async with Raw(answer) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m", timeout_s=0.5)
+        started = time.monotonic()
+        with pytest.raises(ModelError, match="no text"):
+            await collect(backend, ask())
+        assert time.monotonic() - started < 2.0
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("body", [
+    b"data: " + b"[" * 200_000 + b"]" * 200_000 + b"\n\n",  # deeper than the parser goes (RecursionError)
+    b'data: {"choices": [{"delta": {"content": "\xff"}}]}\n\n',  # not UTF-8
+])
+async def test_an_event_the_parser_cannot_take_is_the_upstreams_failure(body: bytes) -> None:
+    async def answer(_: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + body + said("", "stop") + b"data: [DONE]\n\n")
+
+    async with Raw(answer) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m")
+        with pytest.raises(ModelError):
+            await collect(backend, ask())
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("case", ["line", "body"])
+async def test_an_answer_past_its_size_bounds_is_the_upstreams_failure(case: str) -> None:
+    """A 600 MB `data:` line took a worker to 2.3 GB; a body is bounded by `max_tokens` too."""
+    line = said("x" * (1 << 20))  # valid JSON, one line past the bound (MAX_LINE_BYTES, 1 MiB)
+
+    async def answer(_: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD)
+        if case == "line":
+            writer.write(line)
+        else:  # small events, far more of them than one token each
+            for _ in range(400):
+                writer.write(said("y" * 8192))
+                await writer.drain()
+        writer.write(said("", "stop") + b"data: [DONE]\n\n")
+
+    async with Raw(answer) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m")
+        with pytest.raises(ModelError):
+            await collect(backend, ask(2000 if case == "line" else 1))
         await backend.aclose()
 
 
@@ -143,11 +289,17 @@ async def test_the_upstreams_content_filter_ends_the_request_as_content_filter_n
     with pytest.raises(Filtered) as caught:
         _event(filtered, None)
     assert caught.value.code is ErrorCode.content_filter and not caught.value.retriable
-    with pytest.raises(Filtered):
-        _whole({"choices": [{"message": {"content": "cut"}, "finish_reason": "content_filter"}], "usage": {}})
-    for reason, ours in (("stop", "stop"), ("length", "length"), ("tool_calls", "stop"), ("eos_token", "stop")):
-        assert _whole({"choices": [{"text": "x", "finish_reason": reason}]}).finish_reason == ours
+    for reason, ours in (("stop", "stop"), ("length", "length"), ("tool_calls", "stop"), ("function_call", "stop"),
+                         ("eos_token", "stop"), ("stop_sequence", "stop"), ("end_turn", "stop")):
         assert _event({"choices": [{"text": "x", "finish_reason": reason}]}, None)[1] == ours
+
+
+@pytest.mark.parametrize("reason", ["abort", "error", "repetition", "something_new", 5, ["stop"]])
+async def test_an_ending_that_is_not_an_answer_is_the_upstreams_failure(reason: object) -> None:
+    """vLLM v1 ends a dropped or failed request `abort`/`error`: it passed as a whole answer (`stop`)."""
+    with pytest.raises(ModelError) as caught:
+        _event({"choices": [{"text": "cut", "finish_reason": reason}]}, None)
+    assert caught.value.retriable
 
 
 async def test_an_upstream_event_of_another_shape_is_the_upstreams_failure() -> None:
@@ -155,21 +307,33 @@ async def test_an_upstream_event_of_another_shape_is_the_upstreams_failure() -> 
                   {"choices": "x"}, {"usage": [1], "choices": []}):
         with pytest.raises(ModelError):
             _event(event, None)
-    for answer in ({"choices": [{"message": {"content": 5}, "finish_reason": "stop"}]}, {"choices": "x"}, [1]):
-        with pytest.raises(ModelError):
-            _whole(answer)  # type: ignore[arg-type]
-    odd = _whole({"choices": [{"text": "x", "finish_reason": "stop"}], "usage": {"prompt_tokens": "7", "completion_tokens": -1}})
-    assert (odd.prompt_tokens, odd.completion_tokens) == (None, None)
+    odd, _ = _event({"choices": [{"text": "x", "finish_reason": "stop"}], "usage": {"prompt_tokens": "7", "completion_tokens": -1}}, None)
+    assert odd is not None and (odd.prompt_tokens, odd.completion_tokens) == (None, None)
 
 
 async def test_an_upstreams_retry_after_is_a_finite_number_of_seconds() -> None:
-    import httpx
-
-    from pipeline.backends.openai_compat import MAX_RETRY_AFTER_S, _refused
-
-    for header, seconds in (("2", 2.0), ("nan", None), ("inf", None), ("-3", None), ("1e9", MAX_RETRY_AFTER_S), ("soon", None)):
+    for header, seconds in (("2", 2.0), ("nan", None), ("inf", None), ("-3", None), ("1e9", MAX_RETRY_AFTER_S), ("soon", None),
+                            ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0), ("Fri, 31 Dec 9999 23:59:59 GMT", MAX_RETRY_AFTER_S),
+                            ("Wed, 32 Oct 2015 07:28:00 GMT", None)):
         refused = _refused(httpx.Response(429, headers={"retry-after": header}))
         assert isinstance(refused, Overloaded) and refused.retry_after_s == seconds, header
+
+
+async def test_an_http_date_retry_after_is_passed_on_in_seconds() -> None:
+    header = email.utils.formatdate(time.time() + 30, usegmt=True)
+    refused = _refused(httpx.Response(429, headers={"retry-after": header}))
+    assert isinstance(refused, Overloaded) and refused.retry_after_s is not None and 28 <= refused.retry_after_s <= 30
+
+
+async def test_an_upstream_misconfigured_is_its_failure_and_only_a_bad_request_is_the_clients() -> None:
+    """401/403 (the key), 404/405 (the address) and redirects were the client's 400: never retried
+    elsewhere, never counted, the backend never ejected."""
+    for status in (301, 302, 307, 401, 402, 403, 404, 405, 407, 408, 409, 410, 500, 502, 503):
+        refused = _refused(httpx.Response(status))
+        assert isinstance(refused, ModelError) and refused.retriable, status
+    for status in (400, 413, 422):
+        refused = _refused(httpx.Response(status))
+        assert isinstance(refused, InvalidRequest) and not refused.retriable, status
 
 
 async def test_a_cancellation_before_the_upstream_answers_stops_the_request_when_it_does() -> None:
@@ -210,4 +374,54 @@ async def test_cancels_are_remembered_within_a_bound() -> None:
         for i in range(_CANCELLED_MEMORY):
             await backend.cancel(f"gone-{i}")
         assert len(backend._cancelled) == _CANCELLED_MEMORY and "ended" not in backend._cancelled
+        await backend.aclose()
+
+
+async def test_an_upstream_that_sends_no_usage_is_billed_an_estimate() -> None:
+    """A text backend's usage was 0/0 (no token ids to count): an answer billed nothing."""
+    async def answer(_: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + said("hello world!") + said("", "stop") + b"data: [DONE]\n\n")
+
+    async with Raw(answer) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m")
+        done = (await run_handler(GenerateStage(backend, _topics(), MemoryStateStore()), routed("u1")))[-1].value
+        assert isinstance(done, Done)  # "hello there" (11 characters) and "hello world!" (12), 4 to a token
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (3, 3)
+        await backend.aclose()
+
+
+async def test_a_stalled_upstream_ends_at_the_requests_deadline_not_when_it_closes() -> None:
+    """Keep-alives reset the backend's timeout and brought no delta, so the stage's deadline check never
+    ran: the request outlived its deadline (and ended `client_gone`, never counted)."""
+    async def answer(_: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + said("a"))
+        for _ in range(40):
+            writer.write(b": ping\n\n")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+    async with Raw(answer) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m", timeout_s=30)
+        stats = BackendStats("up", "up", "w1", capacity=4, eject_after=1)
+        message = forward(admitted(request("d1", deadline_s=1.0)), Routed, route=Route(backend="up", pool="up"))
+        started = time.monotonic()
+        outs = await run_handler(GenerateStage(backend, _topics(), MemoryStateStore(), stats=stats), message)
+        failed = outs[-1].value
+        assert isinstance(failed, Failed) and failed.code is ErrorCode.deadline_exceeded
+        assert time.monotonic() - started < 2.5
+        assert stats.streak == 0 and stats.in_flight == 0  # a deadline says nothing of the backend's health
+        await backend.aclose()
+
+
+async def test_events_after_the_ending_are_not_a_second_ending() -> None:
+    """An upstream that puts the usage on its finish event and sends it again gave the stage two endings."""
+    async def answer(_: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        usage = {"prompt_tokens": 1, "completion_tokens": 1}
+        writer.write(SSE_HEAD + sse({"choices": [{"delta": {"content": "hi"}, "finish_reason": "stop"}], "usage": usage})
+                     + sse({"choices": [], "usage": usage}) + b"data: [DONE]\n\n")
+
+    async with Raw(answer) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m")
+        [delta] = await collect(backend, ask())
+        assert (delta.text, delta.finish_reason, delta.completion_tokens) == ("hi", "stop", 1)
         await backend.aclose()
