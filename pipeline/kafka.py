@@ -10,7 +10,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import TopicPartition
 
@@ -140,7 +140,9 @@ async def _warm_group_coordinator(admin: AIOKafkaAdminClient, timeout_s: float =
 
 
 async def create_topics(settings: Settings) -> list[str]:
-    """Creates every declared topic that does not exist yet; returns the names it created."""
+    """Creates every declared topic that does not exist yet; returns the names it created. A topic the
+    broker refuses (not authorised, an invalid config) raises its `KafkaError`, whose `retriable` says
+    whether trying again may help."""
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap, client_id="sluice-admin", **security(settings))
     try:
         await admin.start()
@@ -150,10 +152,12 @@ async def create_topics(settings: Settings) -> list[str]:
         if not wanted:
             return []
         new = [NewTopic(s.name, s.partitions, 1, topic_configs=s.config) for s in wanted]
-        try:
-            await admin.create_topics(new)
-        except TopicAlreadyExistsError:
-            log.info("some topics were created concurrently")
+        response = await admin.create_topics(new)  # errors come per topic in the response, not raised
+        for topic, code, *message in response.topic_errors:
+            if code == TopicAlreadyExistsError.errno:
+                log.info("topic %s was created concurrently", topic)
+            elif code:
+                raise for_code(code)(f"creating topic {topic}: {message[0] if message and message[0] else 'refused'}")
         return [s.name for s in wanted]
     finally:
         await admin.close()

@@ -6,6 +6,10 @@ stage and a bridge on the one port (`[run] bridges = "every"`; "first": the brid
 each stage's consumer group shares its partitions among them, so N may usefully reach the topics'
 partition count.
 
+The topics are created before any child starts, tried again while the broker may still be starting; a
+refusal (not authorised, an invalid config) or the last attempt failing ends `sluice run` with exit 1,
+its error logged, and no child started.
+
 Restarts back off exponentially (1 s doubling to 30 s) and the backoff resets once a child has stayed
 up for a minute. SIGINT/SIGTERM are passed on to the children, which shut down gracefully; a clean
 exit (0) is not restarted.
@@ -33,6 +37,7 @@ log = logging.getLogger(__name__)
 HEALTHY_S = 60.0
 STOP_GRACE_S = 30.0  # after SIGINT/SIGTERM, children still running after this are killed
 MAX_BACKOFF_S = 30.0
+TOPIC_ATTEMPTS = 60  # creating the topics, while the broker may still be starting (1 s, 2 s, ... then 5 s apart)
 
 
 @dataclass
@@ -122,7 +127,6 @@ def processes_for(settings: Settings, requested: int | None = None) -> int:
 
 def run_supervised(settings: Settings, requested: int | None = None) -> int:
     """`sluice run`: the topics first (stage processes subscribe to them), then the processes."""
-    from pipeline import kafka
     from pipeline.serve import configure_logging
 
     configure_logging()
@@ -133,13 +137,8 @@ def run_supervised(settings: Settings, requested: int | None = None) -> int:
         # another `sluice run` of this user instead of failing.
         log.error("the bridge's address %s:%d is taken (%s); is sluice already running?", settings.bridge.host, settings.bridge.port, taken)
         return 1
-    for attempt in range(60):
-        try:
-            asyncio.run(kafka.create_topics(settings))
-            break
-        except Exception as exc:  # the broker is not up yet
-            log.warning("creating topics failed (%s); retrying", type(exc).__name__)
-            time.sleep(min(1.0 + attempt, 5.0))
+    if not _topics_created(settings):
+        return 1
     command = [sys.executable, "-m", "pipeline.cli"]
     run_dir = None
     if shared:
@@ -157,6 +156,33 @@ def run_supervised(settings: Settings, requested: int | None = None) -> int:
     finally:
         if run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _topics_created(settings: Settings) -> bool:
+    """Creates the topics, trying again while the broker may still be starting (a retriable error or a
+    timeout: about 5 minutes in all); False, with the error logged, when it refuses for good (not
+    authorised, an invalid config) or the attempts run out. Any other exception is a bug and propagates."""
+    from aiokafka.errors import KafkaError, KafkaTimeoutError
+
+    from pipeline import kafka
+
+    attempts = TOPIC_ATTEMPTS
+    for attempt in range(1, attempts + 1):
+        try:
+            asyncio.run(kafka.create_topics(settings))
+            return True
+        except (KafkaError, TimeoutError, OSError) as exc:  # an admin client's error: no request data in it
+            error = str(exc) if type(exc).__name__ in str(exc) else f"{type(exc).__name__}: {exc}"
+            # aiokafka marks a KafkaTimeoutError not retriable, but a broker still starting is what it means here
+            if isinstance(exc, KafkaError) and not exc.retriable and not isinstance(exc, KafkaTimeoutError):
+                log.error("creating topics failed: %s; not starting the pipeline", error)
+                return False
+            if attempt == attempts:
+                log.error("creating topics failed %d times, the last: %s; not starting the pipeline", attempts, error)
+                return False
+            log.warning("creating topics failed (%s); attempt %d of %d, retrying", error, attempt, attempts)
+            time.sleep(min(float(attempt), 5.0))
+    return False
 
 
 def _port_taken(host: str, port: int) -> str | None:

@@ -4,11 +4,13 @@
 # Writes STATE_DIR/kafka.pid and STATE_DIR/kafka.log; formats storage once (re-runs are safe). Every
 # directory and file it or the broker makes is private (umask 077): the segments hold prompts and answers.
 # --secure: SASL/SCRAM listeners and ACLs (secure.properties.in). The super user `admin` gets a random
-# password, created once in STATE_DIR/kafka-admin.password (mode 600) and added at format time (from a
-# mode-600 argument file, never on a command line); server.properties is mode 600 from its creation;
+# password, created once in STATE_DIR/kafka-admin.password (mode 600 from its creation, renamed into
+# place) and added at format time (from a mode-600 argument file, never on a command line); it is filled
+# into server.properties (mode 600 from its creation) by the shell itself, not by a command's arguments;
 # tenants are added with infra/kafka/TenantAcls.java. A state dir keeps the profile it was formatted with.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+source "$here/../common.sh"
 state=$1
 port=$2
 secure=${SLUICE_KAFKA_SECURE:-0}
@@ -26,16 +28,26 @@ umask 077
 mkdir -p "$state" "$data"
 chmod 700 "$state"
 [ -z "$(find "$data" -perm /077 -print -quit)" ] || chmod -R go= "$data"
+admin_password=""
+fill() {  # fill TEMPLATE: its lines with the @...@ placeholders filled in, by bash itself (no argv shows
+  # the password in `ps`; quoted replacements, so an `&` in one stays an `&`)
+  local line
+  while IFS= read -r line || [ -n "$line" ]; do
+    line=${line//@PORT@/"$port"}
+    line=${line//@CONTROLLER_PORT@/"$controller_port"}
+    line=${line//@DATA@/"$data"}
+    printf '%s\n' "${line//@ADMIN_PASSWORD@/"$admin_password"}"
+  done <"$1"
+}
 properties=$(mktemp "$state/server.properties.XXXXXX")
-sed -e "s|@PORT@|$port|g" -e "s|@CONTROLLER_PORT@|$controller_port|g" -e "s|@DATA@|$data|g" \
-  "$here/server.properties.in" >"$properties"
+fill "$here/server.properties.in" >"$properties"
 scram=""
 if [ "$secure" = 1 ]; then
   password_file="$state/kafka-admin.password"
-  [ -f "$password_file" ] || head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$password_file"
+  # -s: an empty file (a write cut short by an older start) is made again, never used as the password
+  [ -s "$password_file" ] || head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' | private_file "$password_file"
   admin_password=$(cat "$password_file")
-  sed -e "s|@PORT@|$port|g" -e "s|@CONTROLLER_PORT@|$controller_port|g" \
-    -e "s|@ADMIN_PASSWORD@|$admin_password|g" "$here/secure.properties.in" >>"$properties"
+  fill "$here/secure.properties.in" >>"$properties"
   scram="SCRAM-SHA-256=[name=admin,password=$admin_password]"
 fi
 mv -f "$properties" "$state/server.properties"
@@ -56,12 +68,9 @@ if [ ! -f "$data/meta.properties" ]; then
   rm -f "$format_args"
 fi
 
-port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 ours() { [ -f "$state/kafka.pid" ] && tr '\0' ' ' <"/proc/$(cat "$state/kafka.pid")/cmdline" 2>/dev/null | grep -qF "kafka.Kafka $state/server.properties"; }
 if ours; then echo "Kafka of $state is running already" >&2; exit 0; fi
-for p in "$port" "$controller_port"; do  # another process's port would answer the wait below for ours
-  if port_open "$p"; then echo "port $p is in use by another process: Kafka not started" >&2; exit 1; fi
-done
+refuse_taken_port Kafka "$port" "$controller_port"
 
 nohup java "${java_opts[@]}" -cp "$cp" kafka.Kafka "$state/server.properties" >"$state/kafka.log" 2>&1 &
 echo $! >"$state/kafka.pid"

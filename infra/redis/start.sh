@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Starts Redis on 127.0.0.1 in the background with the project's config and waits for PONG.
 # Usage: infra/redis/start.sh STATE_DIR PORT [--secure]  (or SLUICE_REDIS_SECURE=1)
-# Writes STATE_DIR/redis.pid and STATE_DIR/redis.log.
+# Writes STATE_DIR/redis.pid and STATE_DIR/redis.log. Everything it and Redis write is private to this
+# user (umask 077, in every profile): the append-only file holds key records, spend and per-request state.
+# While Redis loads a large append-only file it answers LOADING (about 7 s at the 256 MB cap,
+# docs/operations.md): the wait allows 60 s, and fails at once, with the log's end, if Redis exits.
 # --secure: no unauthenticated access. The default user is off; two ACL users get random passwords,
 # created once in STATE_DIR/redis-sluice.password and redis-admin.password (mode 600 from their creation:
 # written under umask 077 to a temporary file and renamed): `sluice` (sluice's processes: only keys under
@@ -10,19 +13,20 @@
 # file or from SLUICE_REDIS_PASSWORD (infra/run.sh exports it; redis-cli takes REDISCLI_AUTH).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+source "$here/../common.sh"
 state=$1
 port=$2
 secure=${SLUICE_REDIS_SECURE:-0}
 [ "${3:-}" = "--secure" ] && secure=1
-mkdir -p "$state"
 command -v redis-server >/dev/null || { echo "redis-server missing: run 'make setup' first" >&2; exit 1; }
 
-private_file() {  # private_file PATH: PATH's content from stdin, mode 600 from its creation, renamed into place
-  local tmp
-  tmp=$(umask 077; mktemp "$1.XXXXXX")
-  cat >"$tmp"
-  mv -f "$tmp" "$1"
-}
+# Redis inherits the umask: its append-only directory is 700 and its files 600 from their creation. Files
+# left by an older start (made under umask 022: directory 755, files 644) are made private once.
+umask 077
+mkdir -p "$state"
+for made in "$state/appendonlydir" "$state/redis.log"; do
+  [ ! -e "$made" ] || [ -z "$(find "$made" -perm /077 -print -quit)" ] || chmod -R go= "$made"
+done
 
 acl=()
 ping_user=()
@@ -44,22 +48,32 @@ ACL
   export REDISCLI_AUTH  # redis-cli's password from the environment, not its arguments
 fi
 
-# In the secure profile what Redis writes (the append-only file: key records, spend, per-request state;
-# its log) is private to its user too.
-[ "$secure" = 1 ] && umask 077
 if [ -f "$state/redis.pid" ] && tr '\0' ' ' <"/proc/$(cat "$state/redis.pid")/cmdline" 2>/dev/null | grep -qF "redis-server 127.0.0.1:$port"; then
   echo "Redis of $state is running already" >&2
   exit 0
 fi
-if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then  # else another process's PONG (or its password prompt) would do
-  echo "port $port is in use by another process: Redis not started" >&2
-  exit 1
-fi
+refuse_taken_port Redis "$port"  # else another process's PONG (or its password prompt) would do
+rm -f "$state/redis.pid"  # one left by a crash must not name the server started below
 redis-server "$here/redis.conf" --port "$port" --dir "$state" --logfile "$state/redis.log" \
   --pidfile "$state/redis.pid" --daemonize yes "${acl[@]}"
-for _ in $(seq 1 50); do
-  [ "$(redis-cli "${ping_user[@]}" -p "$port" ping 2>/dev/null)" = PONG ] && exit 0
+# The daemon writes its pid file at once, then loads the append-only file, answering LOADING until done.
+failed() { echo "$1; the end of $state/redis.log:" >&2; tail -n 20 "$state/redis.log" >&2; exit 1; }
+started=$SECONDS
+loading=""
+while [ $((SECONDS - started)) -lt 60 ]; do
+  pid=$(cat "$state/redis.pid" 2>/dev/null) || pid=""
+  if [ -n "$pid" ]; then  # first: its port, not another's
+    kill -0 "$pid" 2>/dev/null || failed "Redis exited"
+  elif [ $((SECONDS - started)) -ge 5 ]; then
+    failed "Redis is not running (no pid file)"
+  fi
+  reply=$(redis-cli "${ping_user[@]}" -p "$port" ping 2>/dev/null) || true  # an error reply is on stdout too
+  case $reply in
+    PONG) exit 0 ;;
+    *LOADING*) [ -n "$loading" ] || echo "Redis is loading its append-only file from $state; waiting" >&2
+               loading=1 ;;
+  esac
   sleep 0.1
 done
-echo "Redis did not answer on port $port" >&2
+echo "Redis did not answer on port $port within 60 s (log: $state/redis.log)" >&2
 exit 1

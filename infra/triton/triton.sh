@@ -18,6 +18,7 @@
 # .venv-triton/bin goes first on PATH: its site-packages, and the repository root through a .pth file.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
+source "$root/infra/common.sh"
 venv="$root/.venv-triton"
 lock="$root/infra/triton/requirements.lock.txt"
 site="$venv/lib/python3.11/site-packages"
@@ -60,6 +61,7 @@ start() {
   local libdir load=()
   libdir=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
   for model in "${models[@]}"; do load+=(--load-model "$model"); done
+  refuse_taken_port Triton "$http_port" "$grpc_port"  # else an orphan Triton there would answer `ready`
   LD_LIBRARY_PATH="$libdir:$site/nvidia_pytriton.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   PATH="$venv/bin:$PATH" \
     "$site/pytriton/tritonserver/bin/tritonserver" \
@@ -72,12 +74,12 @@ start() {
   echo $! >"$state/triton.pid"
   local deadline=$((SECONDS + 300))  # loading takes ~30 s on 2 idle cores, minutes on busy ones
   while [ "$SECONDS" -lt "$deadline" ]; do
-    if ready "$http_port" "${models[@]}"; then return 0; fi
-    if ! kill -0 "$(cat "$state/triton.pid")" 2>/dev/null; then
+    if ! kill -0 "$(cat "$state/triton.pid")" 2>/dev/null; then  # first: its port, not another's
       echo "triton: the server exited; the end of $state/triton.log:" >&2
       tail -n 30 "$state/triton.log" >&2
       exit 1
     fi
+    if ready "$http_port" "${models[@]}"; then return 0; fi
     sleep 0.1
   done
   echo "triton: not ready after 300 s (log: $state/triton.log); stopping it" >&2

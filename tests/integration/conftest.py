@@ -56,9 +56,11 @@ def services() -> Iterator[None]:
     if _listening(KAFKA_PORT) and _listening(REDIS_PORT):
         yield
         return
+    # What a run before this one left is stopped by its pid files before they are removed with the rest.
+    subprocess.run([ROOT / "infra" / "services.sh", "stop", STATE], check=True)
     shutil.rmtree(STATE, ignore_errors=True)
-    subprocess.run([ROOT / "infra" / "services.sh", "start", STATE, str(KAFKA_PORT), str(REDIS_PORT)], check=True)
-    try:
+    try:  # a start that fails after Redis is up is stopped too
+        subprocess.run([ROOT / "infra" / "services.sh", "start", STATE, str(KAFKA_PORT), str(REDIS_PORT)], check=True)
         yield
     finally:
         subprocess.run([ROOT / "infra" / "services.sh", "stop", STATE], check=True)
