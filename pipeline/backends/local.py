@@ -1,7 +1,8 @@
 """The local backend: the project's engine (`pipeline.engine`) run in-process, text in and out.
 
     prefill(request)          tokenise, compute the prompt, sample the first token; the sequence is
-                              parked in the engine (its KV blocks kept) under the returned handle
+                              parked in the engine (its KV blocks kept) under the returned handle; a
+                              prompt over `max_input_bytes` is refused before it is tokenised
     hand_off(prefilled)       with a KV store: leave the parked sequence's KV there under its handle,
                               for a decode worker in another process
     decode(request, handle)   resume the parked sequence; else import its KV from the store; else
@@ -57,6 +58,12 @@ __all__ = ["HandoffCounts", "LocalBackend"]
 log = logging.getLogger(__name__)
 
 _CANCELLED_MEMORY = 4096  # request ids remembered as cancelled, so a later decode of one refuses to run
+# Input text is refused before it is tokenised past this many UTF-8 bytes for each token of the model's
+# context. Tokenising runs on the event loop every stream shares (sluice_llm: Triton's), and costs about
+# 1 s a MB (21 MB held every stream and cancellation for 17 s); a text that could fit the context is far
+# below it (English runs about 4 bytes a token; only a text made of the vocabulary's longest tokens, long
+# runs of spaces or symbols, could pass 16 and still fit, and is refused).
+MAX_BYTES_PER_TOKEN = 16
 
 
 @dataclass
@@ -92,6 +99,7 @@ class LocalBackend:
         config = engine_config or EngineConfig(max_num_seqs=max_batch, max_parked=kv_capacity)
         runner = model if isinstance(model, ModelRunner) else ModelRunner.from_transformers(model, config)
         self._context_length = runner.model_config.max_position_embeddings
+        self.max_input_bytes = MAX_BYTES_PER_TOKEN * self._context_length  # see `check_input_size`
         self._vocab_size = runner.model_config.vocab_size
         self._handles_bound = 2 * (config.max_parked + config.max_num_seqs) + 64  # see `_prune_handles`
         self._engine = AsyncEngine(LLMEngine(runner), name=name)
@@ -135,6 +143,16 @@ class LocalBackend:
     def active_sequences(self) -> int:
         """Sequences waiting for or inside a model step."""
         return self._engine.num_active
+
+    def check_input_size(self, what: str, *texts: str) -> None:
+        """Refuse (`InvalidRequest`) texts that together are over `max_input_bytes`, before anything
+        tokenises them: they cannot fit the context."""
+        size = sum(len(text.encode()) for text in texts)
+        if size > self.max_input_bytes:
+            raise InvalidRequest(
+                f"{what} is {size} bytes, more than could fit the context of {self._context_length} tokens "
+                f"({self.max_input_bytes} bytes, {MAX_BYTES_PER_TOKEN} a token); refused before tokenising"
+            )
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return len(self._prompt_ids(request))
@@ -330,6 +348,7 @@ class LocalBackend:
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if bool(request.messages) == (request.prompt is not None):
             raise InvalidRequest("a request needs exactly one of `messages` (chat) and `prompt` (completion)")
+        self.check_input_size("the prompt", *(m.content for m in request.messages), request.prompt or "")
         if request.messages:
             # Content is text: control tokens a client types are not turn boundaries (pipeline/chat_template.py).
             return chat_prompt_ids(self._tokenizer, [{"role": m.role, "content": m.content} for m in request.messages])

@@ -5,7 +5,11 @@ The tensors are TensorRT-LLM's ensemble's (`text_input`, `max_tokens`, `stream`,
 `random_seed`, `stop_words` in; `text_output` out), so the same backend serves `sluice_llm` (sluice's
 engine in Triton, triton_models/sluice_llm) and a TensorRT-LLM `ensemble` or `tensorrt_llm_bls` on a GPU
 host. The model's config is read once; an input or output is sent or asked for only when the model
-declares it. sluice_llm's extensions:
+declares it, and a model that lacks `text_input`, `max_tokens` or `text_output`, declares one of sluice's
+tensors with another type, or requires an input sluice does not always send (`tensorrt_llm` itself,
+whose input is token ids) is refused then, as a `ModelError`. `text_output` is UTF-8 decoded across the
+responses of a stream, so a character split between two responses (the ensemble's postprocessing sends
+each token's bytes) comes out whole, in the second. sluice_llm's extensions:
 
     messages            chat messages as JSON, the chat template applied by the model (a model without
                         this input takes a `prompt` only)
@@ -23,23 +27,26 @@ Cancellation: `cancel` (and a consumer closing the iterator) cancels the gRPC ca
 request and the model sees `request.is_cancelled()` (sluice_llm drops the sequence from its batch within
 the step). Errors: a stream's error message from sluice_llm starts with the backend error's class
 (`sluice.InvalidRequest: ...`, `sluice.Overloaded: ...` when its queue is full) and is raised as that
-class; Triton's own refusals of a malformed request are `InvalidRequest`, of one over a queue's bound
-`Overloaded` (retriable: sent on to the route's next backend before a first chunk); anything else (an
-unknown or unloaded model, a failed step, the server gone, no response within `timeout_s`) is
-`ModelError`, retriable on another backend.
+class; Triton's refusal of one over a queue's bound is `Overloaded` (retriable: sent on to the route's
+next backend before a first chunk); anything else is `ModelError`, retriable on another backend and
+counted against this one's health: an unknown or unloaded model, a failed step, the server gone, no
+response within `timeout_s`, a response without a `text_output` of strings, and Triton's refusal of
+tensors the model was said to take (an unexpected input, a data type or shape, a missing required
+input: the deployed model is not the one its config described, which no client can fix).
 
 Stop strings: the backend cuts the text itself, at the first occurrence of any of the request's stops,
 whatever the model does with `stop_words` (TensorRT-LLM matches them as token ids, leaves the matched
 stop in the text, and misses a stop the model writes with other tokens; sluice_llm's text never holds
 one, its engine cuts them, so there the cut changes no text, only when a tail that may begin a stop goes
-out). A tail that may begin a stop (at most the longest stop less one character; also a trailing
-U+FFFD, a character not yet complete) is held back until the next response or the end; once a stop
-completes, the delta ends with finish "stop" and the gRPC call is cancelled, so the model stops.
+out). A tail that may begin a stop (at most the longest stop less one character) is held back until the
+next response or the end; once a stop completes, the delta ends with finish "stop" and the gRPC call is
+cancelled, so the model stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import re
 import sys
@@ -65,10 +72,28 @@ _SLUICE_ERROR = re.compile(r"sluice\.(\w+): ")
 _SLUICE_ERRORS: dict[str, type[BackendError]] = {
     cls.__name__: cls for cls in (Cancelled, InvalidRequest, ModelError, BackendClosed, Overloaded)
 }
-# Triton's own words for a request it refuses as malformed (retrying it anywhere will not help).
-_TRITON_REFUSALS = ("unexpected inference input", "missing required input", "data-type", "unexpected shape")
+# Triton's own words for a request whose tensors the model does not declare so. sluice builds every
+# tensor from the model's config, so these mean the deployed model is not what that config said (or not
+# a model sluice can drive): the backend's fault, not the client's, and another backend may serve it.
+_TRITON_SCHEMA_REFUSALS = ("unexpected inference input", "missing required input", "data-type", "unexpected shape")
 # ... and for one it refuses for load (a model whose scheduler has a queue policy with max_queue_size).
 _TRITON_OVERLOADED = ("exceeds maximum queue size",)
+# What the backend may send, with the type the model must declare for it (the wire's type follows), and
+# what of it goes with every request (a model may require only those: the others go when a request has
+# them, a seed, stops, chat messages, delivered text, greedy sampling).
+_INPUT_TYPES = {
+    "text_input": "TYPE_STRING", "max_tokens": "TYPE_INT32", "stream": "TYPE_BOOL", "temperature": "TYPE_FP32",
+    "top_p": "TYPE_FP32", "top_k": "TYPE_INT32", "random_seed": "TYPE_UINT64", "stop_words": "TYPE_STRING",
+    "messages": "TYPE_STRING", "resume_text": "TYPE_STRING", "tenant": "TYPE_STRING",
+}
+_ALWAYS_SENT = frozenset({"text_input", "max_tokens", "stream", "temperature", "top_p", "tenant"})
+_NEEDED_INPUTS = ("text_input", "max_tokens")
+# What the backend reads, with the types it can read; only text_output is needed.
+_INTEGERS = tuple(f"TYPE_{sign}INT{bits}" for sign in ("", "U") for bits in (8, 16, 32, 64))
+_OUTPUT_TYPES = {
+    "text_output": ("TYPE_STRING",), "finish_reason": ("TYPE_STRING",), "prompt_tokens": _INTEGERS,
+    "completion_tokens": _INTEGERS,
+}
 _EXTENSION_OUTPUTS = ("finish_reason", "prompt_tokens", "completion_tokens")
 
 
@@ -88,6 +113,31 @@ class _ModelSchema:
             outputs=tuple(o["name"] for o in config.get("output", [])),
             batched=int(config.get("max_batch_size", 0)) > 0,
         )
+
+
+def _schema_problems(config: dict[str, Any]) -> list[str]:
+    """Why sluice cannot drive a model of this config (the JSON of `get_model_config`), if it cannot: an
+    input or output it needs missing, one it sends or reads declared with another type, an input the
+    model requires that sluice does not send with every request (e.g. `tensorrt_llm`'s `input_ids`: the
+    engine model itself, not the ensemble in front of it)."""
+    config = config.get("config", config)
+    inputs = {i["name"]: i for i in config.get("input", [])}
+    outputs = {o["name"]: o for o in config.get("output", [])}
+    problems = [f"no input `{name}`" for name in _NEEDED_INPUTS if name not in inputs]
+    if "text_output" not in outputs:
+        problems.append(f"no output `text_output` (outputs: {', '.join(outputs) or 'none'})")
+    problems += [
+        f"input `{name}` is {inputs[name].get('data_type')}, sluice sends {kind}"
+        for name, kind in _INPUT_TYPES.items() if name in inputs and inputs[name].get("data_type") != kind
+    ]
+    for name, kinds in _OUTPUT_TYPES.items():
+        if name in outputs and outputs[name].get("data_type") not in kinds:
+            wanted = "integers" if kinds is _INTEGERS else kinds[0]
+            problems.append(f"output `{name}` is {outputs[name].get('data_type')}, sluice reads {wanted}")
+    required = sorted(n for n, i in inputs.items() if not i.get("optional") and n not in _ALWAYS_SENT)
+    if required:
+        problems.append(f"it requires inputs sluice does not send with every request: {', '.join(required)}")
+    return problems
 
 
 class TritonBackend:
@@ -128,12 +178,15 @@ class TritonBackend:
         self._calls[rid] = call
         responses = 0
         stops = _StopCut(request.stop) if request.stop else None
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span responses
         try:
             while (result := await self._next(call, rid)) is not None:
                 responses += 1
-                delta = _delta(result)
+                delta = self._delta(result, utf8)
                 if delta.finish_reason is None and _final(result):  # a model that does not say why it ended
                     delta = Delta(delta.text, (), _inferred_finish(responses, request), None, responses)
+                if delta.finish_reason is not None:  # the end: a character left incomplete shows as U+FFFD
+                    delta = replace(delta, text=delta.text + utf8.decode(b"", final=True))
                 if stops is not None:
                     delta = stops.cut(delta, responses)
                 yield delta
@@ -141,7 +194,7 @@ class TritonBackend:
                     return  # the call is cancelled below: after a stop string the model may still be generating
             if "finish_reason" in schema.outputs or not responses:  # nothing at all is no answer, not an empty one
                 raise ModelError(f"{self._model}: the stream ended without a final response")
-            last = Delta("", (), _inferred_finish(responses, request), None, responses)
+            last = Delta(utf8.decode(b"", final=True), (), _inferred_finish(responses, request), None, responses)
             yield last if stops is None else stops.cut(last, responses)
         finally:
             call.cancel()  # the request's stream ends here, whatever ended the iteration (a no-op once done)
@@ -178,8 +231,31 @@ class TritonBackend:
                 raise ModelError(f"{self._model} on {self._url}: {exc.message()}") from None
             except TimeoutError:
                 raise ModelError(f"{self._url} did not answer within {self._timeout_s} s") from None
+            problems = _schema_problems(config)
+            if problems:  # not kept: read again next time, as the model may be replaced meanwhile
+                raise ModelError(
+                    f"{self._model} on {self._url} is not a model sluice can drive ({'; '.join(problems)}); "
+                    "`triton_model` names sluice_llm, an ensemble or tensorrt_llm_bls"
+                )
             self._schema = _ModelSchema.from_config(config)
         return self._schema
+
+    def _delta(self, result: InferResult, utf8: codecs.IncrementalDecoder) -> Delta:
+        """One response as a delta; its text goes through `utf8`, which holds back a character's first
+        bytes until the response with the rest (the ensemble's postprocessing sends each token's bytes)."""
+        array = _output(result, "text_output", "O", self._model)
+        if array is None:
+            raise ModelError(f"{self._model}: a response without `text_output`")
+        text = "".join(utf8.decode(v) if isinstance(v, bytes) else str(v) for v in array.reshape(-1))
+        finish = _output(result, "finish_reason", "O", self._model)
+        if finish is None or not finish.size:
+            return Delta(text, ())
+        reason = "length" if _text(finish.reshape(-1)[0]) == "length" else "stop"
+        return Delta(text, (), reason, self._count(result, "prompt_tokens"), self._count(result, "completion_tokens"))
+
+    def _count(self, result: InferResult, name: str) -> int | None:
+        array = _output(result, name, "iu", self._model)
+        return None if array is None or not array.size else int(array.reshape(-1)[0])
 
     async def _next(self, call: Any, rid: str) -> InferResult | None:
         """The next response of the stream (None once the server closed it), or the error it maps to."""
@@ -279,26 +355,28 @@ def _inputs(request: GenerationRequest, schema: _ModelSchema) -> list[InferInput
         if name not in schema.inputs:
             continue  # an optional knob the model does not have (e.g. a model without stop_words)
         array = array.reshape(1, -1) if schema.batched else array
-        tensor = InferInput(name, list(array.shape), _DATATYPES[array.dtype.kind])
+        tensor = InferInput(name, list(array.shape), _wire_type(_INPUT_TYPES[name]))
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
 
 
-_DATATYPES = {"O": "BYTES", "i": "INT32", "u": "UINT64", "b": "BOOL", "f": "FP32"}
+def _wire_type(config_type: str) -> str:
+    """A config's data type as the protocol names it (TYPE_STRING is BYTES, TYPE_INT32 is INT32)."""
+    return "BYTES" if config_type == "TYPE_STRING" else config_type.removeprefix("TYPE_")
 
 
 def _strings(values: Sequence[str]) -> np.ndarray:
     return np.array([v.encode() for v in values], dtype=np.object_)
 
 
-def _delta(result: InferResult) -> Delta:
-    text = "".join(_text(v) for v in result.as_numpy("text_output").reshape(-1))
-    finish = result.as_numpy("finish_reason")
-    if finish is None:
-        return Delta(text, ())
-    reason = "length" if _text(finish.reshape(-1)[0]) == "length" else "stop"
-    return Delta(text, (), reason, _count(result, "prompt_tokens"), _count(result, "completion_tokens"))
+def _output(result: InferResult, name: str, kinds: str, model: str) -> np.ndarray | None:
+    """A response's output `name` (None when it has none), which must be of a numpy kind in `kinds`."""
+    array = result.as_numpy(name)
+    if array is not None and array.dtype.kind not in kinds:
+        wanted = "strings" if kinds == "O" else "integers"
+        raise ModelError(f"{model}: output `{name}` came as {array.dtype}, not {wanted}")
+    return array
 
 
 def _final(result: InferResult) -> bool:
@@ -315,18 +393,13 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _count(result: InferResult, name: str) -> int | None:
-    array = result.as_numpy(name)
-    return None if array is None else int(array.reshape(-1)[0])
-
-
 def _mapped(message: str) -> BackendError:
     """A stream's error message as the backend error it stands for."""
     match = _SLUICE_ERROR.search(message)
     if match is not None and match.group(1) in _SLUICE_ERRORS:
         return _SLUICE_ERRORS[match.group(1)](message[match.end():])
-    if any(words in message.lower() for words in _TRITON_REFUSALS):
-        return InvalidRequest(message)
+    if any(words in message.lower() for words in _TRITON_SCHEMA_REFUSALS):
+        return ModelError(f"the model does not take the tensors its config declares: {message}")
     if any(words in message.lower() for words in _TRITON_OVERLOADED):
         return Overloaded(message)
     return ModelError(message)

@@ -229,6 +229,41 @@ async def test_a_handoff_naming_a_token_outside_the_vocabulary_is_refused_alone(
         await collect(backend.generate(replace(POEM, request_id="nan-t", temperature=float("nan"))))
 
 
+class _Spy:
+    """A tokenizer that records every use of it."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer, self.uses = tokenizer, []  # type: ignore[var-annotated]
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        self.uses.append("__call__")
+        return self.tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        self.uses.append(name)
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.asyncio
+async def test_a_text_too_large_for_the_context_is_refused_before_it_is_tokenised(
+    backend: LocalBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokenising runs on the event loop every stream shares (in sluice_llm, Triton's): 21 MB took 17 s.
+    Past 16 bytes for each token of the context (8,192: 128 KiB) the text cannot fit and is not tokenised."""
+    spy = _Spy(backend._tokenizer)
+    monkeypatch.setattr(backend, "_tokenizer", spy)
+    big = "wörd " * (16 * 8192 // 6 + 1)
+    parts = (Message("system", big[:70_000]), Message("user", big[:70_000]))  # each fits, together they do not
+    for request in (GenerationRequest("big", prompt=big, max_tokens=4), chat("big-chat", big, max_tokens=4),
+                    GenerationRequest("big-parts", messages=parts, max_tokens=4)):
+        with pytest.raises(InvalidRequest, match="refused before tokenising"):
+            await backend.prefill(request)
+        with pytest.raises(InvalidRequest, match="refused before tokenising"):
+            backend.count_prompt_tokens(request)
+    assert spy.uses == [] and backend.max_input_bytes == 16 * 8192
+    assert backend.count_prompt_tokens(chat("small", "Hello", max_tokens=4)) > 0 and spy.uses
+
+
 def test_the_tenant_salts_the_prefix_cache(backend: LocalBackend) -> None:
     """Prefix-cache blocks are keyed by the salt, so one tenant's prompt never serves another's."""
     salts = {t: backend._engine_request(chat("s", "hi", tenant=t), [1, 2, 3]).salt for t in ("acme", "globex")}

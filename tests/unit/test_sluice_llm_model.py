@@ -18,7 +18,8 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from pipeline.backends.base import Delta, GenerationRequest
-from pipeline.backends.errors import Overloaded
+from pipeline.backends.errors import InvalidRequest, Overloaded
+from pipeline.backends.local import MAX_BYTES_PER_TOKEN, LocalBackend
 from pipeline.backends.triton import _mapped
 
 MODEL = Path(__file__).resolve().parents[2] / "triton_models" / "sluice_llm"
@@ -69,7 +70,12 @@ class _Request:
 
 
 class _Backend:
-    """The engine as the model sees it: each generation waits for `release`, then ends with one token."""
+    """The engine as the model sees it: each generation waits for `release`, then ends with one token;
+    its input bound is LocalBackend's, for a context of 4 tokens (64 bytes)."""
+
+    _context_length = 4
+    max_input_bytes = MAX_BYTES_PER_TOKEN * _context_length
+    check_input_size = LocalBackend.check_input_size
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         self.release = asyncio.Event()
@@ -155,3 +161,21 @@ async def test_a_request_beyond_max_batch_plus_max_queue_size_is_refused_at_once
 def test_a_negative_queue_size_is_refused_at_load(model_module: ModuleType, tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="max_queue_size"):
         _model(model_module, tmp_path, max_queue_size="-1")
+
+
+@pytest.mark.asyncio
+async def test_resume_text_too_large_for_the_context_is_refused_before_it_is_tokenised(
+    model_module: ModuleType, tmp_path: Path
+) -> None:
+    """The model tokenises resume_text itself, on Triton's event loop: a text over the backend's bound is
+    an InvalidRequest before that, not seconds of every stream and cancellation held up."""
+    model = _model(model_module, tmp_path)
+    uses: list[str] = []
+    model._tokenizer = lambda *args, **kwargs: uses.append("tokenised") or {"input_ids": [1]}
+    request = _Request("hi")
+    request.inputs["resume_text"] = SimpleNamespace(as_numpy=lambda: np.array([[b"x" * 65]], dtype=np.object_))
+    await asyncio.wait_for(model.execute([request]), 1.0)
+    ((response, flags),) = request.sent
+    assert flags == FINAL and response.error.code == _TritonError.INVALID_ARG
+    assert response.error.message().startswith("sluice.InvalidRequest: resume_text is 65 bytes")
+    assert isinstance(_mapped(response.error.message()), InvalidRequest) and not uses

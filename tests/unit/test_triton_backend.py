@@ -3,16 +3,21 @@ real server: tests/integration/test_triton.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2 as mc
 
 from pipeline.backends.base import Delta, GenerationRequest, Message
 from pipeline.backends.errors import BackendClosed, Cancelled, InvalidRequest, ModelError, Overloaded
 from pipeline.backends.triton import TritonBackend, _inputs, _mapped, _ModelSchema
+from pipeline.triton_repo import TrtLlmOptions, ensemble_config, tensorrt_llm_config
 from topics.errors import ErrorCode
 
+OPTIONS = TrtLlmOptions(engine_dir="/engines/e", tokenizer_dir="/models/t")
 SLUICE_LLM = _ModelSchema(
     inputs=frozenset({"text_input", "max_tokens", "stream", "temperature", "top_p", "random_seed", "stop_words",
                       "messages", "resume_text", "tenant"}),
@@ -61,8 +66,10 @@ def test_chat_and_resume_go_only_to_a_model_that_takes_them() -> None:
         ("sluice.ModelError: model step failed: RuntimeError('nan')", ModelError),
         ("sluice.BackendClosed: the engine is closed", BackendClosed),
         ("sluice.Cancelled: request r cancelled", Cancelled),
-        ("[request id: r] unexpected inference input 'bad_words' for model 'sluice_llm'", InvalidRequest),
-        ("[request id: r] inference input 'max_tokens' data-type is 'FP32', but model 'x' expects 'INT32'", InvalidRequest),
+        # the deployed model is not what its config said: the backend's fault, retriable elsewhere, not the client's
+        ("[request id: r] unexpected inference input 'bad_words' for model 'sluice_llm'", ModelError),
+        ("[request id: r] inference input 'max_tokens' data-type is 'FP32', but model 'x' expects 'INT32'", ModelError),
+        ("[request id: r] expected 1 inputs but got 0 inputs for model 'x'. missing required input 'y'", ModelError),
         ("Request for unknown model: 'nope' is not found", ModelError),
         ("Executor failed: out of memory", ModelError),
         ("sluice.Overloaded: sluice_llm holds 288 requests (max_batch 32 + max_queue_size 256); retry", Overloaded),
@@ -141,12 +148,14 @@ class _Result:
     """One streamed response: its text, and what only some models send (sluice_llm's ending and counts)
     or Triton flags (the final response of a decoupled model's request)."""
 
-    def __init__(self, text: str, *, final: bool = False, finish: str | None = None, counts: tuple[int, int] | None = None) -> None:
+    def __init__(self, text: str | bytes | None, *, final: bool = False, finish: str | None = None,
+                 counts: tuple[int, int] | None = None) -> None:
         self.text, self.final, self.finish, self.counts = text, final, finish, counts
 
     def as_numpy(self, name: str) -> np.ndarray | None:
-        if name == "text_output":
-            return np.array([[self.text.encode()]], dtype=np.object_)
+        if name == "text_output" and self.text is not None:
+            raw = self.text.encode() if isinstance(self.text, str) else self.text
+            return np.array([[raw]], dtype=np.object_)
         if name == "finish_reason" and self.finish is not None:
             return np.array([[self.finish.encode()]], dtype=np.object_)
         if name in ("prompt_tokens", "completion_tokens") and self.counts is not None:
@@ -235,3 +244,110 @@ async def test_sluice_llm_text_already_cut_passes_through_with_its_ending_and_co
     assert (deltas[-1].prompt_tokens, deltas[-1].completion_tokens) == (7, 3)
     plain = await _deltas(SLUICE_LLM, [_Result("a"), _Result("a"), _Result("", final=True, finish="stop", counts=(7, 3))], ())
     assert "".join(d.text for d in plain) == "aa" and plain[-1].finish_reason == "stop"
+
+
+@pytest.mark.asyncio
+async def test_a_character_split_between_responses_comes_out_whole_in_the_second() -> None:
+    """The ensemble's postprocessing sends each token's bytes: 😀 is three tokens of SmolLM2, so its bytes
+    may end one response and begin the next. Each response decoded on its own gave U+FFFD (or raised)."""
+    emoji = "\N{GRINNING FACE}".encode()
+    results = [_Result(b"Hi " + emoji[:1]), _Result(emoji[1:3]), _Result(emoji[3:] + b"!")]
+    whole = [("Hi ", None), ("", None), ("\N{GRINNING FACE}!", None), ("", "stop")]
+    assert _texts(await _deltas(ENSEMBLE, results, ())) == whole
+    cut = await _deltas(ENSEMBLE, [_Result(b"a" + emoji[:2]), _Result(emoji[2:] + b"ENDx")], ("END",))
+    assert _texts(cut) == [("a", None), ("\N{GRINNING FACE}", "stop")]
+    dangling = await _deltas(ENSEMBLE, [_Result(b"ok " + emoji[:2], final=True)], (), max_tokens=1)
+    assert _texts(dangling) == [("ok \ufffd", "length")]  # the stream ended inside a character
+
+
+class _Odd(_Result):
+    """A response whose outputs are `outputs` as they are."""
+
+    def __init__(self, outputs: dict[str, np.ndarray]) -> None:
+        super().__init__("", final=True)
+        self.outputs = outputs
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        return self.outputs.get(name)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        {},  # a model that does not produce text_output
+        {"text_output": np.array([[7]], dtype=np.int32)},
+        {"text_output": np.array([[b"x"]], dtype=np.object_), "finish_reason": np.array([[b"stop"]], dtype=np.object_),
+         "prompt_tokens": np.array([[b"seven"]], dtype=np.object_)},
+    ],
+)
+async def test_a_response_the_backend_cannot_read_is_a_model_error(outputs: dict[str, np.ndarray]) -> None:
+    """No text_output, or an output of another type than the backend reads: the model's failure,
+    retriable elsewhere and counted against its health. It was an AttributeError or ValueError (which the
+    runner takes for a bug in sluice: dead letter, `internal`) or an integer passed off as text."""
+    with pytest.raises(ModelError, match="text_output|prompt_tokens"):
+        await _deltas(SLUICE_LLM, [_Odd(outputs)], ())
+
+
+def _config_json(config: object) -> dict[str, object]:
+    """A model config as `get_model_config(as_json=True)` returns it."""
+    return {"config": json_format.MessageToDict(config, preserving_proto_field_name=True)}  # type: ignore[arg-type]
+
+
+def _sluice_llm_config() -> object:
+    path = Path(__file__).resolve().parents[2] / "triton_models" / "sluice_llm" / "config.pbtxt"
+    return text_format.Parse(path.read_text(), mc.ModelConfig())
+
+
+class _ConfigClient:
+    """A server that answers the model config `config` and records the streams asked for."""
+
+    def __init__(self, config: dict[str, object]) -> None:
+        self.config, self.streams = config, 0
+
+    async def get_model_config(self, model: str, as_json: bool = False) -> dict[str, object]:
+        return self.config
+
+    def stream_infer(self, inputs: object) -> object:
+        self.streams += 1
+        return _Stream([_Result("x", final=True)])
+
+
+def _retyped(config: object, name: str, data_type: int) -> object:
+    changed = mc.ModelConfig()
+    changed.CopyFrom(config)  # type: ignore[arg-type]
+    next(t for t in [*changed.input, *changed.output] if t.name == name).data_type = data_type
+    return changed
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        (tensorrt_llm_config(OPTIONS), ("no output `text_output`", "input_ids", "no input `text_input`")),
+        (_retyped(ensemble_config(OPTIONS), "max_tokens", mc.TYPE_FP32), ("`max_tokens` is TYPE_FP32",)),
+        (_retyped(_sluice_llm_config(), "text_output", mc.TYPE_INT32), ("`text_output` is TYPE_INT32",)),
+    ],
+)
+async def test_a_model_sluice_cannot_drive_is_refused_when_its_config_is_read(
+    config: object, words: tuple[str, ...]
+) -> None:
+    """`triton_model = "tensorrt_llm"` (the engine, token ids in and out) or a model whose tensors have
+    other types: a clear ModelError before any request is sent, and the config is read again next time."""
+    client = _ConfigClient(_config_json(config))
+    backend = TritonBackend("127.0.0.1:1", "m")
+    backend._connected = lambda: client  # type: ignore[method-assign,assignment,return-value]
+    for _ in range(2):
+        with pytest.raises(ModelError) as caught:
+            [d async for d in backend.generate(GenerationRequest("r", prompt="hi", max_tokens=2))]
+        assert all(w in str(caught.value) for w in words), str(caught.value)
+    assert client.streams == 0 and not backend.resumes
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("config", [ensemble_config(OPTIONS), _sluice_llm_config()])
+async def test_the_shipped_models_pass_the_config_check(config: object) -> None:
+    client = _ConfigClient(_config_json(config))
+    backend = TritonBackend("127.0.0.1:1", "m")
+    backend._connected = lambda: client  # type: ignore[method-assign,assignment,return-value]
+    assert _texts([d async for d in backend.generate(GenerationRequest("r", prompt="hi", max_tokens=2))]) == [("x", "stop")]

@@ -12,7 +12,9 @@
                         UNAVAILABLE) instead of waiting behind them: the client tries another backend
     errors              a request the engine refuses and a failed model step become error responses whose
                         message starts with the backend error's class (`sluice.InvalidRequest: ...`), so a
-                        client maps them back to the same class and policy (pipeline/backends/triton.py)
+                        client maps them back to the same class and policy (pipeline/backends/triton.py);
+                        a text over `LocalBackend.max_input_bytes` is refused before it is tokenised
+                        (tokenising runs on the event loop every request's stream and cancellation share)
 
 Requests that arrive concurrently share one continuously batched engine: `async def execute` returns to
 Triton's event loop while a request generates, so the next request starts at the next engine step
@@ -135,6 +137,7 @@ class TritonPythonModel:
             messages = _messages(messages_json)
         seed = _scalar(request, "random_seed")
         resume_text = _scalar(request, "resume_text") or ""
+        self._backend.check_input_size("resume_text", resume_text)  # before tokenising, on the loop every stream shares
         resume_ids = tuple(self._tokenizer(resume_text, add_special_tokens=False)["input_ids"]) if resume_text else ()
         stops = _tensor(request, "stop_words")
         generation = GenerationRequest(
