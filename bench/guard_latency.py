@@ -121,6 +121,17 @@ async def run(stage: GuardStage, message: Admitted) -> bool:
     return True
 
 
+async def _handled(stage: PostguardStage, message: Chunk | Done) -> None:
+    """`stage.handle(message)`, each output taken as the broker would take it (`delivered`, then `acked`, as
+    the runner calls them): a `Done` waits for its released chunks' acknowledgements, which without this
+    never came (the benchmark stopped with InfraUnavailable)."""
+    async for out in stage.handle(message):
+        if out.delivered is not None:
+            out.delivered()
+        if out.acked is not None:
+            await out.acked()
+
+
 async def postguard(chunks: int, toxicity_backend: str, answer: str = "prose") -> list[str]:
     settings = GuardSettings(toxicity_backend=toxicity_backend)  # type: ignore[arg-type]
     stage = PostguardStage(settings, output_guard(settings, Settings().model_cache), topics_of(Settings(), "postguard"))
@@ -130,11 +141,11 @@ async def postguard(chunks: int, toxicity_backend: str, answer: str = "prose") -
         rid += 1
         for seq, word in enumerate(words):
             started = time.perf_counter()
-            [out async for out in stage.handle(Chunk(id=f"p{rid}", reply_to="llm.responses.sdk", seq=seq, text=word, tenant="default"))]
+            await _handled(stage, Chunk(id=f"p{rid}", reply_to="llm.responses.sdk", seq=seq, text=word, tenant="default"))
             per_chunk.append((time.perf_counter() - started) * 1000)
         done = Done(id=f"p{rid}", reply_to="llm.responses.sdk", chunks=len(words), digest="", finish_reason=FinishReason.stop,
                     usage=Usage(), tenant="default", model="m", created_at=time.time())
-        [out async for out in stage.handle(done)]
+        await _handled(stage, done)
         sent += len(words)
     what = f"postguard per chunk ({answer}, holdback {settings.holdback_tokens}, toxicity {toxicity_backend})"
     return [row(what, per_chunk[len(words):])]

@@ -27,7 +27,9 @@ class GuardSettings:
     pii_min_score: float = 0.4  # Presidio findings below this score are ignored
     injection_threshold: float = 0.8  # classifier probability at or above which a prompt is refused
     tenants: dict[str, TenantGuard] = field(default_factory=dict)
-    holdback_tokens: int = 16  # postguard holds this many chunks back while it checks them
+    # postguard holds this many chunks back while it checks them, and at least 4 characters for each (64),
+    # and an entity-shaped run (a card number, a key) reaching the release point from its start (stream_check.py)
+    holdback_tokens: int = 16
     blocklist: tuple[str, ...] = ()  # regular expressions (case-insensitive) that end a stream
     # "minilm": a head over the MiniLM embedding, max'd with alt-profanity-check (toxicity.py); needs the model
     # cache. Not the default: it ends about one ordinary answer in 25 (docs/guardrails.md)

@@ -128,7 +128,9 @@ class PatternScanner:
     """The pattern recognisers alone: no NLP pass, no names. Cheap enough to run on every chunk of the
     output stream. A match's score gets Presidio's context boost when one of its recogniser's context
     words is among the five words before it, as the input guard's analyzer does (by lemma there, by
-    lower-cased word here): "Your SSN is 536228761" scored 0.05 without it and went out unredacted."""
+    lower-cased word here): "Your SSN is 536228761" scored 0.05 without it and went out unredacted.
+    On the output stream those words may already have left the holdback window: `scan` takes the
+    released text before it as `context`, read for context words only."""
 
     def __init__(self, min_score: float = 0.4) -> None:
         self.min_score = min_score
@@ -137,16 +139,20 @@ class PatternScanner:
             IpRecognizer(), UsSsnRecognizer(), *secret_recognizers(),
         ]
 
-    def scan(self, text: str) -> list[Finding]:
-        """Findings with offsets in `text`; the recognisers read it normalised."""
+    def scan(self, text: str, context: str = "") -> list[Finding]:
+        """Findings with offsets in `text`; the recognisers read it normalised. `context`: the text just
+        before `text` (postguard's released part of the open sentence), searched only for context words:
+        nothing in it is a finding ("Your social security number, as recorded, is 536228761" streamed one
+        token per chunk had "social security" released before the number was whole)."""
         plain = normalise(text)
         text = plain.text
+        before = normalise(context).text.lower() if context else ""
         findings = []
         for recognizer in self.recognizers:
-            context = frozenset(w.lower() for w in (getattr(recognizer, "context", None) or ()))
+            words = frozenset(w.lower() for w in (getattr(recognizer, "context", None) or ()))
             for r in recognizer.analyze(text, recognizer.supported_entities, None):
                 score = r.score
-                if score < self.min_score and context and context & set(_WORD.findall(text[:r.start].lower())[-CONTEXT_WORDS_BEFORE:]):
+                if score < self.min_score and words and words & set(_WORD.findall(before + text[:r.start].lower())[-CONTEXT_WORDS_BEFORE:]):
                     score = min(round(score + CONTEXT_BOOST, 6), 1.0)  # 0.05 + 0.35 is 0.3999... in floats
                 if score >= self.min_score and r.entity_type in _OURS:
                     findings.append(_finding(plain, _OURS[r.entity_type], r.start, r.end, score))

@@ -1,4 +1,5 @@
-"""postguard: checks the answer as it streams, holding back only the newest `holdback_tokens` chunks,
+"""postguard: checks the answer as it streams, holding back the newest `holdback_tokens` chunks
+(at least 64 characters, and an entity-shaped run such as a card number from its start: stream_check.py),
 so nothing flagged reaches the client. Output PII is redacted by policy (pattern recognisers; `block`
 entities end the stream); toxicity, the regex blocklist and, on a route that names its topics, an
 answer that leaves them (reason `off_topic`) end it. Ending a stream is the kill

