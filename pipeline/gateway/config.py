@@ -18,6 +18,7 @@ from pipeline.gateway.hosts import HostEntryError, parse_entry
 # The longest overlap after `keys rotate`, as `--overlap-s` allows it (gateway/keys.py): past it the old key's
 # expiry is centuries away (or, at inf, no Redis expiry at all) while the operator believes it retired.
 MAX_ROTATE_OVERLAP_S = 366 * 86400.0
+MAX_JWT_LEEWAY_S = 300.0  # clock skew, not a longer life: PyJWT took NaN or inf as "never expires, always valid"
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class JwtSettings:
     audience: str = ""
     jwks_file: str = ""  # a JWKS JSON file (relative to the repository root or absolute)
     jwks_url: str = ""  # or a URL the operator configured; fetched and cached by PyJWT
-    leeway_s: float = 0.0
+    leeway_s: float = 0.0  # clock skew allowed on `exp` and `nbf`, 0 to MAX_JWT_LEEWAY_S (NaN or inf turned them off)
     tenant_claim: str = "tenant"
     models_claim: str = "models"  # optional claim: a list restricting the models
 
@@ -145,6 +146,8 @@ class GatewaySettings:
             found.append("gateway.jwt: enabled needs jwks_file or jwks_url")
         if self.jwt.enabled and (not self.jwt.issuer or not self.jwt.audience):
             found.append("gateway.jwt: enabled needs issuer and audience")
+        if not 0 <= self.jwt.leeway_s <= MAX_JWT_LEEWAY_S:  # NaN fails too
+            found.append(f"gateway.jwt.leeway_s must be 0 to {MAX_JWT_LEEWAY_S:.0f} seconds, got {self.jwt.leeway_s}")
         if {a.lower() for a in self.jwt.algorithms} & {"none", ""}:
             found.append("gateway.jwt.algorithms may not include 'none'")
         if bool(self.tls.certfile) != bool(self.tls.keyfile) or (self.tls.client_ca and not self.tls.certfile):

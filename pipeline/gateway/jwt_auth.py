@@ -16,6 +16,7 @@ from pathlib import Path
 import jwt
 
 from pipeline.gateway.config import JwtSettings
+from pipeline.gateway.keys import tenant_name
 
 MAX_TOKEN_CHARS = 8192
 
@@ -29,7 +30,10 @@ class TokenClaims:
     subject: str
     tenant: str
     models: tuple[str, ...]  # empty: no restriction from the token
-    expires_at: float = 0.0  # `exp`, unix seconds
+    # `exp` plus the leeway, unix seconds: until when this verifier accepts the token, so ingest, given the
+    # claims under the bridge's signature (bridge/credentials.py, capped at the deadline), refuses no
+    # token the bridge accepted within its leeway
+    expires_at: float = 0.0
 
 
 def looks_like_jwt(token: str) -> bool:
@@ -67,9 +71,10 @@ class JwtVerifier:
             raise InvalidToken("the token is not valid") from None
         tenant = claims.get(self._settings.tenant_claim)
         models = claims.get(self._settings.models_claim, [])
-        if not isinstance(tenant, str) or not tenant or not isinstance(models, list):
+        if not tenant_name(tenant) or not isinstance(models, list):  # the rule a key's tenant keeps
             raise InvalidToken(f"the token lacks a valid `{self._settings.tenant_claim}` claim")
-        return TokenClaims(str(claims["sub"]), tenant, tuple(str(m) for m in models), float(claims["exp"]))
+        expires_at = float(claims["exp"]) + self._settings.leeway_s
+        return TokenClaims(str(claims["sub"]), tenant, tuple(str(m) for m in models), expires_at)
 
     async def _signing_key(self, token: str, kid: object) -> object:
         if self._keys is not None:

@@ -16,13 +16,14 @@ import math
 import secrets
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from pipeline.gateway.errors import KeyChanged
+from topics.requests import MAX_TENANT_CHARS
 
 PREFIX = "sk-sluice-"
 RANDOM_BYTES = 32  # 256 bits; the issue asks for at least 128
@@ -88,6 +89,16 @@ def well_formed(raw: str) -> bool:
     """A cheap shape check before any lookup: the prefix, a sane length, URL-safe base64 only."""
     body = raw[len(PREFIX) :]
     return raw.startswith(PREFIX) and 16 <= len(body) <= MAX_KEY_CHARS and all(c.isalnum() or c in "-_" for c in body)
+
+
+def tenant_name(tenant: object) -> TypeGuard[str]:
+    """Whether `tenant` may name a tenant, as a key's record or a JWT's claim: printable, without "/" or
+    whitespace, 1 to MAX_TENANT_CHARS characters. Request ids are `<tenant>/<id>`, and a cancel's id
+    must match topics.control.CANCEL_ID: another tenant name broke cancels and dead-lettered requests."""
+    return (
+        isinstance(tenant, str) and 0 < len(tenant) <= MAX_TENANT_CHARS and tenant.isprintable()
+        and "/" not in tenant and not any(c.isspace() for c in tenant)
+    )
 
 
 def same_hash(a: str, b: str) -> bool:
@@ -161,14 +172,16 @@ def next_version(record: KeyRecord, **changes: object) -> KeyRecord:
 
 
 async def confirmed(store: KeyStore, key_hash: str, entry: KeyEntry) -> KeyEntry | None:
-    """The entry, if its key's record still lists this hash and is not revoked. The per-hash entries
-    are copies, written without a transaction: a revoke racing a rotation (or two rotations, or a revoke
-    cut short by Redis) left an entry that said "not revoked" for a key the record, and so `sluice keys`,
-    called revoked, with no expiry. The record is the truth (one GET more per lookup)."""
+    """The entry, if its key's record still lists this hash and is not revoked, with the record's expiry
+    for it (the caller checks `valid`). The per-hash entries are copies, written without a transaction: a
+    revoke racing a rotation (or a revoke cut short by Redis) left an entry that said "not revoked" for a
+    key the record, and so `sluice keys`, called revoked, with no expiry; and a rotation that lost its
+    compare and set to `rotate --overlap-s 0` had written the old hash's entry good for another day. The
+    record is the truth (one GET more per lookup)."""
     record = await store.get(entry.record.key_id)
     if record is None or record.revoked or key_hash not in record.hashes:
         return None
-    return entry
+    return msgspec.structs.replace(entry, not_after=record.hashes[key_hash])
 
 
 class KeyManager:
@@ -184,8 +197,9 @@ class KeyManager:
     ) -> tuple[str, KeyRecord]:
         # NaN or inf is written as null and breaks every later read of the records (`sluice keys list`);
         # a negative limit read as "none"; a tenant must be a name
-        if not (tenant.strip() and tenant.isprintable() and "/" not in tenant):
-            raise ValueError(f"a tenant is a printable name without '/', got {tenant!r}")
+        if not tenant_name(tenant):
+            raise ValueError(f"a tenant is a printable name without '/' or whitespace, at most {MAX_TENANT_CHARS} "
+                             f"characters, got {tenant!r}")
         if min(rpm, tpm) < 0 or not 0.0 <= budget < math.inf:
             raise ValueError("rpm, tpm and budget must be finite and 0 (no limit) or more")
         raw = new_key()

@@ -28,6 +28,7 @@ from pipeline.redis_lean import LeanRedis
 IDS = "sluice:keyids"
 UPDATE = (Path(__file__).with_name("lua") / "update_key.lua").read_text()
 UPDATE_SHA = hashlib.sha1(UPDATE.encode()).hexdigest()
+UNDO_TRIES = 3  # a refused update puts its entries back from the stored record, read again this often if it moves
 
 
 def _hash_key(key_hash: str) -> str:
@@ -56,9 +57,10 @@ class RedisKeyStore:
 
     async def update(self, record: KeyRecord) -> None:
         """The hash entries first, as `save` writes them (copies, each on its own slot: a lookup accepts
-        one only while the record lists its hash, `keys.confirmed`), then the record by compare and set
-        (one slot). Refused, it deletes again the entries of hashes the stored record does not list (a
-        rotation's new key), and a revocation that wins after the set reads the new hashes and deletes them."""
+        one only while the record lists its hash, and only until the record's expiry for it,
+        `keys.confirmed`), then the record by compare and set (one slot). Refused, it puts back what it
+        wrote from the stored record (`_undo`), and a revocation that wins after the set reads the new
+        hashes and deletes them."""
         await self._write(record, with_record=False)
         args = (_record_key(record.key_id), record.version - 1, msgspec.json.encode(record))
         try:
@@ -70,10 +72,25 @@ class RedisKeyStore:
         except DOWN as exc:
             raise StoreUnavailable(f"redis: {type(exc).__name__}") from None
         if int(written) != 1:
-            stored = await self.get(record.key_id)
-            for key_hash in record.hashes.keys() - (stored.hashes.keys() if stored else set()):
-                await self.forget_hash(key_hash)
+            await self._undo(record)
             raise KeyChanged(f"key {record.key_id!r} was changed meanwhile")
+
+    async def _undo(self, refused: KeyRecord) -> None:
+        """The entries a refused `update` wrote, as the stored record has them: gone where it does not list
+        the hash (a rotation's new key), rewritten from it where it does. Else a rotation that lost to
+        `rotate --overlap-s 0` left the old key's entry, and its Redis expiry, a day ahead. Read again
+        after, in case another update landed meanwhile; one that lands later still can leave an entry
+        its record outlives or cuts short, which `confirmed` reads past."""
+        for _ in range(UNDO_TRIES):
+            stored = await self.get(refused.key_id)
+            listed = stored.hashes if stored is not None else {}
+            for key_hash in refused.hashes.keys() - listed.keys():
+                await self.forget_hash(key_hash)
+            kept = {h: t for h, t in listed.items() if h in refused.hashes}
+            if stored is not None and kept:
+                await self._write(msgspec.structs.replace(stored, hashes=kept), with_record=False)
+            if await self.get(refused.key_id) == stored:
+                return
 
     async def _write(self, record: KeyRecord, *, with_record: bool) -> None:
         slim = msgspec.structs.replace(record, hashes={}, verify_keys={})  # an entry lists only its own hash's

@@ -170,6 +170,36 @@ async def test_a_revoke_that_raced_a_rotation_leaves_no_key_that_works(key_store
     assert getattr(refused.value, "code", None) is not None and refused.value.code.value == "unauthorized"
 
 
+class StaleRead(KeyManager):
+    """A manager whose rotation read `record` before another rotation saved over it."""
+
+    def __init__(self, store: KeyStore, record: KeyRecord) -> None:
+        super().__init__(store, rotate_overlap_s=86400.0)
+        self._read = record
+
+    async def _live(self, key_id: str) -> KeyRecord:
+        return self._read
+
+
+async def test_a_rotation_that_lost_to_a_zero_overlap_one_does_not_bring_the_old_key_back(key_store: KeyStore) -> None:
+    """`rotate --overlap-s 0` (a leaked key) won the compare and set; the other rotation had already written
+    the old hash's entry good for a day, its undo deleted only its new hash, and `confirmed` took the
+    entry's expiry: the leaked key worked for 24 h."""
+    manager = KeyManager(key_store, rotate_overlap_s=86400.0)
+    leaked, record = await manager.create("tenant-" + uuid.uuid4().hex[:6])
+    stale = await key_store.get(record.key_id)
+    assert stale is not None
+    await manager.rotate(record.key_id, overlap_s=0.0)
+    with pytest.raises(KeyChanged):
+        await StaleRead(key_store, stale).rotate(record.key_id)
+    gateway = Gateway(GatewaySettings(auth_required=True, key_cache_s=0.0), key_store, MemoryLimiter(WINDOW_S))
+    with pytest.raises(StageError) as refused:
+        await gateway.authenticate(request("leaked", api_key=leaked))
+    assert refused.value.code is ErrorCode.unauthorized
+    stored, entry = await key_store.get(record.key_id), await key_store.lookup(hash_key(leaked))
+    assert stored is not None and (entry is None or entry.not_after == stored.hashes[hash_key(leaked)])  # Redis expiry too
+
+
 @pytest.mark.parametrize("client", ["redis", "lean"])
 async def test_rate_limit_keys_keep_a_window_of_ttl_set_about_once_a_second(settings: Settings, client: str) -> None:
     """PEXPIREs of the rate-limit keys on every admission and charge were a twelfth of what Redis appended to its

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from pipeline.errors import StageError
 from pipeline.gateway.config import GatewaySettings, JwtSettings, ModelPrice, TenantPolicy
 from pipeline.gateway.gateway import Gateway
-from pipeline.gateway.jwt_auth import JwtVerifier
+from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier
 from pipeline.gateway.keys import MemoryKeyStore
 from pipeline.gateway.limits import MemoryLimiter, Scope
 from tests.unit.helpers import MODEL, request
@@ -76,6 +76,30 @@ async def test_a_valid_token_is_admitted_under_its_tenant(gateway: Gateway, rsa_
 )
 async def test_bad_claims_are_refused(gateway: Gateway, rsa_key: rsa.RSAPrivateKey, claims: dict[str, object]) -> None:
     assert await code_for(gateway, token(rsa_key, **claims)) in {ErrorCode.unauthorized, ErrorCode.forbidden}
+
+
+async def test_a_tenant_claim_must_be_a_tenant_name(gateway: Gateway, rsa_key: rsa.RSAPrivateKey, tmp_path: Path) -> None:
+    """As a key's tenant must be (keys.tenant_name): "a/b" made request ids `a/b/<id>` that no cancel's
+    CANCEL_ID matches, and a tenant past the schema's 128 characters dead-lettered the request."""
+    (tmp_path / "jwks.json").write_text(json.dumps({"keys": [{**json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(
+        rsa_key.public_key())), "kid": "k1", "use": "sig", "alg": "RS256"}]}))
+    verifier = JwtVerifier(JwtSettings(enabled=True, issuer=ISS, audience=AUD, jwks_file="jwks.json"), tmp_path)
+    for tenant in ("a/b", "x" * 200, "a b", "tab\there", "", 7):
+        with pytest.raises(InvalidToken):
+            await verifier.verify(token(rsa_key, tenant=tenant))
+        assert await code_for(gateway, token(rsa_key, tenant=tenant)) is ErrorCode.unauthorized
+    assert (await verifier.verify(token(rsa_key, tenant="x" * 128))).tenant == "x" * 128
+
+
+@pytest.mark.parametrize("leeway_s", [float("nan"), float("inf"), -1.0, 301.0])
+async def test_a_leeway_that_is_not_a_bounded_number_is_refused(leeway_s: float) -> None:
+    """NaN or inf (valid TOML) turned PyJWT's `exp` and `nbf` checks off."""
+    assert any("leeway_s" in p for p in GatewaySettings(jwt=JwtSettings(leeway_s=leeway_s)).problems())
+
+
+async def test_a_leeway_up_to_five_minutes_is_taken() -> None:
+    for leeway_s in (0.0, 30.0, 300.0):
+        assert GatewaySettings(jwt=JwtSettings(leeway_s=leeway_s)).problems() == []
 
 
 async def test_alg_none_is_refused(gateway: Gateway) -> None:

@@ -2,7 +2,17 @@ import base64
 
 import pytest
 
-from pipeline.gateway.keys import PREFIX, KeyManager, KeyNotFound, MemoryKeyStore, hash_key, new_key, well_formed
+from pipeline.gateway.keys import (
+    PREFIX,
+    KeyEntry,
+    KeyManager,
+    KeyNotFound,
+    MemoryKeyStore,
+    confirmed,
+    hash_key,
+    new_key,
+    well_formed,
+)
 
 
 def test_a_key_has_the_prefix_and_at_least_128_random_bits() -> None:
@@ -88,9 +98,24 @@ async def test_a_key_with_limits_that_are_not_numbers_or_a_tenant_that_is_not_a_
     for kwargs in ({"budget": float("nan")}, {"budget": float("inf")}, {"budget": -1.0}, {"rpm": -5}):
         with pytest.raises(ValueError):  # NaN was written as null, and `sluice keys list` failed for every key
             await manager.create("acme", **kwargs)  # type: ignore[arg-type]
-    for tenant in ("", "a/b", "bad\nname"):
+    for tenant in ("", "a/b", "bad\nname", "a b", "x" * 129):  # the tenant in `<tenant>/<id>` and CANCEL_ID
         with pytest.raises(ValueError):
             await manager.create(tenant)
     _, record = await manager.create("acme")
+    await manager.create("x" * 128)
     with pytest.raises(ValueError):
         await manager.rotate(record.key_id, overlap_s=-2e9)
+
+
+@pytest.mark.asyncio
+async def test_a_hash_entry_is_good_only_until_the_record_says() -> None:
+    """A rotation that lost its compare and set to `rotate --overlap-s 0` had written the old hash's entry
+    good for a day: `confirmed` took the entry's expiry, and the leaked key worked on."""
+    now = 1_000_000.0
+    store = MemoryKeyStore(clock=lambda: now)
+    manager = KeyManager(store, rotate_overlap_s=86400.0, clock=lambda: now)
+    old, record = await manager.create("acme")
+    await manager.rotate(record.key_id, overlap_s=0.0)
+    stale_copy = KeyEntry(record, not_after=now + 86400.0)  # what the losing rotation wrote for the old hash
+    entry = await confirmed(store, hash_key(old), stale_copy)
+    assert entry is None or not entry.valid(now + 1.0)

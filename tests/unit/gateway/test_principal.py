@@ -135,6 +135,25 @@ async def test_the_bridge_verifies_a_jwt_and_sends_its_claims_signed(rsa_key: rs
         await Credentials(settings).resolve(token(rsa_key, exp=int(time.time()) - 120))
 
 
+async def test_ingest_takes_a_jwt_the_bridge_took_within_its_leeway(rsa_key: rsa.RSAPrivateKey, tmp_path: Path) -> None:
+    """The principal token carried `exp` without the leeway: a token the bridge accepted in its leeway
+    reached ingest already expired (401). It carries `exp` plus the leeway, never past the deadline."""
+    jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(rsa_key.public_key()))
+    (tmp_path / "jwks.json").write_text(json.dumps({"keys": [{**jwk, "kid": "k1", "use": "sig", "alg": "RS256"}]}))
+    jwt_settings = JwtSettings(enabled=True, issuer=ISS, audience=AUD, jwks_file=str(tmp_path / "jwks.json"), leeway_s=30.0)
+    settings = GatewaySettings(auth_required=True, jwt=jwt_settings, client_info_secret=SECRET)
+    exp = int(time.time()) - 10  # expired, within the leeway
+    credential = await Credentials(settings).resolve(token(rsa_key, exp=exp))
+    sent = credential.apply(request(created_at=time.time(), deadline_s=600.0))
+    assert sent.principal_token is not None and sent.principal_token.expires_at == exp + 30.0
+    gateway = Gateway(settings, MemoryKeyStore(), MemoryLimiter(60.0), JwtVerifier(jwt_settings, tmp_path))
+    principal = await gateway.authenticate(codec.decode(codec.encode(sent), Request))
+    assert principal.name == "jwt:svc-1" and principal.tenant == "acme"
+    short = request(created_at=time.time(), deadline_s=5.0)
+    sent = credential.apply(short)
+    assert sent.principal_token is not None and sent.principal_token.expires_at == short.created_at + 5.0
+
+
 def sdk_signed(r: Rig, raw_key: str, rid: str = "s1", **overrides: object) -> Request:
     """What the SDK sends for `raw_key` (at the rig's time), through the wire as ingest reads it."""
     req = request(rid, **{"created_at": r.clock.now, "deadline_s": 60.0, **overrides})
