@@ -1,7 +1,12 @@
 """The topics a stage hears besides its input, one task each (the runner starts those the stage has):
 its control topic (cancellations, from now on), its table (a compacted topic, from its start) and the
 reports it produces once a second. Each outlives the broker going away; a record that cannot be read
-is dead-lettered through the stage's `Handling`."""
+is dead-lettered through the stage's `Handling`.
+
+A follower shares the event loop with the stage's own work, and an `on_table` need not suspend (the cache
+stage's does not): so a fetch is bounded (`MAX_RECORDS`) and the loop is yielded every `YIELD_EVERY`
+records applied. Otherwise replaying a table at start runs a whole fetch (about 1 MiB per partition) in one
+loop step: over a second for four partitions of cache entries, past the Kafka session timeout at a dozen."""
 
 from __future__ import annotations
 
@@ -19,6 +24,9 @@ from topics import codec
 from topics.control import Cancel
 
 log = logging.getLogger(__name__)
+
+MAX_RECORDS = 200  # records one fetch of a follower returns at most
+YIELD_EVERY = 32  # records applied between two yields of the event loop
 
 
 async def control_loop(handling: Handling, stop: asyncio.Event, client_id: str) -> None:
@@ -43,7 +51,8 @@ async def report_loop(handling: Handling, stop: asyncio.Event, every_s: float = 
     report = getattr(handling.stage, "report")
     while not stop.is_set():
         try:
-            await asyncio.wait_for(stop.wait(), every_s)
+            async with asyncio.timeout(every_s):  # not wait_for: on 3.11 it can swallow a cancel
+                await stop.wait()
         except TimeoutError:
             pass
         for out in report():
@@ -68,10 +77,14 @@ async def _follow(
             continue
         try:
             while not stop.is_set():
-                batch = await consumer.getmany(timeout_ms=100)
+                batch = await consumer.getmany(timeout_ms=100, max_records=MAX_RECORDS)
+                applied = 0
                 for records in batch.values():
                     for record in records:
                         await _apply(handling, record, kind, apply, from_start)
+                        applied += 1
+                        if applied % YIELD_EVERY == 0:
+                            await asyncio.sleep(0)  # let the stage's own work run between records
         except INFRA as exc:
             log.warning("stage=%s consumer of %s failed (%s); reconnecting", handling.stage.name, topic, type(exc).__name__)
         finally:

@@ -91,7 +91,7 @@ class Stream:
         self._events = state.events  # delivered, not yet taken by the iterator
         self._deliver = state.deliver  # how the reply reader hands this stream an event
         self._chunks = _iterate(client, state)
-
+        state.chunks = weakref.ref(self._chunks)
     @property
     def done(self) -> Done | None:
         return self._state.done
@@ -108,19 +108,7 @@ class Stream:
         """Stops early: the pipeline is told to cancel the request (decode stops within a step); returns
         once the broker took the cancellation (at most `CANCEL_WAIT_S`). While another task waits inside
         the iterator, that reader is woken and its loop ends (closing the iterator under it would raise)."""
-        state = self._state
-        state.closing = True
-        if self._chunks.ag_running:
-            if state.stopped is None:
-                state.stopped = asyncio.get_running_loop().create_future()
-            state.wake()
-            await asyncio.shield(state.stopped)  # the reader's iterator has run its cleanup
-        else:
-            await self._chunks.aclose()
-        self._client._forget(self.id)  # also when it was never iterated
-        if state.owed:
-            state.owed = False
-            await _cancel(self._client, state)
+        await _close(self._client, self._state)
 
     async def __aenter__(self) -> Stream:
         return self
@@ -136,7 +124,8 @@ class Stream:
 class _State:
     """What a `Stream` and its iterator (`_iterate`) share."""
 
-    __slots__ = ("request", "events", "waiter", "done", "pipeline_id", "closing", "owed", "stopped")
+    __slots__ = ("request", "events", "waiter", "done", "pipeline_id", "closing", "owed", "stopped", "chunks",
+                 "__weakref__")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -147,6 +136,7 @@ class _State:
         self.closing = False  # `aclose()` (or `Client.stop()`) was called: the iterator stops at its next step
         self.owed = False  # it stopped for `closing` before the request settled: `aclose()` sends the cancel
         self.stopped: asyncio.Future[None] | None = None  # `aclose()` waits on it for another task's iterator
+        self.chunks: weakref.ref[AsyncGenerator[Chunk, None]] | None = None  # the iterator, not kept alive by this
 
     def deliver(self, event: StreamEvent) -> None:
         if "/" in event.id:  # namespaced by ingest: the first one seen is this request's
@@ -177,6 +167,24 @@ class _State:
                 timer.cancel()
                 self.waiter = None
         return self.events.popleft() if self.events and not self.closing else None
+
+
+async def _close(client: Client, state: _State) -> None:
+    """`Stream.aclose()`, from the state the client keeps (`Client.stop()` closes streams whose `Stream`
+    object the caller no longer holds: `async for chunk in client.stream(...)` holds only the iterator)."""
+    state.closing = True
+    chunks = state.chunks() if state.chunks is not None else None
+    if chunks is not None and chunks.ag_running:
+        if state.stopped is None:
+            state.stopped = asyncio.get_running_loop().create_future()
+        state.wake()
+        await asyncio.shield(state.stopped)  # the reader's iterator has run its cleanup
+    elif chunks is not None:
+        await chunks.aclose()
+    client._forget(state.request.id)  # also when it was never iterated
+    if state.owed:
+        state.owed = False
+        await _cancel(client, state)
 
 
 async def _iterate(client: Client, state: _State) -> AsyncGenerator[Chunk, None]:
@@ -253,7 +261,8 @@ def _ending(event: Done | Failed, order: Sequencer) -> Done:
 async def _cancel(client: Client, state: _State) -> None:
     """Tells the pipeline to stop a request its caller left, waiting at most `CANCEL_WAIT_S` for the broker."""
     try:
-        await asyncio.wait_for(client.cancel(state.pipeline_id or state.request.id), CANCEL_WAIT_S)
+        async with asyncio.timeout(CANCEL_WAIT_S):  # not wait_for: on 3.11 it can swallow a cancel
+            await client.cancel(state.pipeline_id or state.request.id)
     except (TimeoutError, KafkaError) as exc:
         log.warning("the cancellation of request %s was not sent (%s)", state.request.id, type(exc).__name__)
 
@@ -292,7 +301,7 @@ class Client:
         # Weak: a stream its caller dropped unfinished (a `break` out of `async for`, no `aclose`) is
         # freed at once (no cycle holds it: `_State`), and asyncio's finalizer for its iterator runs the
         # cleanup (forget, cancel), so neither it nor the generation it asked for outlives the caller's interest.
-        self._streams: weakref.WeakValueDictionary[str, Stream] = weakref.WeakValueDictionary()
+        self._streams: weakref.WeakValueDictionary[str, _State] = weakref.WeakValueDictionary()
         self._producer: Producer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -321,7 +330,7 @@ class Client:
     async def stop(self) -> None:
         """Ends every open stream first, as `Stream.aclose()` does (a reader's loop ends; the cancellations
         go out while the producer still works, at most `CANCEL_WAIT_S`), then stops reading and producing."""
-        closing = [asyncio.create_task(stream.aclose()) for stream in list(self._streams.values())]
+        closing = [asyncio.create_task(_close(self, state)) for state in list(self._streams.values())]
         if closing:
             _, late = await asyncio.wait(closing, timeout=CANCEL_WAIT_S)
             for task in late:  # a reader still waiting for the broker to take its request
@@ -389,7 +398,7 @@ class Client:
         """A stream for `request` (or one built from kwargs as in `request()`); produced when iterated."""
         request = request or self.request(**kwargs)  # type: ignore[arg-type]
         stream = Stream(self, request)
-        self._streams[request.id] = stream
+        self._streams[request.id] = stream._state  # held by the iterator while it runs, not by the Stream
         return stream
 
     async def complete(self, request: Request | None = None, **kwargs: object) -> Completion:
@@ -416,9 +425,14 @@ class Client:
         self._turn += 1
         while True:
             try:
-                # bounded: a producer being renewed in an outage waits for the broker with no end of its own
-                await asyncio.wait_for(self._producer.send_and_wait(registry.REQUESTS, value, key=request.id.encode(),
-                                                                    headers=headers, partition=partition), deadline - time.time())
+                left = deadline - time.time()
+                if left <= 0:  # nothing handed to the producer once the deadline has passed
+                    raise TimeoutError
+                # bounded: a producer being renewed in an outage waits for the broker with no end of its own;
+                # not wait_for: on 3.11 it can swallow a cancel
+                async with asyncio.timeout(left):
+                    await self._producer.send_and_wait(registry.REQUESTS, value, key=request.id.encode(),
+                                                       headers=headers, partition=partition)
                 return
             except TimeoutError:
                 raise KafkaTimeoutError(f"request {request.id} was not taken by the broker within its deadline") from None
@@ -438,9 +452,9 @@ class Client:
         event's only reader (other clients of a shared reply topic drop what is not theirs), so no one
         misses it, and one broker crossing less is on the answer's way. A stream that ended meanwhile
         leaves the event to the topic, where no one reads it, as before."""
-        if topic != self.reply_topic or (stream := self._streams.get(client_id_of(event.id))) is None:
+        if topic != self.reply_topic or (state := self._streams.get(client_id_of(event.id))) is None:
             return False
-        stream._deliver(event)
+        state.deliver(event)
         return True
 
     async def _read(self) -> None:
@@ -459,9 +473,9 @@ class Client:
                     except codec.SchemaError as exc:  # emit wrote it, so this is a version skew: say so
                         log.error("unreadable event on %s: %s", self.reply_topic, exc)
                         continue
-                    stream = self._streams.get(client_id_of(event.id))
-                    if stream is not None:
-                        stream._deliver(event)
+                    state = self._streams.get(client_id_of(event.id))
+                    if state is not None:
+                        state.deliver(event)
 
 
 __all__ = ["Client", "Completion", "RequestFailed", "Stream", "Terminal"]

@@ -224,9 +224,8 @@ class TritonBackend:
     async def _model_schema(self) -> _ModelSchema:
         if self._schema is None:
             try:
-                config = await asyncio.wait_for(
-                    self._connected().get_model_config(self._model, as_json=True), self._timeout_s
-                )
+                async with asyncio.timeout(self._timeout_s):  # not wait_for: on 3.11 it can swallow a cancel
+                    config = await self._connected().get_model_config(self._model, as_json=True)
             except InferenceServerException as exc:
                 raise ModelError(f"{self._model} on {self._url}: {exc.message()}") from None
             except TimeoutError:
@@ -260,7 +259,10 @@ class TritonBackend:
     async def _next(self, call: Any, rid: str) -> InferResult | None:
         """The next response of the stream (None once the server closed it), or the error it maps to."""
         try:
-            result, error = await asyncio.wait_for(anext(call), self._timeout_s)
+            # not wait_for: on 3.11 it returns a response that came in the turn a cancel (a revoke) did,
+            # swallowing the cancel, and the task goes on reading the stream until it ends
+            async with asyncio.timeout(self._timeout_s):
+                result, error = await anext(call)
         except StopAsyncIteration:
             return None
         except asyncio.CancelledError:

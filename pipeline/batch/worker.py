@@ -19,6 +19,12 @@ none once another worker has ended the job (`_finalize` says why that order keep
 
 Every `sweep_s` a scan also deletes the files past their expiry (files.py), except the inputs of
 unfinished jobs.
+
+The worker's loops (the scan, each job's lease keeper and cancel watcher) outlive any error but
+cancellation: Redis away (`InfraUnavailable`) or refusing (a `ResponseError`: READONLY after a failover,
+OOM, BUSY) is logged and tried again after the loop's own wait, so the bridge never silently stops running
+jobs, a lease never lapses under a running job and an API cancel is never missed. A job whose stored record
+cannot be read (`msgspec.DecodeError`) is logged once and skipped by this worker while it stays active.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class BatchWorker:
         self._next_sweep = 0.0
         self._driving: dict[str, asyncio.Task[None]] = {}
         self._sources: dict[str, BinaryIO] = {}  # each driven job's input, open for all its passes (`drive`)
+        self._unreadable: set[str] = set()  # active jobs whose stored records this worker cannot read: skipped
 
     async def run(self, stop: asyncio.Event) -> None:
         """Looks for jobs every `poll_s` until `stop` is set; then lets go of its jobs (they move to
@@ -82,8 +89,11 @@ class BatchWorker:
                     await self.scan(stop)
                 except InfraUnavailable as exc:
                     log.warning("batch worker: %s; retrying", exc)
+                except Exception as exc:  # a Redis refusal (READONLY, OOM, BUSY) must not end the scans
+                    log.warning("batch worker: the scan failed (%s); retrying", _why(exc))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self._poll_s)
+                    async with asyncio.timeout(self._poll_s):  # not wait_for: on 3.11 it can swallow a cancel
+                        await stop.wait()
         finally:
             for task in self._driving.values():
                 task.cancel()
@@ -91,10 +101,11 @@ class BatchWorker:
 
     async def scan(self, stop: asyncio.Event) -> None:
         active = await self.store.active()
+        self._unreadable.intersection_update(active)  # forget those no longer active
         for batch_id in active:  # oldest first
             if len(self._driving) >= self.settings.max_jobs_per_worker:
                 break
-            if batch_id in self._driving:
+            if batch_id in self._driving or batch_id in self._unreadable:
                 continue
             if not await self.store.lease(batch_id, self.owner, self.settings.lease_s):
                 continue
@@ -109,7 +120,10 @@ class BatchWorker:
         """Deletes the expired files but the inputs of the unfinished jobs `active`."""
         in_use = set()
         for batch_id in active:
-            batch = await self.store.get(batch_id)
+            try:
+                batch = await self.store.get(batch_id)
+            except msgspec.DecodeError:
+                continue  # logged where the job is driven; its input, unknown, is not kept from the sweep
             if batch is not None:
                 in_use.add(batch.input_file_id)
         try:
@@ -125,7 +139,8 @@ class BatchWorker:
         the lease of one that was killed, runs out after `lease_s`), then drives it to its end or `stop`."""
         while not await self.store.lease(batch_id, self.owner, self.settings.lease_s):
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self._poll_s)
+                async with asyncio.timeout(self._poll_s):  # not wait_for: on 3.11 it can swallow a cancel
+                    await stop.wait()
             if stop.is_set():
                 return
         await self._drive_leased(batch_id, stop)
@@ -138,6 +153,9 @@ class BatchWorker:
             await self.drive(batch_id, halt)
         except InfraUnavailable as exc:
             log.warning("batch %s: %s; another scan resumes it", batch_id, exc)
+        except msgspec.DecodeError as exc:  # tried again it would fail again, every scan
+            log.error("batch %s: a stored record cannot be read (%s); this worker skips the job", batch_id, _why(exc))
+            self._unreadable.add(batch_id)
         except Exception:
             log.exception("batch %s: the worker failed; another scan resumes it", batch_id)
             await asyncio.sleep(self._poll_s)
@@ -155,6 +173,9 @@ class BatchWorker:
                 held = await self.store.lease(batch_id, self.owner, self.settings.lease_s)
             except InfraUnavailable:
                 continue  # the store is away for everyone: nobody else can take it either
+            except Exception as exc:  # a refusal (READONLY after a failover): renew at the next turn
+                log.warning("batch %s: the lease was not renewed (%s); trying again", batch_id, _why(exc))
+                continue
             if not held:
                 log.warning("batch %s: lease lost to another worker; stopping here", batch_id)
                 lost.set()
@@ -265,6 +286,9 @@ class BatchWorker:
                 current = await self.store.get(batch.id)
             except InfraUnavailable:
                 continue
+            except Exception as exc:  # a refusal, or a record this worker cannot read: look again next turn
+                log.warning("batch %s: the status could not be read (%s); trying again", batch.id, _why(exc))
+                continue
             if current is None or current.status is not Status.in_progress:
                 halt.set()
                 return
@@ -351,6 +375,13 @@ class BatchWorker:
 
     def _now(self) -> int:
         return int(self._clock())
+
+
+def _why(exc: Exception) -> str:
+    """An error as a log line shows it: its type and the start of its message's first line (a Redis
+    refusal's reason, a decode error's path), never a stored payload."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:80]}" if lines else type(exc).__name__
 
 
 async def _relay(source: asyncio.Event, target: asyncio.Event) -> None:

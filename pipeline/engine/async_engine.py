@@ -296,8 +296,9 @@ class AsyncEngine:
             self._forget(output.dropped)
             if output.is_empty:  # nothing fits yet, or a decode is due: wait for a wake-up (a release, a decode)
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), min(hold, IDLE_RECHECK_S) if hold else IDLE_RECHECK_S)
+                with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel
+                    async with asyncio.timeout(min(hold, IDLE_RECHECK_S) if hold else IDLE_RECHECK_S):
+                        await self._wake.wait()
                 continue
             batch_only = not any(c.seq.priority is Priority.INTERACTIVE for c in output.chunks)
             interrupt = self._arrived if batch_only else None

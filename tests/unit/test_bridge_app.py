@@ -52,8 +52,8 @@ class AnsweringClient(Client):
             return
         rid = f"default/{request.id}"
         for seq in range(2):
-            stream._deliver(Chunk(id=rid, reply_to=request.reply_to, seq=seq, text=f"t{seq}", tenant="default"))
-        stream._deliver(Done(id=rid, reply_to=request.reply_to, chunks=2, digest="", finish_reason=FinishReason.stop,
+            stream.deliver(Chunk(id=rid, reply_to=request.reply_to, seq=seq, text=f"t{seq}", tenant="default"))
+        stream.deliver(Done(id=rid, reply_to=request.reply_to, chunks=2, digest="", finish_reason=FinishReason.stop,
                              usage=Usage(1, 2), tenant="default", model=request.model, created_at=1.0))
 
     async def cancel(self, request_id: str, reason: object = None) -> None:
@@ -138,7 +138,7 @@ class Overflowing(AnsweringClient):
         stream = self._streams.get(request.id)
         assert stream is not None
         for seq in (0, *range(2, 4100)):
-            stream._deliver(Chunk(id=f"default/{request.id}", reply_to=request.reply_to, seq=seq, text="t", tenant="default"))
+            stream.deliver(Chunk(id=f"default/{request.id}", reply_to=request.reply_to, seq=seq, text="t", tenant="default"))
 
 
 def test_a_stream_that_holds_too_much_behind_a_gap_ends_with_an_error_event_and_done() -> None:

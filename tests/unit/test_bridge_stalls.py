@@ -63,9 +63,9 @@ class FloodingClient(Client):
             return
         rid = f"default/{request.id}"
         for seq in range(FLOOD if flood else 1):
-            stream._deliver(Chunk(id=rid, reply_to=request.reply_to, seq=seq, text=CHUNK_TEXT, tenant="default"))
+            stream.deliver(Chunk(id=rid, reply_to=request.reply_to, seq=seq, text=CHUNK_TEXT, tenant="default"))
         if not flood:
-            stream._deliver(Done(id=rid, reply_to=request.reply_to, chunks=1, digest="", tenant="default",
+            stream.deliver(Done(id=rid, reply_to=request.reply_to, chunks=1, digest="", tenant="default",
                                  finish_reason=FinishReason.stop, usage=Usage(1, 1), model=request.model,
                                  created_at=1.0))
 

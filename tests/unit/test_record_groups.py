@@ -338,7 +338,7 @@ async def test_a_reply_one_of_this_process_s_streams_waits_for_is_delivered_in_m
     client, rid, stream = bridge_client()
     producer, store = await emitted_beside(client, rid)
     assert replies(producer) == []  # nothing on the reply topic (the usage record still goes to its topic)
-    assert client._streams[rid.split("/")[1]] is stream
+    assert client._streams[rid.split("/")[1]] is stream._state
     assert [type(e).__name__ for e in stream._events] == ["Chunk", "Done"]
     stored = await store.read(rid + "#emit")
     assert stored.get("terminal") == b"1" and stored.get("emitted") == b"1"  # recorded as after a broker's ack

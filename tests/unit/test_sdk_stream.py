@@ -275,3 +275,27 @@ async def test_a_held_chunk_past_the_end_done_counts_does_not_hold_a_whole_answe
     texts = await read(late, (0, c0), (0, stray2), (0, c2), (0, done), (0, stray), (0.01, c1))
     assert texts == ["t0", "t1", "t2"] and late.done == done
     assert asyncio.get_running_loop().time() - started < 0.4  # neither waited for the late chunks' limit
+
+
+@pytest.mark.asyncio
+async def test_a_stream_iterated_without_holding_it_still_gets_its_events() -> None:
+    """`async for chunk in client.stream(...)` holds only the iterator. Once the iterator no longer held
+    the stream (so that a stream left with `break` is freed at once), the client's weak table lost the
+    stream as soon as iteration began, the reader found no one for the request's events, and the loop
+    waited to its deadline (a fresh-clone CI run, session 47). The table holds what the iterator holds."""
+    import gc
+
+    client = Offline(SETTINGS)
+    template = client.stream(prompt="hi")
+    (c0, c1), done = events(template, 2)
+    await template.aclose()
+
+    async def answer() -> list[bool]:
+        await asyncio.sleep(0.01)  # the loop below is waiting for its first event
+        gc.collect()  # whatever only the dropped Stream held is gone by now
+        return [client.take_reply(client.reply_topic, event) for event in (c0, c1, done)]
+
+    feeder = asyncio.create_task(answer())
+    async with asyncio.timeout(5):
+        texts = [chunk.text async for chunk in client.stream(template.request)]
+    assert await feeder == [True, True, True] and texts == ["t0", "t1"]

@@ -3,6 +3,7 @@ real server: tests/integration/test_triton.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -135,6 +136,60 @@ async def test_a_stream_closed_without_a_response_is_no_answer_and_a_cancel_whil
 
     with pytest.raises(Cancelled):  # the cancel found no call yet and was lost; the stream then ran to its end
         [d async for d in _backend_with(schema, _Closing(), cancel_meanwhile).generate(request)]
+
+
+class _Paced:
+    """A gRPC stream whose responses come when the test says (`respond`), ten in all."""
+
+    def __init__(self) -> None:
+        self.waiting: asyncio.Future[tuple[_Result, None]] | None = None
+        self.sent = 0
+
+    def __aiter__(self) -> "_Paced":
+        return self
+
+    def __anext__(self) -> asyncio.Future[tuple[_Result, None]]:
+        self.waiting = asyncio.get_running_loop().create_future()
+        return self.waiting
+
+    def respond(self) -> None:
+        assert self.waiting is not None and not self.waiting.done()
+        self.sent += 1
+        if self.sent > 10:
+            self.waiting.set_exception(StopAsyncIteration())
+        else:
+            self.waiting.set_result((_Result(f"t{self.sent}"), None))
+
+    def cancel(self) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_a_task_cancelled_as_a_response_comes_in_ends_at_once() -> None:
+    """A revoke's cancel that lands in the loop turn a response completes is not swallowed (3.11's
+    `asyncio.wait_for` returned the response and the task read the stream to its end)."""
+    call = _Paced()
+    backend = _backend_with(ENSEMBLE, call)
+    request = GenerationRequest(request_id="r1", prompt="hi", max_tokens=16)
+    read: list[Delta] = []
+
+    async def decode() -> None:
+        async for delta in backend.generate(request):
+            read.append(delta)
+
+    task = asyncio.create_task(decode())
+    for _ in range(3):
+        await asyncio.sleep(0.01)
+        call.respond()
+    task.cancel()  # the revoke, in the turn the third response came in
+    for _ in range(7):  # the server goes on answering
+        await asyncio.sleep(0.01)
+        if call.waiting is not None and not call.waiting.done():
+            call.respond()
+    assert task.done(), f"the cancelled task read {call.sent - 3} more responses"
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(read) <= 3
 
 
 def test_a_greedy_request_asks_tensorrt_llm_for_top_k_1() -> None:
