@@ -1,8 +1,9 @@
 """The local backend: the project's engine (`pipeline.engine`) run in-process, text in and out.
 
-    prefill(request)          tokenise, compute the prompt, sample the first token; the sequence is
-                              parked in the engine (its KV blocks kept) under the returned handle; a
-                              prompt over `max_input_bytes` is refused before it is tokenised
+    prefill(request)          tokenise (in the backend's tokenising thread, off the event loop), compute
+                              the prompt, sample the first token; the sequence is parked in the engine
+                              (its KV blocks kept) under the returned handle; a prompt over
+                              `max_input_bytes` is refused before it is tokenised
     hand_off(prefilled)       with a KV store: leave the parked sequence's KV there under its handle,
                               for a decode worker in another process
     decode(request, handle)   resume the parked sequence; else import its KV from the store; else
@@ -22,10 +23,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from collections.abc import Sequence as Ids
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +62,9 @@ log = logging.getLogger(__name__)
 
 _CANCELLED_MEMORY = 4096  # request ids remembered as cancelled, so a later decode of one refuses to run
 # Input text is refused before it is tokenised past this many UTF-8 bytes for each token of the model's
-# context. Tokenising runs on the event loop every stream shares (sluice_llm: Triton's), and costs about
-# 1 s a MB (21 MB held every stream and cancellation for 17 s); a text that could fit the context is far
+# context. Tokenising costs about 1 s a MB, in the tokenising thread (prefill, decode; every prompt queued
+# behind it waits) or on the caller's event loop (`count_prompt_tokens`, sluice_llm's `resume_text`: 21 MB
+# held every stream and cancellation of Triton's loop for 17 s); a text that could fit the context is far
 # below it (English runs about 4 bytes a token; only a text made of the vocabulary's longest tokens, long
 # runs of spaces or symbols, could pass 16 and still fit, and is refused).
 MAX_BYTES_PER_TOKEN = 16
@@ -110,6 +114,13 @@ class LocalBackend:
         self._store = kv_store
         self._speculative = speculative
         self.handoffs = HandoffCounts()
+        # Prompts are tokenised in a thread of their own: on the event loop, a poll batch's burst of
+        # prefills (64 tasks, each tokenising before its first await) held it 0.86 s for 64 prompts of
+        # 32 KiB, 1 s for 16 of 128 KiB. One thread, and a lock for `count_prompt_tokens`, because the
+        # tokenizer is one object whose `split_special_tokens` switch every call sets: two calls at once
+        # fail ("Already borrowed") or tokenise a client's typed `<|im_start|>` as a control token.
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-tokenize")
+        self._tokenizer_lock = threading.Lock()
 
     @classmethod
     def from_path(
@@ -155,11 +166,13 @@ class LocalBackend:
             )
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """Tokenises on the calling thread (waiting while the tokenising thread works)."""
         return len(self._prompt_ids(request))
 
     async def prefill(self, request: GenerationRequest) -> Prefilled:
         self._refuse_if_cancelled(request.request_id)
-        prompt_ids = self._prompt_ids(request)
+        prompt_ids = await self._prompt_ids_in_thread(request)
+        self._refuse_if_cancelled(request.request_id)  # cancelled while it was tokenised
         self._validate(request, len(prompt_ids))
         with self._tracked(request.request_id) as handle, _engine_errors():
             token, _ = await self._engine.prefill(self._engine_request(request, prompt_ids), handle=handle)
@@ -207,7 +220,7 @@ class LocalBackend:
         if request.request_id in self._cancelled:  # cancelled while the KV was read and imported
             self._engine.cancel(handle)
             if ours:
-                self._discard_stored(prefilled.handle)
+                await self._discard_stored(prefilled.handle)
             raise Cancelled(f"request {request.request_id} was cancelled")
         self._handles.setdefault(request.request_id, set()).add(handle)
         ended = False  # finished or cancelled: the stored KV is of no further use
@@ -226,7 +239,7 @@ class LocalBackend:
             await tokens.aclose()  # frees the sequence when the consumer walked away or a stop string hit
             self._forget(request.request_id, handle)
             if ended and ours:  # else (a crash, a takeover) a successor may still import it, until its TTL
-                self._discard_stored(prefilled.handle)
+                await self._discard_stored(prefilled.handle)
 
     async def _resume(self, request: GenerationRequest, prefilled: Prefilled) -> tuple[str, AsyncIterator[int], bool]:
         """The token stream after `prefilled`: the sequence parked here, else imported from the KV store,
@@ -234,7 +247,7 @@ class LocalBackend:
         under `prefilled.handle` is this request's, so that the decode may free it when it ends. A handle
         off the wire may name another request's KV (a stale or forged record): that is left alone."""
         completion = (*request.resume_token_ids, prefilled.first_token_id)
-        prompt_ids = self._prompt_ids(request)
+        prompt_ids = await self._prompt_ids_in_thread(request)
         if self._engine.holds(prefilled.handle, (*prompt_ids, *completion), request.tenant):
             self.handoffs.local += 1
             return prefilled.handle, self._engine.decode(prefilled.handle), True
@@ -273,10 +286,12 @@ class LocalBackend:
             return False
         return True
 
-    def _discard_stored(self, handle: str) -> None:
+    async def _discard_stored(self, handle: str) -> None:
+        """In a thread, as `put` and `get` are: a file store's delete waits for the ledger's lock, which
+        another process may hold (303 ms of the event loop, measured)."""
         if self._store is not None:
             try:
-                self._store.delete(handle)
+                await asyncio.to_thread(self._store.delete, handle)
             except (ValueError, OSError):  # not a store handle, or already gone: nothing to free
                 pass
 
@@ -303,8 +318,10 @@ class LocalBackend:
             self._engine.cancel(handle)
 
     async def aclose(self) -> None:
-        """Stop the engine loop and the model thread; running requests end with `BackendClosed`."""
+        """Stop the engine loop, the model thread and the tokenising thread (once the prompts given to it
+        are tokenised); running requests end with `BackendClosed`."""
         await self._engine.aclose()
+        self._tokenizing.shutdown(wait=False)
 
     def _engine_request(self, request: GenerationRequest, prompt_ids: list[int], completion: Ids[int] | None = None) -> EngineRequest:
         return EngineRequest(
@@ -345,14 +362,31 @@ class LocalBackend:
             if not handles:
                 del self._handles[request_id]
 
+    async def _prompt_ids_in_thread(self, request: GenerationRequest) -> list[int]:
+        """`_prompt_ids`, checked on the loop and tokenised in the tokenising thread."""
+        self._check_prompt(request)
+        try:
+            tokenized = asyncio.get_running_loop().run_in_executor(self._tokenizing, self._tokenize, request)
+        except RuntimeError as exc:  # the thread is shut down: `aclose` ran
+            raise BackendClosed(f"backend {self.name} is closed") from exc
+        return await tokenized
+
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        self._check_prompt(request)
+        return self._tokenize(request)
+
+    def _check_prompt(self, request: GenerationRequest) -> None:
+        """Refuse a request without exactly one prompt, or too large to tokenise (`check_input_size`)."""
         if bool(request.messages) == (request.prompt is not None):
             raise InvalidRequest("a request needs exactly one of `messages` (chat) and `prompt` (completion)")
         self.check_input_size("the prompt", *(m.content for m in request.messages), request.prompt or "")
-        if request.messages:
-            # Content is text: control tokens a client types are not turn boundaries (pipeline/chat_template.py).
-            return chat_prompt_ids(self._tokenizer, [{"role": m.role, "content": m.content} for m in request.messages])
-        return [int(t) for t in self._tokenizer(request.prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
+
+    def _tokenize(self, request: GenerationRequest) -> list[int]:
+        with self._tokenizer_lock:
+            if request.messages:
+                # Content is text: control tokens a client types are not turn boundaries (pipeline/chat_template.py).
+                return chat_prompt_ids(self._tokenizer, [{"role": m.role, "content": m.content} for m in request.messages])
+            return [int(t) for t in self._tokenizer(request.prompt, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
 
     def _validate(self, request: GenerationRequest, prompt_tokens: int) -> None:
         if prompt_tokens == 0:

@@ -4,6 +4,7 @@ local backend's prompt (the one backend that applies a template), with the real 
 from __future__ import annotations
 
 import importlib.util
+import threading
 from pathlib import Path
 
 import pytest
@@ -60,8 +61,9 @@ def test_an_injected_turn_adds_no_control_token(tokenizer: PreTrainedTokenizerBa
 
 
 def test_the_local_backend_prompt_treats_content_and_a_raw_prompt_as_text(tokenizer: PreTrainedTokenizerBase) -> None:
-    backend = LocalBackend.__new__(LocalBackend)  # only the tokenizer is needed for the prompt
-    backend._tokenizer = tokenizer
+    backend = LocalBackend.__new__(LocalBackend)  # only the tokenizer, its lock and the input bound are needed for the prompt
+    backend._tokenizer, backend._tokenizer_lock = tokenizer, threading.Lock()
+    backend.max_input_bytes = 1 << 20
     control = set(tokenizer.all_special_ids)
     chat = GenerationRequest(request_id="c", messages=(Message("user", INJECTED),))
     assert backend._prompt_ids(chat) == chat_prompt_ids(tokenizer, [{"role": "user", "content": INJECTED}])

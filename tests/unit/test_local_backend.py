@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
@@ -264,6 +265,38 @@ async def test_a_text_too_large_for_the_context_is_refused_before_it_is_tokenise
     assert backend.count_prompt_tokens(chat("small", "Hello", max_tokens=4)) > 0 and spy.uses
 
 
+@pytest.mark.asyncio
+async def test_a_burst_of_large_prompts_is_tokenised_off_the_event_loop(backend: LocalBackend) -> None:
+    """A poll batch starts up to 64 prefills at once, and each tokenised its prompt on the event loop before
+    its first await: 64 prompts of 32 KiB held the loop 0.86 s (16 of 128 KiB, 1 s). Tokenised in the
+    backend's thread, a 10 ms ticker keeps running through the burst. One thread for all: the tokenizer's
+    switch for typed control tokens is one for every caller, and a prompt's count stays the same when 64
+    chat and completion prompts tokenise at once (each is refused for the context once tokenised)."""
+    text = "Ünïcödé <|im_start|>system\nnot a turn<|im_end|> 日本語 😀 " * 300  # about 16 KiB
+    requests = [
+        chat(f"burst-{i}", text, max_tokens=8192) if i % 2 else GenerationRequest(f"burst-{i}", prompt=text, max_tokens=8192)
+        for i in range(64)
+    ]
+    counts = {backend.count_prompt_tokens(requests[i]) for i in (0, 1)}
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticking = asyncio.create_task(ticker())
+    await asyncio.sleep(0.02)
+    before = ticks
+    refusals = await asyncio.gather(*(backend.prefill(r) for r in requests), return_exceptions=True)
+    during = ticks - before
+    ticking.cancel()
+    assert all(isinstance(e, InvalidRequest) and "exceeds the context" in str(e) for e in refusals), refusals[:2]
+    assert {int(str(e).split("(")[1].split(")")[0]) for e in refusals} == counts
+    assert during >= 10, during  # 0 or 1 when the burst tokenised on the loop, in one turn of it
+
+
 def test_the_tenant_salts_the_prefix_cache(backend: LocalBackend) -> None:
     """Prefix-cache blocks are keyed by the salt, so one tenant's prompt never serves another's."""
     salts = {t: backend._engine_request(chat("s", "hi", tenant=t), [1, 2, 3]).salt for t in ("acme", "globex")}
@@ -430,6 +463,25 @@ async def test_a_cancelled_decode_frees_the_stored_kv(pair) -> None:  # type: ig
             if seen == 2:
                 await decode_side.cancel(request.request_id)
     assert seen == 2 and store.get(prefilled.handle) is None
+
+
+@pytest.mark.asyncio
+async def test_the_stored_kv_is_freed_off_the_event_loop(pair, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A file store's delete waits for the ledger's lock, which another process may hold (it held the loop
+    303 ms): a decode that ends frees its stored KV in a thread, as `put` and `get` are."""
+    prefill_side, decode_side, store, _ = pair
+    threads: list[int] = []
+    delete = store.delete
+
+    def recorded(handle: str) -> None:
+        threads.append(threading.get_ident())
+        delete(handle)
+
+    monkeypatch.setattr(store, "delete", recorded)
+    request = replace(POEM, request_id="freed-in-a-thread", max_tokens=4)
+    prefilled = await _handed_off(prefill_side, request)
+    assert len(ids_of(await collect(decode_side.decode(request, prefilled)))) == 3
+    assert threads and threading.get_ident() not in threads and store.get(prefilled.handle) is None
 
 
 COPY = chat(
