@@ -23,14 +23,27 @@ from typing import Literal
 
 import msgspec
 
-from pipeline.bridge.openai_format import Unauthorized
+from pipeline.bridge.openai_format import BridgeError, Unauthorized
 from pipeline.gateway.config import GatewaySettings
 from pipeline.gateway.gateway import INVALID_KEY
-from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier, looks_like_jwt
+from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier, KeysUnavailable, looks_like_jwt
 from pipeline.gateway.keys import PREFIX, hash_key, well_formed
 from pipeline.gateway.principal import sign, sign_with_key
 from pipeline.settings import REPO_ROOT
+from topics.errors import ErrorCode
 from topics.requests import Request
+
+
+class KeysAway(BridgeError):
+    """503: the identity provider's key set did not answer and the token's key is not cached; a retry
+    after `Retry-After` may pass (a bad token is a 401, never this)."""
+
+    status = 503
+    code = ErrorCode.unavailable
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.headers = {"retry-after": str(max(1, math.ceil(retry_after_s)))}
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,8 @@ class Credentials:
         if bearer is not None and self._jwt is not None and looks_like_jwt(bearer):
             try:
                 claims = await self._jwt.verify(bearer)
+            except KeysUnavailable as exc:
+                raise KeysAway(str(exc), exc.retry_after_s) from None
             except InvalidToken as exc:
                 raise Unauthorized(str(exc)) from None
             return Credential(self._secret, "jwt", bearer, claims.subject, claims.tenant, claims.models, claims.expires_at)

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 CACHE_ENTRIES = 10_000
 STALE_LIMIT_S = 300.0  # with Redis away, a cached key lookup this old is still used
 TICKET_GRACE_S = 60.0
+NON_ASCII_BYTES_PER_TOKEN = 2  # prompt_estimate: UTF-8 bytes a token for text that is not ASCII
+MESSAGE_TOKENS = 4  # prompt_estimate: a chat message's role markers (ChatML uses 5 with its newlines, OpenAI 3)
 INVALID_KEY = "the API key is not valid"
 RAW_KEY_REFUSED = ("this gateway does not take an API key in a Kafka record (gateway.raw_keys = \"refuse\"): "
                    "sign the request with the key instead, as sluice's SDK does")
@@ -160,8 +162,8 @@ class Gateway:
         if credential is not None and self._jwt is not None and looks_like_jwt(credential):
             try:
                 claims = await self._jwt.verify(credential)
-            except InvalidToken as exc:
-                raise StageError(ErrorCode.unauthorized, str(exc)) from None
+            except InvalidToken as exc:  # a bad token: 401; the IdP's keys away (`KeysUnavailable`): 503, retriable
+                raise StageError(exc.code, str(exc), retry_after_s=getattr(exc, "retry_after_s", None)) from None
             scope = Scope("key", "jwt:" + claims.subject)  # no budget: no spend kept (llm.usage has every charge)
             return Principal("jwt:" + claims.subject, claims.tenant, None, claims.models, scope)
         if not self._settings.auth_required:
@@ -265,8 +267,7 @@ class Gateway:
 
     async def _limit(self, request: Request, principal: Principal, policy: TenantPolicy, ip: Address | None) -> None:
         scopes = self.scopes(principal, policy, ip)
-        size = sum(len(m.content.encode()) for m in request.messages) + len((request.prompt or "").encode())
-        estimate = math.ceil(size / self._settings.chars_per_token)
+        estimate = prompt_estimate(request, self._settings.chars_per_token)
         # A request reserves all it may use, so the requests in flight cannot take a window past `tpm`
         # (completions charged only at the end added up to max_tokens each over it); `finish` gives back
         # what it did not use.
@@ -274,7 +275,7 @@ class Gateway:
         ticket = msgspec.msgpack.encode(Ticket([(sc.kind, sc.name, sc.billed) for sc in scopes], estimate, max_tokens))
         try:
             member = request_key(principal.tenant, request.id)  # a new id is a new request, per tenant
-            refusal = await self._limiter.admit(scopes, member, estimate + max_tokens, ticket, request.deadline_s + TICKET_GRACE_S)
+            refusal = await self._limiter.admit(scopes, member, estimate + max_tokens, ticket, self._ticket_ttl(request))
         except StoreUnavailable:
             decision = self._settings.on_redis_down
             GATEWAY_DEGRADED.labels("limit", decision).inc()
@@ -285,6 +286,27 @@ class Gateway:
             raise StageError(ErrorCode.unavailable, "limits cannot be checked right now", retry_after_s=1.0) from None
         if refusal is not None:
             raise refused(refusal, estimate, max_tokens)
+
+    def _ticket_ttl(self, request: Request) -> float:
+        """The ticket outlives the request's deadline, which counts from its `created_at` (up to
+        ingest.MAX_CLOCK_SKEW_S ahead), not from now: counted from now, a request created 299 s ahead
+        with a deadline of 1 s kept its ticket 61 s and could run 300 s, then was charged nothing."""
+        return max(request.created_at + request.deadline_s - self._clock(), request.deadline_s) + TICKET_GRACE_S
+
+
+def prompt_estimate(request: Request, chars_per_token: int) -> int:
+    """The prompt's tokens, estimated without a tokenizer (an upper-ish guess: `finish` corrects it):
+    ASCII at `chars_per_token` bytes a token, every other byte at half a token (at most `chars_per_token`
+    bytes a token), and MESSAGE_TOKENS for each chat message's role markers. Bytes / 4 alone reserved
+    too little for text that is not ASCII; SmolLM2's tokenizer used, per bytes / 4: CJK 2.4x, Korean 3.5x,
+    Cyrillic 2.1x, emoji 2.9x, combining marks 4.0x; per this rule: CJK 1.2x, Korean 1.9x, Cyrillic 1.1x,
+    emoji 1.5x, combining marks 2.1x, English 0.9x, code 1.6x (both rules). Larger vocabularies use fewer
+    tokens for text that is not ASCII (about one a CJK character: this rule reserves 1.5)."""
+    texts = [m.content for m in request.messages] + [request.prompt or ""]
+    ascii_bytes = sum(len(t.encode("ascii", "ignore")) for t in texts)  # C loops: a prompt may be 1 MiB
+    other_bytes = sum(len(t.encode()) for t in texts) - ascii_bytes
+    tokens = ascii_bytes / chars_per_token + other_bytes / min(chars_per_token, NON_ASCII_BYTES_PER_TOKEN)
+    return math.ceil(tokens) + MESSAGE_TOKENS * len(request.messages)
 
 
 def refused(refusal: Refusal, prompt_estimate: int, max_tokens: int) -> StageError:

@@ -15,7 +15,11 @@ in Redis per JWT subject ever seen.
 Admission across scopes is all or nothing: each scope is checked and recorded atomically on its own
 (one Lua script per scope in Redis, so scopes may live on different Redis Cluster slots), and if a
 later scope refuses, the scopes already recorded are released. A request id recorded once is admitted
-again without counting twice, so a redelivered request is not charged twice.
+again without counting twice, so a redelivered request is not charged twice. The ticket (what the charge
+needs at the end) belongs to the call that recorded the id in the first scope, and is never replaced: a
+call that found the id recorded (a redelivery, or another request under an id in use, which ingest
+refuses) keeps none and undoes nothing of the first's. A second request under a running one's id
+replaced its ticket (a shorter TTL: charged nothing) or, refused, deleted it and its window entries.
 """
 
 from __future__ import annotations
@@ -70,8 +74,10 @@ class Limiter(Protocol):
 
     async def admit(self, scopes: Sequence[Scope], member: str, tokens: int, ticket: bytes, ticket_ttl_s: float) -> Refusal | None:
         """Records request `member` with `tokens` reserved in every scope, and keeps `ticket` for
-        `take_ticket`, if every scope has room; otherwise records nothing and says which limit refused
-        (`retry_after_s` None for `tokens` over a limit: such a request can never fit)."""
+        `take_ticket` (unless `member` was recorded in the first scope already, or a ticket is kept for
+        it: never replaced), if every scope has room; otherwise records nothing and says which limit
+        refused (`retry_after_s` None for `tokens` over a limit: such a request can never fit). A scope
+        that had `member` recorded already admits it and keeps its entry as it is."""
 
     async def charge(self, scopes: Sequence[Scope], member: str, reserved: int, tokens: int, spend: float) -> None:
         """Replaces the `reserved` tokens `admit` recorded by the `tokens` the request used, in every scope
@@ -133,13 +139,17 @@ class MemoryLimiter:
             refusal = self._check(scope, member, tokens, now)
             if refusal is not None:
                 return refusal
+        added = []
         for scope in scopes:
             log = self._logs.setdefault(scope.tag, _Log())
-            if member not in log.requests:
+            added.append(member not in log.requests)
+            if added[-1]:
                 log.requests[member] = now
                 if tokens:
                     log.add_tokens(member + "|p", now, tokens)
-        self._tickets[member] = (ticket, now + ticket_ttl_s)
+        kept = self._tickets.get(member)
+        if (added[0] if added else True) and (kept is None or kept[1] <= now):  # as ticket.lua: never replaced
+            self._tickets[member] = (ticket, now + ticket_ttl_s)
         return None
 
     def _check(self, scope: Scope, member: str, tokens: int, now: float) -> Refusal | None:

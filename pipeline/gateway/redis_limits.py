@@ -1,7 +1,15 @@
 """The Redis Limiter: `lua/admit.lua`, `lua/charge.lua` and `lua/release.lua`, one atomic script per
 scope, on Redis's clock, each sent with `lua/window.lua` (the clock, the token log and its total, TTLs) in
 front of it. A scope's keys share the hash tag `{kind:name}`, so on Redis Cluster each script touches
-one slot; the scopes of one request are sent in one pipeline (one round trip)."""
+one slot; the scopes of one request are sent in one pipeline (one round trip), with `lua/ticket.lua`
+(the ticket, under the member's own tag, written only if none is kept).
+
+A request id is one request: admit.lua says whether it added the member to a scope or found it there
+(a redelivery, or another request under an id in use, which ingest refuses). Only the call that added the
+member to the first scope keeps its ticket; a call that found it leaves the ticket and the window entries
+where they are, and a refused call undoes only what it added itself. Else a second request under a
+running request's id, refused, replaced or deleted that request's ticket (charged nothing) and took it
+out of the windows."""
 
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ from pipeline.redis_lean import LeanPipeline, LeanRedis
 _LUA = Path(__file__).with_name("lua")
 DOWN = (RedisConnectionError, RedisTimeoutError, OSError)  # BusyLoadingError (a restart) is a ConnectionError
 Pipe = Pipeline | LeanPipeline  # either client's pipeline: the same calls
+REFUSED, ADDED = 0, 1  # admit.lua's first reply (2: admitted, the member was recorded already)
 
 
 def rate_keys(scope: Scope) -> list[str]:
@@ -42,8 +51,8 @@ class _Script:
     """A Lua file called by EVALSHA, after `lua/window.lua` (what the scripts share: Redis has no include);
     `RedisLimiter._run` loads it again after Redis lost it (a restart)."""
 
-    def __init__(self, name: str) -> None:
-        self.text = (_LUA / "window.lua").read_text() + (_LUA / name).read_text()
+    def __init__(self, name: str, shared: bool = True) -> None:
+        self.text = ((_LUA / "window.lua").read_text() if shared else "") + (_LUA / name).read_text()
         self.sha = hashlib.sha1(self.text.encode()).hexdigest()
 
     def __call__(self, pipe: Pipe, keys: list[str], args: list[Any]) -> None:
@@ -57,6 +66,7 @@ class RedisLimiter:
         self._admit = _Script("admit.lua")
         self._charge = _Script("charge.lua")
         self._release = _Script("release.lua")
+        self._ticket = _Script("ticket.lua", shared=False)
 
     async def _run(self, build: Callable[[Pipe], None]) -> list[Any]:
         """One round trip of the commands `build` queues; StoreUnavailable if Redis is away."""
@@ -69,7 +79,7 @@ class RedisLimiter:
                 except NoScriptError:
                     if attempt == 2:
                         raise
-                    for script in (self._admit, self._charge, self._release):
+                    for script in (self._admit, self._charge, self._release, self._ticket):
                         await self._redis.script_load(script.text)
         except DOWN as exc:
             raise StoreUnavailable(f"redis: {type(exc).__name__}") from None
@@ -80,20 +90,24 @@ class RedisLimiter:
             for s in scopes:
                 args = [self._window_ms, s.rpm, s.tpm, repr(float(s.budget)), member, tokens]
                 self._admit(pipe, [*rate_keys(s), spend_key(s)], args)
-            pipe.set(ticket_key(member), ticket, px=max(int(ticket_ttl_s * 1000), 1000))
+            self._ticket(pipe, [ticket_key(member)], [ticket, max(int(ticket_ttl_s * 1000), 1000)])
 
-        results = await self._run(admit_all)
-        refused = [(s, r) for s, r in zip(scopes, results, strict=False) if int(r[0]) == 0]
+        *results, wrote = await self._run(admit_all)
+        added = [int(r[0]) == ADDED for r in results]
+        refused = [(s, r) for s, r in zip(scopes, results, strict=True) if int(r[0]) == REFUSED]
+        ours = not refused and (added[0] if added else True)  # this call's request: it keeps the ticket it wrote
+
+        def undo(pipe: Pipe) -> None:
+            for s, new in zip(scopes, added, strict=True):
+                if refused and new:
+                    self._release(pipe, rate_keys(s), [self._window_ms, member, tokens])
+            if int(wrote) and not ours:  # none was kept: the running request's (if any) was taken already
+                pipe.delete(ticket_key(member))
+
+        if (refused and any(added)) or (int(wrote) and not ours):
+            await self._run(undo)
         if not refused:
             return None
-
-        def release(pipe: Pipe) -> None:
-            for s, r in zip(scopes, results, strict=False):
-                if int(r[0]) == 1:
-                    self._release(pipe, rate_keys(s), [self._window_ms, member, tokens])
-            pipe.delete(ticket_key(member))
-
-        await self._run(release)
         scope, (_, resource, limit, remaining, retry_ms) = refused[0]
         res: Resource = resource.decode() if isinstance(resource, bytes) else resource
         limit_value = scope.budget if res == "budget" else int(limit)

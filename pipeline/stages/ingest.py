@@ -66,6 +66,8 @@ class IngestStage:
         limits = self._limits
         if (request.prompt is None) == (not request.messages):
             raise StageError(ErrorCode.invalid_request, "exactly one of `messages` and `prompt` must be given")
+        if request.prompt == "":  # as the bridge: else a backend refused it (local, instant) or sent it to the model
+            raise StageError(ErrorCode.invalid_request, "`prompt` must be a non-empty string")
         if len(request.messages) > limits.max_messages:
             raise StageError(ErrorCode.invalid_request, f"at most {limits.max_messages} messages are allowed")
         stops = request.sampling.stop  # checked on every token generated: a few short ones (the bridge's bound too)
@@ -76,8 +78,16 @@ class IngestStage:
             raise StageError(ErrorCode.invalid_request, f"prompt is {size} bytes; the limit is {limits.max_prompt_bytes}")
         if not request.deadline_s <= limits.max_deadline_s:
             raise StageError(ErrorCode.invalid_request, f"deadline_s may be at most {limits.max_deadline_s:g}")
-        if not 0 < request.created_at <= time.time() + MAX_CLOCK_SKEW_S:  # 0 made the deadline move with the clock
+        now = time.time()
+        if not 0 < request.created_at <= now + MAX_CLOCK_SKEW_S:  # 0 made the deadline move with the clock
             raise StageError(ErrorCode.invalid_request, "created_at must be the request's time of creation (unix seconds)")
+        # Every stage keeps a request's state (its id's claim included) for state.ttl_s from about now, and
+        # settings hold that to at least max_deadline_s: a deadline further away (created_at ahead of this
+        # clock) let the id be used again while its request still ran, a second terminal event.
+        if request.created_at + request.deadline_s > now + limits.max_deadline_s:
+            raise StageError(ErrorCode.invalid_request, (
+                f"the request's deadline (created_at + deadline_s) may be at most {limits.max_deadline_s:g} s from "
+                f"now; created_at is {request.created_at - now:.1f} s ahead of this clock"))
         if request.sampling.max_tokens > limits.max_tokens_cap:
             raise StageError(ErrorCode.invalid_request, f"max_tokens may be at most {limits.max_tokens_cap}")
         if request.model not in self._models:

@@ -14,8 +14,9 @@ import pytest_asyncio
 from redis.asyncio import Redis
 
 from pipeline.errors import StageError
+from pipeline.gateway import gateway as gateway_module
 from pipeline.gateway.build import redis_client, stage_redis
-from pipeline.gateway.config import GatewaySettings
+from pipeline.gateway.config import GatewaySettings, ModelPrice
 from pipeline.gateway.errors import KeyChanged
 from pipeline.gateway.gateway import Gateway
 from pipeline.gateway.keys import KeyEntry, KeyManager, KeyRecord, KeyStore, MemoryKeyStore, hash_key
@@ -252,7 +253,7 @@ async def test_completions_are_reserved_so_a_window_never_holds_more_than_tpm(
     gateway = Gateway(GatewaySettings(auth_required=True, key_cache_s=0.0, chars_per_token=1), store, limiter)
     keys = KeyManager(store, rotate_overlap_s=60)
 
-    async def admit(key: str, name: str, max_tokens: int) -> None:  # a prompt of 10 tokens (chars_per_token = 1)
+    async def admit(key: str, name: str, max_tokens: int) -> None:  # a prompt of 10 tokens and 4 for its message
         await gateway.admit(request(name, api_key=key, messages=(ChatMessage("user", "x" * 10),),
                                     sampling=Sampling(max_tokens=max_tokens)))
 
@@ -264,27 +265,27 @@ async def test_completions_are_reserved_so_a_window_never_holds_more_than_tpm(
     try:
         raw, record = await keys.create("acme", tpm=1000)
         s = Scope("key", record.key_id)
-        for i in range(10):  # each reserves 10 + 90
-            await admit(raw, f"r{i}", 90)
+        for i in range(10):  # each reserves 14 + 86
+            await admit(raw, f"r{i}", 86)
         assert await held(limiter, s, check) == 1000
-        full = await refusal(raw, "r10", 90)  # the 11th would take the window past the limit
+        full = await refusal(raw, "r10", 86)  # the 11th would take the window past the limit
         assert full.code is ErrorCode.rate_limited and full.retry_after_s is not None
         for i in range(10):  # each used all it reserved
-            await gateway.finish(finished(f"acme/r{i}", 10, 90))
+            await gateway.finish(finished(f"acme/r{i}", 14, 86))
             assert await held(limiter, s, check) == 1000
         assert (await refusal(raw, "r11", 1)).code is ErrorCode.rate_limited
 
         raw, record = await keys.create("acme", tpm=1000)
         s = Scope("key", record.key_id)
         for i in range(10):
-            await admit(raw, f"f{i}", 90)
-        await gateway.finish(finished("acme/f0", 10, 40))  # 50 of its 100 unused: free again
-        await gateway.finish(finished("acme/f0", 10, 40))  # (once)
+            await admit(raw, f"f{i}", 86)
+        await gateway.finish(finished("acme/f0", 14, 36))  # 50 of its 100 unused: free again
+        await gateway.finish(finished("acme/f0", 14, 36))  # (once)
         assert await held(limiter, s, check) == 950
-        await admit(raw, "f10", 40)
+        await admit(raw, "f10", 36)
         assert (await refusal(raw, "f11", 1)).code is ErrorCode.rate_limited
 
-        never = await refusal(raw, "f12", 991)  # 1001 tokens can never fit: not a 429 to retry for ever
+        never = await refusal(raw, "f12", 987)  # 1001 tokens can never fit: not a 429 to retry for ever
         assert never.code is ErrorCode.invalid_request and not never.retriable
         assert "max_tokens" in never.message and "1001" in never.message
     finally:
@@ -317,6 +318,61 @@ async def test_a_lost_token_log_or_total_is_recomputed(settings: Settings, clien
     finally:
         await redis.aclose()
         await check.aclose()
+
+
+async def test_a_second_request_under_an_admitted_id_leaves_the_first_ones_ticket_and_entries(
+    limiter: Limiter, settings: Settings
+) -> None:
+    """Every admission wrote the ticket, and a refused one released every scope that answered "admitted",
+    a scope that found the id recorded included, and deleted the ticket: a second request under a running
+    one's id (which ingest refuses: id in use) replaced its ticket, or, refused by a limit, deleted it and
+    took the first out of the windows. The first was charged nothing."""
+    check = redis_client(with_gateway(settings, redis_timeout_s=2.0))
+    key, tenant, other_key, member = scope(rpm=10), scope("tenant", rpm=3, tpm=1000), scope(rpm=1), rid()
+    try:
+        assert await limiter.admit([key, tenant], member, 30, b"first", 10) is None
+        assert await limiter.admit([key, tenant], member, 50, b"second", 10) is None  # found: not counted again
+        assert await limiter.admit([other_key], rid(), 0, b"t", 10) is None
+        refusal = await limiter.admit([other_key, tenant], member, 50, b"third", 10)  # another key's rpm is spent
+        assert refusal is not None and refusal.scope == other_key and refusal.resource == "requests"
+        assert await held(limiter, tenant, check) == 30
+        assert await limiter.admit([tenant], rid(), 0, b"t", 10) is None
+        assert await limiter.admit([tenant], rid(), 0, b"t", 10) is None  # the member and these two: 3
+        assert await limiter.admit([tenant], rid(), 0, b"t", 10) is not None
+        assert await limiter.take_ticket(member) == b"first"
+    finally:
+        await check.aclose()
+
+
+async def test_a_redelivery_keeps_the_one_ticket_and_writes_none_once_it_was_taken(limiter: Limiter) -> None:
+    """A redelivery after the request's charge wrote its ticket again, for a second charge."""
+    s, member = scope(tpm=100), rid()
+    assert await limiter.admit([s], member, 40, b"ticket", 10) is None
+    assert await limiter.admit([s], member, 40, b"ticket", 10) is None  # the SDK's resend: the same bytes
+    assert await limiter.admit([s], rid(), 60, b"t", 10) is None  # 40 counted once
+    assert await limiter.take_ticket(member) == b"ticket"
+    await limiter.charge([s], member, 40, 40, 0.0)
+    assert await limiter.admit([s], member, 40, b"ticket", 10) is None
+    assert await limiter.take_ticket(member) is None
+
+
+async def test_a_request_under_a_running_ones_id_does_not_cut_its_charge(
+    make_limiter: Callable[[float], Limiter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reviewer's case: a second request under the id of a running one, with a deadline of 5 s (ingest
+    refuses it: id in use), replaced its ticket by one that lived 5 + 60 s; the first, ending 120 s in,
+    was charged 0.0 (2.0 without the second). Here the grace is 0 and the deadline 0.5 s: the same in 1 s."""
+    monkeypatch.setattr(gateway_module, "TICKET_GRACE_S", 0.0)
+    store = MemoryKeyStore()
+    prices = {MODEL: ModelPrice(prompt_per_1k=100.0, completion_per_1k=100.0)}
+    limiter = make_limiter(60.0)
+    gateway = Gateway(GatewaySettings(auth_required=True, key_cache_s=0.0, prices=prices), store, limiter)
+    raw, record = await KeyManager(store, rotate_overlap_s=60).create("acme", budget=100.0)
+    await gateway.admit(request("x", api_key=raw))
+    await gateway.admit(request("x", api_key=raw, deadline_s=0.5, messages=(ChatMessage("user", "other"),)))
+    await asyncio.sleep(1.1)
+    await gateway.finish(finished("acme/x", 10, 10))
+    assert await limiter.spent(Scope("key", record.key_id)) == pytest.approx(2.0)
 
 
 class FirstReadLate:

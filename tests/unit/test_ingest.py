@@ -7,7 +7,9 @@ import pytest
 
 from pipeline.errors import StageError, Undeliverable
 from pipeline.gateway.build import memory_gateway
+from pipeline.gateway.config import ModelPrice
 from pipeline.gateway.gateway import Principal
+from pipeline.gateway.limits import Scope
 from pipeline.handling import Handling
 from pipeline.stages import ingest
 from pipeline.stages.emit import EmitStage
@@ -20,7 +22,7 @@ from topics import codec, registry
 from topics.errors import ErrorCode
 from topics.hops import Admitted
 from topics.requests import ChatMessage, Request, Sampling
-from topics.stream import Failed, StreamEvent
+from topics.stream import Done, Failed, FinishReason, StreamEvent, Usage
 from topics.usage import UsageRecord
 
 INGEST = node("ingest")
@@ -175,6 +177,7 @@ async def test_work_cancelled_while_the_limits_are_asked_leaves_no_claim_running
         ({"sampling": Sampling(max_tokens=SETTINGS.limits.max_tokens_cap + 1)}, ErrorCode.invalid_request),
         ({"messages": (ChatMessage(role="user", content="x" * (SETTINGS.limits.max_prompt_bytes + 1)),)}, ErrorCode.invalid_request),
         ({"messages": (), "prompt": None}, ErrorCode.invalid_request),
+        ({"messages": (), "prompt": ""}, ErrorCode.invalid_request),  # the bridge's rule: a backend's error, else
         ({"prompt": "both given"}, ErrorCode.invalid_request),
         ({"model": "gpt-17"}, ErrorCode.not_found),
         ({"sampling": Sampling(stop=tuple(f"s{i}" for i in range(100_000)))}, ErrorCode.invalid_request),  # per token
@@ -182,6 +185,8 @@ async def test_work_cancelled_while_the_limits_are_asked_leaves_no_claim_running
         ({"sampling": Sampling(stop=("",))}, ErrorCode.invalid_request),
         ({"deadline_s": 1e15}, ErrorCode.invalid_request),  # every wait "until the deadline" without end
         ({"created_at": time.time() + 1e12}, ErrorCode.invalid_request),
+        # 299 s ahead (the skew allowed) with the longest deadline: it could outlive its id's claim (state.ttl_s)
+        ({"created_at": time.time() + 299, "deadline_s": SETTINGS.limits.max_deadline_s}, ErrorCode.invalid_request),
         ({"created_at": 0.0}, ErrorCode.invalid_request),  # a deadline that moved with the clock
         ({"created_at": 1.0}, ErrorCode.deadline_exceeded),
     ],
@@ -271,6 +276,32 @@ async def test_a_refusal_after_authentication_is_counted_under_the_tenant(
     outs = await run_handler(EmitStage(SETTINGS, node("emit").topics), refused)
     [usage] = [o for o in outs if isinstance(o.value, UsageRecord)]
     assert (usage.key, usage.value.tenant, usage.value.outcome) == ("acme", "acme", code.value)
+
+
+@pytest.mark.asyncio
+async def test_a_deadline_within_max_deadline_s_of_now_is_admitted_though_created_at_is_ahead() -> None:
+    limit = SETTINGS.limits.max_deadline_s
+    [out] = await run_handler(STAGE, request("ahead-ok", created_at=time.time() + 299, deadline_s=limit - 300))
+    assert out.value.id == "default/ahead-ok"
+    assert (await refusal(STAGE, request("ahead-no", created_at=time.time() + 299, deadline_s=limit - 290)))[0] is ErrorCode.invalid_request
+
+
+@pytest.mark.asyncio
+async def test_a_request_refused_under_a_running_ones_id_leaves_its_charge_alone() -> None:
+    """The reviewer's case through ingest: another request under a running one's id, with a 5 s deadline,
+    refused (id in use), had replaced the first's ticket by one that lived 65 s: the first, ending 120 s
+    in, was charged 0.0 (2.0 without the second)."""
+    r = rig(prices={SETTINGS.models[0]: ModelPrice(prompt_per_1k=100.0, completion_per_1k=100.0)})
+    r.clock.now = time.time()
+    raw, record = await r.keys.create("acme", budget=100.0)
+    stage = IngestStage(AUTH_REQUIRED, INGEST.topics, r.gateway)
+    await run_handler(stage, request("x", api_key=raw))
+    other = request("x", api_key=raw, deadline_s=5, messages=(ChatMessage(role="user", content="other"),))
+    assert await refusal(stage, other) == (ErrorCode.invalid_request, "acme")
+    r.clock.now += 120
+    await r.gateway.finish(Done(id="acme/x", reply_to="x", chunks=1, digest="", finish_reason=FinishReason.stop, tenant="acme",
+                                model=SETTINGS.models[0], usage=Usage(prompt_tokens=10, completion_tokens=10), created_at=1.0))
+    assert await r.limiter.spent(Scope("key", record.key_id)) == pytest.approx(2.0)
 
 
 @pytest.mark.asyncio

@@ -5,7 +5,9 @@
 -- All four share one hash tag, so the script runs on one Redis Cluster slot.
 -- ARGV: window ms, rpm, tpm, budget (0 = none), member (request id), tokens reserved (the prompt's
 -- estimate and the request's max_tokens: charge.lua replaces them by what the request used).
--- Returns {admitted 1/0, resource, limit, remaining, retry-after ms (-1: never)}.
+-- Returns {status, resource, limit, remaining, retry-after ms (-1: never)}; status 0 refused, 1 admitted
+-- and the member added, 2 admitted and the member found already (a redelivery, or another request under
+-- an id in use: its caller must not undo the entry, which is the first request's).
 -- window.lua comes first: now, weight(), settle(), touch().
 local window = tonumber(ARGV[1])
 local rpm, tpm, budget = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -14,7 +16,7 @@ local cutoff = now - window
 
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff)
 local used = settle(KEYS[2], KEYS[3], cutoff)
-if redis.call('ZSCORE', KEYS[1], member) then touch(window, 3) return {1, '', 0, 0, 0} end  -- a redelivery
+if redis.call('ZSCORE', KEYS[1], member) then touch(window, 3) return {2, '', 0, 0, 0} end  -- recorded already
 
 if budget > 0 and tonumber(redis.call('GET', KEYS[4]) or '0') >= budget then
   touch(window, 3) return {0, 'budget', 0, 0, -1}

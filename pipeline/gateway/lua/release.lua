@@ -1,4 +1,5 @@
--- Undo `admit.lua` for one member in one scope (a later scope refused the request).
+-- Undo `admit.lua` for one member in one scope (a later scope refused the request), called only where
+-- that admission added the member (never for one it found: that entry is another call's).
 -- KEYS[1] request log, KEYS[2] token log, KEYS[3] tokens in the log. ARGV: window ms, member, tokens.
 -- window.lua comes first: now, weight(), settle(), touch().
 local window, tokens = tonumber(ARGV[1]), tonumber(ARGV[3])

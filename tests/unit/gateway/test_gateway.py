@@ -3,6 +3,8 @@ the failure mode, and what it forwards."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pipeline.errors import InfraUnavailable, StageError
@@ -12,10 +14,10 @@ from pipeline.gateway.keys import PREFIX
 from pipeline.gateway.limits import Refusal, Scope
 from pipeline.gateway.network import attest
 from pipeline.metrics import GATEWAY_DEGRADED
-from tests.unit.gateway.helpers import rig
+from tests.unit.gateway.helpers import Rig, rig
 from tests.unit.helpers import MODEL, request
 from topics.errors import ErrorCode
-from topics.requests import Sampling
+from topics.requests import ChatMessage, Sampling
 from topics.stream import Done, FinishReason, Usage
 
 pytestmark = pytest.mark.asyncio
@@ -167,6 +169,54 @@ async def test_only_a_scope_with_a_budget_keeps_a_running_spend() -> None:
     assert await r.limiter.spent(Scope("tenant", "capped")) == pytest.approx(0.5)
     assert await r.limiter.spent(Scope("key", free_record.key_id)) == 0.0
     assert await r.limiter.spent(Scope("tenant", "acme")) == 0.0
+
+
+async def priced_key() -> tuple[Rig, str, Scope]:
+    """A gateway on the wall clock (requests' `created_at`) whose one key, of tenant acme, keeps its spend."""
+    r = rig(prices={MODEL: ModelPrice(prompt_per_1k=100.0, completion_per_1k=100.0)})
+    r.clock.now = time.time()
+    raw, record = await r.keys.create("acme", budget=100.0)
+    return r, raw, Scope("key", record.key_id)
+
+
+def done(rid: str) -> Done:
+    return Done(id=rid, reply_to="x", chunks=1, digest="", finish_reason=FinishReason.stop, tenant="acme", model=MODEL,
+                usage=Usage(prompt_tokens=10, completion_tokens=10), created_at=1.0)
+
+
+async def test_a_request_under_a_running_ones_id_does_not_replace_its_ticket() -> None:
+    """The reviewer's case: a second request under a running one's id with deadline_s 5 (ingest refuses it,
+    id in use, after the gateway admitted it as a redelivery) replaced the first's ticket by one that lived
+    65 s: the first, ending 120 s in, was charged 0.0 instead of 2.0."""
+    r, raw, key = await priced_key()
+    await r.gateway.admit(request("x", api_key=raw))
+    await r.gateway.admit(request("x", api_key=raw, deadline_s=5, messages=(ChatMessage("user", "other"),)))
+    r.clock.now += 120
+    await r.gateway.finish(done("acme/x"))
+    assert await r.limiter.spent(key) == pytest.approx(2.0)
+
+
+async def test_the_ticket_lives_until_the_deadline_counted_from_created_at() -> None:
+    """Counted from now, the ticket of a request created 299 s ahead (ingest takes up to 300) with a
+    deadline of 1 s lived 61 s, while the request could run 300 s: charged nothing."""
+    r, raw, key = await priced_key()
+    await r.gateway.admit(request("ahead", api_key=raw, created_at=r.clock.now + 299, deadline_s=1))
+    r.clock.now += 250
+    await r.gateway.finish(done("acme/ahead"))
+    assert await r.limiter.spent(key) == pytest.approx(2.0)
+
+
+async def test_the_prompt_estimate_counts_text_that_is_not_ascii_and_each_messages_markers() -> None:
+    """UTF-8 bytes / 4 reserved 75 tokens for 100 CJK characters (about 180 for SmolLM2's tokenizer, 100 for
+    larger ones), and nothing for 64 empty messages (each one a turn of role markers)."""
+    r = rig()
+    raw, _ = await r.keys.create("acme", tpm=100)
+    cjk = request("cjk", api_key=raw, messages=(ChatMessage("user", "\u6211" * 100),), sampling=Sampling(max_tokens=1))
+    error = await refusal(r.gateway.admit(cjk))  # at least one token a character: it can never fit in 100
+    assert error.code is ErrorCode.invalid_request and "lower max_tokens" in error.message
+    empty = request("empty", api_key=raw, messages=(ChatMessage("user", ""),) * 64, sampling=Sampling(max_tokens=1))
+    assert (await refusal(r.gateway.admit(empty))).code is ErrorCode.invalid_request
+    await r.gateway.admit(request("ascii", api_key=raw, messages=(ChatMessage("user", "x" * 300),), sampling=Sampling(max_tokens=1)))
 
 
 class DownLimiter:
