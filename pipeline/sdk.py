@@ -124,8 +124,8 @@ class Stream:
 class _State:
     """What a `Stream` and its iterator (`_iterate`) share."""
 
-    __slots__ = ("request", "events", "waiter", "done", "pipeline_id", "closing", "owed", "stopped", "chunks",
-                 "__weakref__")
+    __slots__ = ("request", "events", "waiter", "done", "pipeline_id", "closing", "owed", "stopped", "abandoned",
+                 "chunks", "__weakref__")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -136,6 +136,7 @@ class _State:
         self.closing = False  # `aclose()` (or `Client.stop()`) was called: the iterator stops at its next step
         self.owed = False  # it stopped for `closing` before the request settled: `aclose()` sends the cancel
         self.stopped: asyncio.Future[None] | None = None  # `aclose()` waits on it for another task's iterator
+        self.abandoned = False  # `aclose()` stopped waiting for that iterator (CANCEL_WAIT_S): it cancels itself
         self.chunks: weakref.ref[AsyncGenerator[Chunk, None]] | None = None  # the iterator, not kept alive by this
 
     def deliver(self, event: StreamEvent) -> None:
@@ -178,7 +179,13 @@ async def _close(client: Client, state: _State) -> None:
         if state.stopped is None:
             state.stopped = asyncio.get_running_loop().create_future()
         state.wake()
-        await asyncio.shield(state.stopped)  # the reader's iterator has run its cleanup
+        try:
+            async with asyncio.timeout(CANCEL_WAIT_S):
+                await asyncio.shield(state.stopped)  # the reader's iterator has run its cleanup
+        except TimeoutError:  # the reader is still handing its request to the broker (an outage): it sends
+            state.abandoned = True  # the cancellation itself once it stops, as no `aclose()` waits for it now
+            client._forget(state.request.id)
+            return
     elif chunks is not None:
         await chunks.aclose()
     client._forget(state.request.id)  # also when it was never iterated
@@ -238,7 +245,7 @@ async def _iterate(client: Client, state: _State) -> AsyncGenerator[Chunk, None]
         watch.finish(None)
         client._forget(request.id)
         if not settled:  # the caller stopped early: let decode stop too (not waiting out an outage for it)
-            if state.closing:
+            if state.closing and not state.abandoned:
                 state.owed = True  # `aclose()` sends it: awaiting here, another task's `anext` would find this running
             else:
                 await _cancel(client, state)

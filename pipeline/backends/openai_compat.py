@@ -5,8 +5,9 @@ turns each event into a `Delta`; the last one carries the upstream's usage (`str
 include_usage`; an upstream that sends none leaves the counts None and the stage estimates them). The
 upstream is asked for a stream even when the client waits for the whole answer (`stream` false): a
 server such as vLLM sends nothing of a non-streamed answer until all of it is generated, so the read
-timeout would cap the whole generation; streamed, `timeout_s` bounds the wait between events, and the
-stage's chunking (`pipeline.stages.coalesce`) gives the non-streamed shape. `base_url` and the key's
+timeout would cap the whole generation; streamed, `timeout_s` bounds the wait between events. The deltas
+of a non-streamed answer are held here and given as one at its end, so a failure midway (a dropped
+connection, an `abort`) still comes before anything was sent, and the route's next backend takes it. `base_url` and the key's
 environment variable come from the config file only: no request field names an address. Cancelling
 closes the upstream stream (the server sees the client leave and stops); a request cancelled before its
 stream began is never asked for.
@@ -14,7 +15,8 @@ stream began is never asked for.
 The body is read as bytes and split at LF only (a trailing CR dropped), as SSE defines its lines: text
 holding U+2028, U+2029 or U+0085 is not cut. Bounds: a line of at most `MAX_LINE_BYTES`, a body of at
 most `max_tokens * BYTES_PER_TOKEN + BODY_SLACK` bytes, and an upstream that sends no text and no ending
-for `timeout_s` (keep-alive comments and empty events do not count) has stalled. Each is `ModelError`.
+for `timeout_s` (keep-alive comments and empty events do not count; a delta of `reasoning_content`,
+`tool_calls` or a role does) has stalled. Each is `ModelError`.
 
 Errors: 429 is `Overloaded` with the upstream's `retry-after` (seconds or an HTTP date); 400, 413 and 422
 `InvalidRequest` (the request itself); every other status (3xx, 401/403/404/405/407: the upstream's
@@ -123,8 +125,11 @@ class OpenAIBackend:
                     raise Cancelled(rid)
                 if response.status_code != 200:
                     raise _refused(response)
-                async for delta in self._deltas(response, request):
-                    yield delta
+                if request.stream:
+                    async for delta in self._deltas(response, request):
+                        yield delta
+                else:  # held to the end, one delta: a failure midway still comes before any chunk was sent,
+                    yield await _whole(self._deltas(response, request))  # so the route's next backend takes it
         except (httpx.StreamClosed, httpx.ReadError, httpx.RemoteProtocolError) as exc:
             if rid in self._cancelled:
                 raise Cancelled(rid) from None
@@ -151,9 +156,9 @@ class OpenAIBackend:
                 raise Cancelled(rid)
             if ended:  # past the ending (an upstream that sends its usage twice): nothing more is news
                 continue
-            before = finish
-            delta, finish = _event(_json(data), finish)
-            if delta is not None or finish != before:
+            event = _json(data)
+            delta, finish = _event(event, finish)
+            if _progress(event):
                 stalled.moved()
             if delta is not None:
                 ended = delta.finish_reason is not None
@@ -164,6 +169,15 @@ class OpenAIBackend:
             raise ModelError("the upstream stream ended without a finish reason")
         if not ended:  # an upstream that sends no usage event
             yield Delta("", (), finish)
+
+
+async def _whole(deltas: AsyncIterator[Delta]) -> Delta:
+    """A non-streamed answer's deltas as one (the text joined, the ending and counts of the last)."""
+    texts: list[str] = []
+    last = Delta("", ())
+    async for last in deltas:
+        texts.append(last.text)
+    return Delta("".join(texts), (), last.finish_reason, last.prompt_tokens, last.completion_tokens)
 
 
 class _Stall:
@@ -218,6 +232,21 @@ def _json(data: str) -> Any:
         return json.loads(data)
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         raise ModelError("the upstream sent an event that is not JSON") from None
+
+
+def _progress(event: Any) -> bool:
+    """Whether an event shows the upstream working: any choice with text, a finish reason or a delta that
+    is not empty (a reasoning model streams `reasoning_content` for minutes before its first `content`;
+    `tool_calls`, a role), or the usage. Keep-alive comments and empty events are not (`_Stall`)."""
+    if not isinstance(event, dict):
+        return False
+    choices = event.get("choices")
+    return bool(event.get("usage")) or isinstance(choices, list) and any(
+        isinstance(c, dict) and (c.get("text") or c.get("finish_reason") or _filled(c.get("delta"))) for c in choices)
+
+
+def _filled(delta: object) -> bool:
+    return isinstance(delta, dict) and any(value not in (None, "", [], {}) for value in delta.values())
 
 
 def _event(event: Any, finish: FinishReason | None) -> tuple[Delta | None, FinishReason | None]:

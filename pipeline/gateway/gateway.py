@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from pipeline.errors import InfraUnavailable, StageError, Undeliverable
 from pipeline.gateway import principal as principal_token
 from pipeline.gateway.config import GatewaySettings, TenantPolicy
 from pipeline.gateway.errors import StoreUnavailable
+from pipeline.gateway.estimate import prompt_estimate
 from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier, looks_like_jwt
 from pipeline.gateway.keys import PREFIX, KeyEntry, KeyStore, confirmed, hash_key, well_formed
 from pipeline.gateway.limits import Limiter, Refusal, Scope
@@ -45,8 +45,6 @@ log = logging.getLogger(__name__)
 CACHE_ENTRIES = 10_000
 STALE_LIMIT_S = 300.0  # with Redis away, a cached key lookup this old is still used
 TICKET_GRACE_S = 60.0
-NON_ASCII_BYTES_PER_TOKEN = 2  # prompt_estimate: UTF-8 bytes a token for text that is not ASCII
-MESSAGE_TOKENS = 4  # prompt_estimate: a chat message's role markers (ChatML uses 5 with its newlines, OpenAI 3)
 INVALID_KEY = "the API key is not valid"
 RAW_KEY_REFUSED = ("this gateway does not take an API key in a Kafka record (gateway.raw_keys = \"refuse\"): "
                    "sign the request with the key instead, as sluice's SDK does")
@@ -85,10 +83,12 @@ class Gateway:
         self._ticket = msgspec.msgpack.Decoder(Ticket)
 
     async def aclose(self) -> None:
-        """Closes the stores' connections (a Redis client), if they have any."""
+        """Closes the stores' connections (a Redis client), if they have any, and the JWT verifier's thread."""
         for store in (self._keys, self._limiter):
             if (close := getattr(store, "aclose", None)) is not None:
                 await close()
+        if self._jwt is not None:
+            await self._jwt.aclose()
 
     async def authenticate(self, request: Request) -> Principal:
         """Network rules, then who sent the request; raises StageError (403, 401)."""
@@ -292,21 +292,6 @@ class Gateway:
         ingest.MAX_CLOCK_SKEW_S ahead), not from now: counted from now, a request created 299 s ahead
         with a deadline of 1 s kept its ticket 61 s and could run 300 s, then was charged nothing."""
         return max(request.created_at + request.deadline_s - self._clock(), request.deadline_s) + TICKET_GRACE_S
-
-
-def prompt_estimate(request: Request, chars_per_token: int) -> int:
-    """The prompt's tokens, estimated without a tokenizer (an upper-ish guess: `finish` corrects it):
-    ASCII at `chars_per_token` bytes a token, every other byte at half a token (at most `chars_per_token`
-    bytes a token), and MESSAGE_TOKENS for each chat message's role markers. Bytes / 4 alone reserved
-    too little for text that is not ASCII; SmolLM2's tokenizer used, per bytes / 4: CJK 2.4x, Korean 3.5x,
-    Cyrillic 2.1x, emoji 2.9x, combining marks 4.0x; per this rule: CJK 1.2x, Korean 1.9x, Cyrillic 1.1x,
-    emoji 1.5x, combining marks 2.1x, English 0.9x, code 1.6x (both rules). Larger vocabularies use fewer
-    tokens for text that is not ASCII (about one a CJK character: this rule reserves 1.5)."""
-    texts = [m.content for m in request.messages] + [request.prompt or ""]
-    ascii_bytes = sum(len(t.encode("ascii", "ignore")) for t in texts)  # C loops: a prompt may be 1 MiB
-    other_bytes = sum(len(t.encode()) for t in texts) - ascii_bytes
-    tokens = ascii_bytes / chars_per_token + other_bytes / min(chars_per_token, NON_ASCII_BYTES_PER_TOKEN)
-    return math.ceil(tokens) + MESSAGE_TOKENS * len(request.messages)
 
 
 def refused(refusal: Refusal, prompt_estimate: int, max_tokens: int) -> StageError:

@@ -160,8 +160,9 @@ class RemoteKeys:
             if age >= REFRESH_S and self._fetch is None and now >= self._failed_until:
                 self._start_fetch()  # not awaited: this key serves meanwhile, and on if the IdP is away
             return key
-        if age < UNKNOWN_KID_COOLDOWN_S:
-            raise InvalidToken("the token's key (`kid`) is not in the JWKS")
+        if age < UNKNOWN_KID_COOLDOWN_S:  # maybe a key the IdP has just added: a retry after the cooldown
+            raise KeysUnavailable("the token's key (`kid`) is not among the keys fetched; they are fetched "
+                                  "again shortly", UNKNOWN_KID_COOLDOWN_S - age)  # fetches it (a 401 then, if absent)
         if now < self._failed_until:
             raise KeysUnavailable("the token's keys could not be fetched", self._failed_until - now)
         fetch = self._fetch or self._start_fetch()

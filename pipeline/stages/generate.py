@@ -19,6 +19,7 @@ import math
 from collections.abc import AsyncIterator, Mapping
 
 from pipeline.backends.base import Backend, Delta
+from pipeline.gateway.estimate import prompt_estimate
 from pipeline.routing.stats import BackendStats
 from pipeline.settings import BackendSettings
 from pipeline.stages.coalesce import STREAM_WINDOW_S
@@ -54,8 +55,8 @@ class GenerateStage(DecodeStage):
         return _after_chars(stream, progress.sent_chars) if resumed and progress.sent_chars else stream
 
     def _usage(self, message: Routed, progress: Progress, reported: Delta | None) -> Usage:  # type: ignore[override]
-        """The backend's counts where its last delta has them. Else ESTIMATES, as the gateway estimates a
-        prompt at admission: the prompt's characters / `chars_per_token`, and the completion's token ids,
+        """The backend's counts where its last delta has them. Else ESTIMATES: the prompt as the gateway
+        estimates it at admission (`gateway.estimate.prompt_estimate`), and the completion's token ids,
         or for a backend that streams text only its characters sent / `chars_per_token` (never 0 for
         text). A request the backend gave nothing for (no text, no ending) is billed nothing."""
         prompt = reported.prompt_tokens if reported is not None else None
@@ -64,7 +65,7 @@ class GenerateStage(DecodeStage):
             return Usage(prompt or 0, completion or 0)
         if prompt is None:
             request = message.request
-            prompt = self._estimate(sum(len(m.content) for m in request.messages) + len(request.prompt or ""))
+            prompt = prompt_estimate(request, self._chars_per_token)
         if completion is None:
             completion = len(progress.tokens) or self._estimate(progress.sent_chars)
         return Usage(prompt, completion)

@@ -36,6 +36,7 @@ from topics.requests import Request
 MAX_STOP = 4  # stop sequences a request may carry (OpenAI's own limit)
 MAX_STOP_BYTES = 256  # the longest one
 MAX_CLOCK_SKEW_S = 300.0  # how far in the future a request's created_at may be (another host's clock)
+DEADLINE_SLACK_S = 5.0  # how far past now + max_deadline_s a request's deadline may be (see `check`)
 
 
 class IngestStage:
@@ -83,11 +84,14 @@ class IngestStage:
             raise StageError(ErrorCode.invalid_request, "created_at must be the request's time of creation (unix seconds)")
         # Every stage keeps a request's state (its id's claim included) for state.ttl_s from about now, and
         # settings hold that to at least max_deadline_s: a deadline further away (created_at ahead of this
-        # clock) let the id be used again while its request still ran, a second terminal event.
-        if request.created_at + request.deadline_s > now + limits.max_deadline_s:
+        # clock) let the id be used again while its request still ran, a second terminal event. A few
+        # seconds over are let through (DEADLINE_SLACK_S): a sender whose clock runs a little ahead (NTP
+        # keeps hosts within milliseconds) with deadline_s at the maximum, as a batch line may have, was
+        # refused for good; the claim may then end those seconds before the deadline, not more.
+        if request.created_at + request.deadline_s > now + limits.max_deadline_s + DEADLINE_SLACK_S:
             raise StageError(ErrorCode.invalid_request, (
                 f"the request's deadline (created_at + deadline_s) may be at most {limits.max_deadline_s:g} s from "
-                f"now; created_at is {request.created_at - now:.1f} s ahead of this clock"))
+                f"now; created_at is {request.created_at - now:.3f} s ahead of this clock"))
         if request.sampling.max_tokens > limits.max_tokens_cap:
             raise StageError(ErrorCode.invalid_request, f"max_tokens may be at most {limits.max_tokens_cap}")
         if request.model not in self._models:

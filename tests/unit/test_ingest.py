@@ -284,6 +284,9 @@ async def test_a_deadline_within_max_deadline_s_of_now_is_admitted_though_create
     [out] = await run_handler(STAGE, request("ahead-ok", created_at=time.time() + 299, deadline_s=limit - 300))
     assert out.value.id == "default/ahead-ok"
     assert (await refusal(STAGE, request("ahead-no", created_at=time.time() + 299, deadline_s=limit - 290)))[0] is ErrorCode.invalid_request
+    # a sender's clock a second ahead, deadline_s at the maximum (a batch line may have it): admitted
+    [out] = await run_handler(STAGE, request("ahead-a-second", created_at=time.time() + 1, deadline_s=limit))
+    assert out.value.id == "default/ahead-a-second"
 
 
 @pytest.mark.asyncio

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from bench.fake_openai import FakeUpstream, State
-from pipeline.backends.base import Backend, GenerationRequest, Message, SplitBackend
+from pipeline.backends.base import Backend, Delta, GenerationRequest, Message, SplitBackend
 from pipeline.backends.errors import Cancelled, Filtered, InvalidRequest, ModelError, Overloaded
 from pipeline.backends.openai_compat import MAX_RETRY_AFTER_S, OpenAIBackend, _event, _refused
 from pipeline.routing.stats import BackendStats
@@ -385,8 +385,9 @@ async def test_an_upstream_that_sends_no_usage_is_billed_an_estimate() -> None:
     async with Raw(answer) as upstream:
         backend = OpenAIBackend("up", upstream.base_url, "m")
         done = (await run_handler(GenerateStage(backend, _topics(), MemoryStateStore()), routed("u1")))[-1].value
-        assert isinstance(done, Done)  # "hello there" (11 characters) and "hello world!" (12), 4 to a token
-        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (3, 3)
+        assert isinstance(done, Done)  # "hello world!" (12 characters), 4 to a token; the prompt as the gateway
+        # estimates it at admission: "hello there" (11 ASCII bytes, 3 tokens) and one message's markers (4)
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (7, 3)
         await backend.aclose()
 
 
@@ -424,4 +425,41 @@ async def test_events_after_the_ending_are_not_a_second_ending() -> None:
         backend = OpenAIBackend("up", upstream.base_url, "m")
         [delta] = await collect(backend, ask())
         assert (delta.text, delta.finish_reason, delta.completion_tokens) == ("hi", "stop", 1)
+        await backend.aclose()
+
+
+async def test_a_non_streamed_answer_that_breaks_midway_yields_nothing_so_route_reroutes_it() -> None:
+    """Asked for a whole answer, the backend used to read one body: a broken upstream failed before any
+    chunk, and the route's next backend took the request. Streamed from the upstream, its first words went
+    out before the break, and the client got an error instead. The deltas are held to the end now."""
+    async def answer(_: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + said("half an ") + said("answer"))
+        await writer.drain()
+        writer.close()  # the connection drops: no finish
+
+    async with Raw(answer) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m")
+        got: list[Delta] = []
+        with pytest.raises(ModelError):
+            async for delta in backend.generate(GenerationRequest(**{**ask(8).__dict__, "stream": False})):
+                got.append(delta)
+        assert got == []
+        await backend.aclose()
+
+
+async def test_a_model_that_reasons_before_it_answers_is_not_a_stall() -> None:
+    """`reasoning_content` deltas carry no `content`: counted as no progress, a model thinking longer than
+    `timeout_s` failed as stalled, and a healthy reasoning upstream was ejected."""
+    async def answer(_: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD)
+        for _ in range(8):
+            writer.write(sse({"choices": [{"delta": {"reasoning_content": "hmm "}, "finish_reason": None}]}))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        writer.write(said("42", "stop") + b"data: [DONE]\n\n")
+
+    async with Raw(answer) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m", timeout_s=0.3)
+        deltas = await collect(backend, ask(4))
+        assert "".join(d.text for d in deltas) == "42" and deltas[-1].finish_reason == "stop"
         await backend.aclose()

@@ -299,3 +299,31 @@ async def test_a_stream_iterated_without_holding_it_still_gets_its_events() -> N
     async with asyncio.timeout(5):
         texts = [chunk.text async for chunk in client.stream(template.request)]
     assert await feeder == [True, True, True] and texts == ["t0", "t1"]
+
+
+@pytest.mark.asyncio
+async def test_aclose_waits_at_most_cancel_wait_s_for_a_reader_still_handing_its_request_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reader inside its produce (a slow broker, an outage) cannot be woken: `aclose()` waited for the
+    produce, up to the request's deadline. It now gives up after CANCEL_WAIT_S, and the reader sends the
+    cancellation itself once its produce returns."""
+    monkeypatch.setattr(sdk, "CANCEL_WAIT_S", 0.05)
+    handed = asyncio.Event()
+
+    class SlowBroker(Offline):
+        async def _produce(self, request, headers=None) -> None:  # type: ignore[no-untyped-def]
+            await handed.wait()
+
+    client = SlowBroker(SETTINGS)
+    client.cancelled = None
+    stream = client.stream(prompt="hi")
+    reader = asyncio.create_task(anext(aiter(stream), None))
+    await asyncio.sleep(0.01)  # the reader is in its produce
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await stream.aclose()
+    assert loop.time() - started < 1.0 and client.cancelled is None
+    handed.set()  # the broker takes the request: the reader sees it is closing and cancels it
+    assert await asyncio.wait_for(reader, 1.0) is None
+    assert client.cancelled == stream.id
