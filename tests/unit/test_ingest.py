@@ -185,8 +185,6 @@ async def test_work_cancelled_while_the_limits_are_asked_leaves_no_claim_running
         ({"sampling": Sampling(stop=("",))}, ErrorCode.invalid_request),
         ({"deadline_s": 1e15}, ErrorCode.invalid_request),  # every wait "until the deadline" without end
         ({"created_at": time.time() + 1e12}, ErrorCode.invalid_request),
-        # 299 s ahead (the skew allowed) with the longest deadline: it could outlive its id's claim (state.ttl_s)
-        ({"created_at": time.time() + 299, "deadline_s": SETTINGS.limits.max_deadline_s}, ErrorCode.invalid_request),
         ({"created_at": 0.0}, ErrorCode.invalid_request),  # a deadline that moved with the clock
         ({"created_at": 1.0}, ErrorCode.deadline_exceeded),
     ],
@@ -280,7 +278,10 @@ async def test_a_refusal_after_authentication_is_counted_under_the_tenant(
 
 @pytest.mark.asyncio
 async def test_a_deadline_within_max_deadline_s_of_now_is_admitted_though_created_at_is_ahead() -> None:
+    """(Times taken when the test runs: a parameter's `time.time()` is taken at collection, minutes
+    before a full run reaches it, and a CI run admitted what it meant to refuse.)"""
     limit = SETTINGS.limits.max_deadline_s
+    assert (await refusal(STAGE, request("ahead-max", created_at=time.time() + 299, deadline_s=limit)))[0] is ErrorCode.invalid_request
     [out] = await run_handler(STAGE, request("ahead-ok", created_at=time.time() + 299, deadline_s=limit - 300))
     assert out.value.id == "default/ahead-ok"
     assert (await refusal(STAGE, request("ahead-no", created_at=time.time() + 299, deadline_s=limit - 290)))[0] is ErrorCode.invalid_request
