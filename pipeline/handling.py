@@ -48,8 +48,8 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 from aiokafka.structs import ConsumerRecord
@@ -59,6 +59,7 @@ from pipeline import metrics, tracing
 from pipeline.acks import acknowledged, after, all_of, on_delivery, quiet, waits
 from pipeline.backoff import Backoff
 from pipeline.errors import InfraUnavailable, RetriableError, StageError, Undeliverable
+from pipeline.handover import Handed, LocalReplies, takes_groups
 from pipeline.producing import Producer
 from pipeline.settings import Settings
 from pipeline.stage import Address, Ending, Out, Resettable, Stage, address_of
@@ -454,37 +455,6 @@ class Handling:
         if address is not None and code is not None:
             text = f"the {self.stage.name} stage could not process this request ({letter.error_type}); it is in the dead-letter topic"
             await self.terminal(address, code, text)
-
-
-class LocalReplies(Protocol):
-    """A reader of reply topics in this process (the bridge's SDK client, `pipeline.sdk.Client`)."""
-
-    def take_reply(self, topic: str, event: Any) -> bool: ...
-
-    def send_requests_to(self, partitions: Callable[[], Sequence[int]]) -> None: ...
-
-
-@dataclass(frozen=True)
-class Handed:
-    """Where a handed-over message came from, in the shape a dead letter describes a record by."""
-
-    out: Out
-    partition: int = -1  # it never reached a partition
-    offset: int = -1
-
-    @property
-    def topic(self) -> str:
-        return self.out.topic
-
-    @property
-    def value(self) -> bytes:
-        return codec.encode(self.out.value)
-
-
-def takes_groups(stage: Stage) -> bool:
-    """An ordered stage that says so (`groups`: emit) and can forget what it cached (`Resettable`) takes
-    consecutive messages of one request together (`Handling.process_group`, `Handling.take_group`)."""
-    return stage.ordered and getattr(stage, "groups", False) and isinstance(stage, Resettable)
 
 
 def _one_per_state(messages: Sequence[Any]) -> list[Any]:

@@ -9,7 +9,7 @@ import os
 from pipeline import assemble, serve
 from pipeline import backends as backend_registry
 from pipeline import settings as settings_module
-from pipeline.handling import LocalReplies
+from pipeline.handover import LocalReplies
 from pipeline.observability import setup as observability
 from pipeline.settings import Settings
 

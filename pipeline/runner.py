@@ -22,7 +22,8 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from pipeline import following, kafka, metrics
-from pipeline.handling import Handling, takes_groups
+from pipeline.handling import Handling
+from pipeline.handover import takes_groups
 from pipeline.observability.lag import LagWatch
 from pipeline.offsets import OffsetTracker
 from pipeline.producing import Producer

@@ -11,7 +11,8 @@ from collections.abc import Awaitable, Callable
 import uvloop
 
 from pipeline.gateway.redact import RedactKeys
-from pipeline.handling import Handling, LocalReplies
+from pipeline.handling import Handling
+from pipeline.handover import LocalReplies
 from pipeline.logs import RateLimit
 from pipeline.producing import Producer
 from pipeline.runner import Runner
