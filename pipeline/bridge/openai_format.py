@@ -178,6 +178,16 @@ _SHARED_NO_OP: dict[str, tuple[object, ...]] = {
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "logit_bias": ({},),
+    # Extensions of vLLM, SGLang and TGI that OpenAI-compatible clients pass through (`extra_body`)
+    "top_k": (-1, 0),
+    "min_p": (0,),
+    "repetition_penalty": (1,),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
 }
 _NO_OP: dict[Kind, dict[str, tuple[object, ...]]] = {
     "chat": {

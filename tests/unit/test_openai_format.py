@@ -125,6 +125,12 @@ REFUSED_CHAT = [
     ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "low"),
     ("web_search_options", {}),
+    ("top_k", 40),
+    ("min_p", 0.05),
+    ("repetition_penalty", 1.1),
+    ("min_tokens", 8),
+    ("ignore_eos", True),
+    ("guided_json", {"type": "object"}),
 ]
 REFUSED_COMPLETION = [
     ("echo", True),
@@ -158,7 +164,8 @@ def test_a_completion_feature_sluice_does_not_do_is_refused_naming_it(name: str,
 def test_their_no_op_values_are_accepted() -> None:
     no_ops = {"tools": [], "functions": [], "tool_choice": "auto", "function_call": "none",
               "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
-              "frequency_penalty": 0.0, "logit_bias": {}, "modalities": ["text"]}
+              "frequency_penalty": 0.0, "logit_bias": {}, "modalities": ["text"],
+              "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "ignore_eos": False}
     assert parse_chat(chat(**no_ops)).sampling == Sampling()
     assert parse_chat(chat(**{k: None for k in no_ops})).sampling == Sampling()  # null: as if absent
     assert parse_chat(chat(tool_choice="none")).sampling == Sampling()
