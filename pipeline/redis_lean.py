@@ -142,10 +142,12 @@ class _Connection(asyncio.Protocol):
             if now < waiting.deadline:
                 break
             if not waiting.graced and now - waiting.deadline > self._timeout_s / 2:
-                # The timer ran late: the event loop was busy, not Redis, and the reply may be unread in the
-                # socket (uvloop runs due timers before it polls). Look again once the loop has read it.
+                # The timer ran late: the event loop was busy, not Redis. The reply may be unread in the
+                # socket (uvloop runs due timers before it polls), or the command itself may only just have
+                # gone out (uvloop writes small writes after the callback that made them). The call gets a
+                # whole timeout of loop time from now, once.
                 waiting.graced = True
-                waiting.deadline = now + 0.001
+                waiting.deadline = now + self._timeout_s
                 break
             self._abandoned += 1
             if not waiting.future.done():

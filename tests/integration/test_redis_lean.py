@@ -286,11 +286,19 @@ async def test_nothing_listening_fails_fast_without_naming_the_secret() -> None:
     assert "hunter2" not in str(caught.value)
 
 
+# GET after 20 ms of Redis's own time (TIME is allowed in scripts since Redis 5's effects replication).
+SLOW_GET = """local start = redis.call('TIME')
+repeat local now = redis.call('TIME')
+until (now[1] - start[1]) * 1000000 + (now[2] - start[2]) > 20000
+return redis.call('GET', KEYS[1])"""
+
+
 async def test_a_busy_event_loop_is_not_taken_for_a_stalled_redis(settings: Settings) -> None:
-    """On uvloop (what sluice runs) a callback that holds the loop while it handles one socket's input
-    leaves a reply that arrived meanwhile unread until the next poll, and the next iteration runs due
-    timers first. The call's timer firing then must not drop the connection (every call waiting on it
-    would be sent again)."""
+    """On uvloop (what sluice runs) a callback that holds the loop past a call's deadline delays the call
+    too: a small write is queued and goes out only after the callback (uvloop's check phase), and the
+    timers run before the reply can be read. The late timer must give the call a whole timeout of loop
+    time, not take the busy loop for a stalled Redis. Redis takes 20 ms to answer here, so a grace of
+    1 ms (the code before, flaky in CI when Redis was slow) fails every time."""
     import uvloop
 
     async def busy() -> None:
@@ -306,9 +314,9 @@ async def test_a_busy_event_loop_is_not_taken_for_a_stalled_redis(settings: Sett
         def stall() -> None:  # another socket's input, handled slowly
             ours.recv(1)
             loop.remove_reader(ours)
-            sent.append(connection.send(pack(["GET", key]), 1))
-            connection._flush()  # written now, not at the end of this turn
-            time.sleep(0.5)  # Redis answers meanwhile; this poll did not see its socket ready
+            sent.append(connection.send(pack(["EVAL", SLOW_GET, "1", key]), 1))
+            connection._flush()  # queued by uvloop: written once this callback returns
+            time.sleep(0.5)  # the call's deadline (0.2 s) passes while the loop is held
 
         loop.add_reader(ours, stall)
         theirs.send(b"x")
