@@ -19,7 +19,7 @@ is ignored everywhere, so every system produces exactly those tokens):
 Equal memory: the engine's KV pool is what a static batcher reserves for its batch, B x (max_prompt +
 max_output) tokens. Knobs (B per static system, the HF cache, the engine's max_num_seqs) are chosen
 on a DEV split of the prompts (`--split dev` sweeps them) and reported on a separate TEST split
-(`--split test`, systems interleaved A B C D, A B C D, ... `--repeats` times, median and min-max).
+(`--split test`, systems interleaved A B C D, B C D A, ... `--repeats` times, median and min-max).
 
     .venv/bin/python -m bench.continuous_batching --split dev
     .venv/bin/python -m bench.continuous_batching --split test --repeats 3 --batch 8 --hf-cache dynamic --engine-batch 32
@@ -254,10 +254,12 @@ def compare(args, workload, model, engine_for, kv_bytes) -> None:  # type: ignor
         wanted = args.systems.split(",")
         systems = {label: run for label, run in systems.items() if label.split(" (")[0] in wanted}
     runs: dict[str, list[Run]] = {label: [] for label in systems}
+    labels = list(systems)
     for r in range(args.repeats):
         print(f"repeat {r + 1}:")
-        for label, system in systems.items():
-            runs[label].append(timed(label.split(" (")[0], lambda: system(r), workload))
+        first = r % len(labels)  # rotated: repeat r starts with system r mod n, so no system always runs first
+        for label in labels[first:] + labels[:first]:
+            runs[label].append(timed(label.split(" (")[0], lambda: systems[label](r), workload))
     total = sum(workload.max_tokens)
     reference = runs[next(iter(systems))][0].outputs
     rates = {label: sorted(total / run.seconds for run in done) for label, done in runs.items()}

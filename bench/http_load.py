@@ -4,6 +4,9 @@ proxy does).
 
 `paced_posts()` starts one POST every 1/rate seconds whatever the answers do (open loop: a system that
 falls behind sees its queue grow, as it would with real clients) and returns each request's outcome.
+Latency runs from the request's scheduled send time, not from when the generator got to send it: a
+late generator (the event loop busy, the CPU shared) adds its lag to the figures instead of hiding a
+stall of the system under test (coordinated omission).
 Responses are HTTP/1.1 with a content length or chunked; connections are kept alive and reused.
 """
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Outcome:
     status: int  # 0: no answer (timeout, connection error)
-    latency_ms: float
+    latency_ms: float  # from the scheduled send time (start + i / rate) to the whole answer, or to the failure
     body: bytes = b""
     error: str = ""  # with status 0: why (the exception's class)
 
@@ -94,19 +97,19 @@ async def _chunked(reader: asyncio.StreamReader) -> bytes:
 async def paced_posts(pool: Pool, path: str, bodies: list[bytes], rate: float, timeout_s: float = 15.0) -> list[Outcome]:
     """POSTs `bodies` at `rate` per second, open loop; each outcome in the order sent."""
 
-    async def one(body: bytes) -> Outcome:
-        t = time.perf_counter()
+    async def one(body: bytes, due: float) -> Outcome:
         try:
             status, payload = await asyncio.wait_for(pool.post(path, body), timeout_s)
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
-            return Outcome(0, (time.perf_counter() - t) * 1000, error=type(exc).__name__)
-        return Outcome(status, (time.perf_counter() - t) * 1000, payload)
+            return Outcome(0, (time.perf_counter() - due) * 1000, error=type(exc).__name__)
+        return Outcome(status, (time.perf_counter() - due) * 1000, payload)
 
     start = time.perf_counter()
     tasks = []
     for i, body in enumerate(bodies):
-        delay = start + i / rate - time.perf_counter()
+        due = start + i / rate
+        delay = due - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(body)))
+        tasks.append(asyncio.create_task(one(body, due)))
     return list(await asyncio.gather(*tasks))
