@@ -16,8 +16,10 @@ name, never its message, whichever recorder records it.
 
 Spans follow OpenTelemetry's messaging conventions (`messaging.system`, `messaging.operation.type`,
 `messaging.destination.name`, `messaging.consumer.group.name`, `messaging.destination.partition.id`,
-`messaging.kafka.offset`, `messaging.message.body.size`). Sampling is parent-based: a client decides
-(`observability.sample_ratio`) and every stage follows the `traceparent` flag it received, so a trace is
+`messaging.kafka.offset`, `messaging.message.body.size`). Sampling is parent-based inside the pipeline:
+where a trace starts, or enters from outside (ingest's records on llm.requests, which any producer allowed
+to write the topic fills in: `extract(inbound=True)`), the configured sampler (`observability.sample_ratio`)
+decides; every later stage follows the `traceparent` flag it received, so the pipeline's part of a trace is
 kept whole or not at all. Export is batched in a background thread (BatchSpanProcessor) that hands each
 batch to a child process (pipeline.observability.export_child), which encodes it with sluice's own
 protobuf encoder (pipeline.observability.otlp: the same bytes as the SDK's, a third of the CPU) and posts
@@ -27,6 +29,7 @@ it over OTLP/HTTP; a full queue drops spans, it never slows a stage.
 from __future__ import annotations
 
 import contextlib
+import random
 import re
 import time
 from collections.abc import Iterable, Sequence
@@ -38,7 +41,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
-from opentelemetry.trace import Status, StatusCode, TraceState
+from opentelemetry.trace import Status, StatusCode, TraceFlags, TraceState
 
 from pipeline import metrics
 from pipeline.observability.config import ObservabilitySettings
@@ -46,6 +49,7 @@ from pipeline.observability.export_child import ChildExporter
 from pipeline.observability.lean import LeanTracerProvider
 from pipeline.observability.otlp import OtlpHttpExporter
 from pipeline.observability.recent import TRACES
+from topics import registry
 
 Headers = Sequence[tuple[str, bytes]]
 
@@ -65,7 +69,15 @@ _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
 _TRACESTATE_MEMBER = re.compile(r"(?:[a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
                                 r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]")
 _TRACESTATE_MEMBERS = 32
-_options = {"producer_spans": False}  # set once by install(), like the tracer provider itself
+# The topics whose records carry a context from outside the pipeline: a tenant may write llm.requests itself
+# (docs/security.md), so its `traceparent` flag and `tracestate` are its own choice (llm.control is writable
+# too, but no span is made of its records).
+_INBOUND = frozenset({registry.REQUESTS})
+_NO_PARENT = context.Context()  # what the sampler is shown of a trace entering from outside
+_SAMPLED, _NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
+# set once by install(), like the tracer provider itself; the sampler is the provider's
+_options: dict[str, Any] = {"producer_spans": False, "trust_inbound_context": False,
+                            "sampler": ParentBased(TraceIdRatioBased(ObservabilitySettings.sample_ratio))}
 
 
 def install(settings: ObservabilitySettings | None = None, exporter: SpanExporter | None = None,
@@ -84,7 +96,8 @@ def install(settings: ObservabilitySettings | None = None, exporter: SpanExporte
     if exporter is not None:
         provider.add_span_processor(batches(exporter, settings))
     provider.add_span_processor(TRACES)  # the dashboard's waterfall of the last request
-    _options["producer_spans"] = settings.producer_spans
+    _options.update(producer_spans=settings.producer_spans, trust_inbound_context=settings.trust_inbound_context,
+                    sampler=sampler)
     trace.set_tracer_provider(provider)
     global tracer  # the proxy would wrap every span in one more context manager, resolving the provider each time
     tracer = trace.get_tracer_provider().get_tracer("sluice")
@@ -112,13 +125,22 @@ def batches(exporter: SpanExporter, settings: ObservabilitySettings) -> Batches:
                    schedule_delay_millis=settings.export_delay_ms)
 
 
-def extract(headers: Iterable[Any] | None) -> context.Context:
+def extract(headers: Iterable[Any] | None, inbound: bool = False) -> context.Context:
     """The trace context a record's headers carry (W3C `traceparent` and `tracestate`, read as OpenTelemetry's
     TraceContextTextMapPropagator reads them, without its per-call carrier and getter). Never raises:
     headers come from any producer, and a trace link is advisory, so a header that is not a (str, bytes)
     pair, a value that is not ASCII or is longer than `MAX_HEADER_BYTES`, or a value the format refuses,
     only costs the link (the span starts a new trace). A `tracestate` outside W3C's grammar is dropped
-    before opentelemetry's parser sees it (that parser logs what it refuses): the link stays, without it."""
+    before opentelemetry's parser sees it (that parser logs what it refuses): the link stays, without it.
+
+    `inbound`: the headers come from outside the pipeline (a record on llm.requests), where the producer
+    chose them. Unless `observability.trust_inbound_context`, the client's `sampled` flag and `tracestate`
+    are then not followed: the configured sampler decides as for a trace begun here (`_operators_draw`),
+    and no tracestate is carried on. The client's trace id and span id stay as the parent: the SDK's and
+    the bridge's spans (the request's CLIENT and SERVER spans) are in that trace, and ingest cannot tell
+    the bridge's records from a tenant's own, so a new trace would split every request's trace in two.
+    What a client can still choose is a trace id, only for its own requests' spans (named by the request
+    id ingest mints under its tenant), and only as many as the operator's ratio records."""
     parent = state = None
     try:
         for item in headers or ():
@@ -138,11 +160,22 @@ def extract(headers: Iterable[Any] | None) -> context.Context:
         version, trace_id, span_id, flags, rest = match.groups()
         if version == "ff" or (version == "00" and rest) or trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
             return context.get_current()
-        span_context = trace.SpanContext(int(trace_id, 16), int(span_id, 16), True, trace.TraceFlags(int(flags, 16)),
-                                         _trace_state(state) if state is not None else None)
+        if inbound and not _options["trust_inbound_context"]:
+            span_context = trace.SpanContext(int(trace_id, 16), int(span_id, 16), True, _operators_draw())
+        else:
+            span_context = trace.SpanContext(int(trace_id, 16), int(span_id, 16), True, TraceFlags(int(flags, 16)),
+                                             _trace_state(state) if state is not None else None)
         return trace.set_span_in_context(trace.NonRecordingSpan(span_context), context.get_current())
     except Exception:  # a headers object that fails to iterate, a tracestate the parser refuses: no link
         return context.get_current()
+
+
+def _operators_draw() -> TraceFlags:
+    """The flags of a trace entering from outside: the configured sampler's decision for a trace begun here,
+    on a trace id drawn here (a ratio sampler decides by the trace id; the client's would let it choose the
+    outcome), so `sample_ratio` bounds what is recorded whatever the client's flag says."""
+    result = _options["sampler"].should_sample(_NO_PARENT, random.getrandbits(128) or 1, "inbound")
+    return _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
 
 
 def _trace_state(header: str) -> TraceState | None:
@@ -166,9 +199,10 @@ def inject(ctx: context.Context | None = None) -> list[tuple[str, bytes]]:
 
 def consume_span(record: Any, group: str) -> contextlib.AbstractContextManager[trace.Span]:
     """The CONSUMER span of one record at stage `group` (the stage's name: its consumer group and span
-    name), continuing the trace its headers carry, to be entered at once (`with`); also observes the
-    record's queue time (from its produce timestamp to now, when the stage starts on it). Its context
-    manager is `_StageSpan`, not the tracer's: no generator per message."""
+    name), continuing the trace its headers carry (on a topic clients write, with the sampling decision
+    `extract(inbound=True)` makes), to be entered at once (`with`); also observes the record's queue time
+    (from its produce timestamp to now, when the stage starts on it). Its context manager is `_StageSpan`,
+    not the tracer's: no generator per message."""
     timestamp = getattr(record, "timestamp", None)
     if isinstance(timestamp, int) and timestamp > 0:
         metrics.QUEUE_SECONDS.labels(group).observe(max(0.0, time.time() - timestamp / 1000.0))
@@ -181,7 +215,8 @@ def consume_span(record: Any, group: str) -> contextlib.AbstractContextManager[t
         "messaging.kafka.offset": record.offset,
         "messaging.message.body.size": len(record.value or b""),
     }
-    return _StageSpan(tracer.start_span(group, context=extract(record.headers), kind=CONSUMER, attributes=attributes,
+    parent = extract(record.headers, record.topic in _INBOUND)
+    return _StageSpan(tracer.start_span(group, context=parent, kind=CONSUMER, attributes=attributes,
                                         record_exception=False, set_status_on_exception=False))
 
 

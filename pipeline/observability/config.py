@@ -2,7 +2,7 @@
 
     [observability]
     otlp_endpoint = "http://127.0.0.1:6006/v1/traces"   # OTLP over HTTP (Phoenix, Jaeger, a collector); "" keeps none
-    sample_ratio = 1.0                                  # the share of new traces kept; stages follow the parent's choice
+    sample_ratio = 1.0                                  # the share of requests traced; stages follow ingest's choice
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ class ObservabilitySettings:
     otlp_endpoint: str = ""  # OTLP/HTTP traces endpoint (SLUICE_OTLP_ENDPOINT); empty: spans are made but not exported
     otlp_timeout_s: float = 10.0  # per export call
     export_process: bool = True  # encode and post spans in a child process (off the stages' GIL); false: in a thread here
-    sample_ratio: float = 1.0  # traces started here that are recorded (parent-based: a stage follows its parent)
+    sample_ratio: float = 1.0  # requests traced: drawn where a trace starts or enters (ingest); later stages follow it
+    # Whether ingest follows the `sampled` flag and keeps the `tracestate` of a record on llm.requests, as
+    # later stages do theirs. Off: it draws against sample_ratio itself and drops the tracestate, since any
+    # producer allowed to write the topic (a tenant, in the secure profile) chose them. On only where sluice's
+    # own clients alone write it (docs/operations.md, "Traces").
+    trust_inbound_context: bool = False
     recorder: str = "lean"  # "lean": sluice's span recorder (pipeline.observability.lean); "sdk": OpenTelemetry SDK's
     producer_spans: bool = False  # a PRODUCER span per produced message (OpenTelemetry's "send"); off: half the spans
     export_batch: int = 512  # spans per OTLP export call (BatchSpanProcessor)

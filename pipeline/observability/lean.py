@@ -8,7 +8,8 @@ BatchSpanProcessor, the OTLP exporter and the dashboard's processor take its spa
 tracers make `LeanSpan`s:
 
     sampling      parent-based: a span with a valid parent is recorded iff the parent was (its
-                  `traceparent` flag); only a root asks the provider's sampler
+                  `traceparent` flag); only a root asks the provider's sampler (and
+                  `pipeline.tracing.extract`, for a context from outside: there the flag is its draw)
     attributes    a plain dict; values of the types OTLP carries (str, bool, int, float, bytes and
                   sequences of them), others dropped; at most MAX_ATTRIBUTES, the rest counted dropped
     exceptions    recorded as status ERROR with the exception's class name only, never its message (a
