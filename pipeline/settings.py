@@ -20,7 +20,7 @@ from pipeline.gateway.config import GatewaySettings
 from pipeline.guard.config import GuardSettings
 from pipeline.observability.config import ObservabilitySettings
 from pipeline.routing.config import RoutingSettings
-from pipeline.strict import describe, unknown_keys
+from pipeline.strict import describe, mask_url, unknown_keys
 from pipeline.topology import check_profile
 from topics.registry import reply_topic, routed_topic
 
@@ -57,6 +57,9 @@ class RedisSettings:
     # SLUICE_REDIS_PASSWORD (infra/run.sh reads it from the mode-600 file), never from an argument.
     username: str = ""
     password: str = field(default="", repr=False)
+
+    def __repr__(self) -> str:  # the dataclass's, with the url's password masked as the field above is left out
+        return f"RedisSettings(url={mask_url(self.url)!r}, username={self.username!r})"
 
 
 # A request crosses every hop as one Kafka record, and the broker's and producer's record limit is 1 MiB by

@@ -6,6 +6,7 @@ msgspec's `forbid_unknown_fields` exists only for `msgspec.Struct`; the settings
     unknown_keys(raw, Settings)   -> ["`bridge.replies` is not a key of [bridge] (allowed: host, port, ...)"]
     describe(Settings, "$.state.store") -> "one of 'redis', 'memory'" (what a failed conversion wanted)
     masked(settings)              -> the settings as plain data, secrets replaced by "***"
+    mask_url("https://u:pw@host/v1?key=k") -> "https://u:***@host/v1?***"
 
 Pure functions over types and data: no I/O.
 """
@@ -68,7 +69,9 @@ def describe(cls: Any, json_path: str) -> str | None:
 
 def masked(settings: Any) -> Any:
     """The settings as plain data, every field with its effective value (defaults included), with every
-    secret value replaced by MASK.
+    secret value replaced by MASK: a field in SECRET_FIELDS, and the password and query string of every
+    value shaped like a URL (`mask_url`), whatever its field is named (redis.url, a backend's base_url,
+    gateway.jwt.jwks_url, observability.otlp_endpoint, and any added later).
 
     `dataclasses.asdict` first, not msgspec.to_builtins alone: a dataclass msgspec.convert built holds only
     the keys the file gave in its `__dict__` (the defaults are read from the class), and to_builtins
@@ -78,17 +81,31 @@ def masked(settings: Any) -> Any:
 
 def _mask(data: Any) -> Any:
     if isinstance(data, dict):
-        return {k: (MASK if k in SECRET_FIELDS and v else _mask_url(v) if k == "url" else _mask(v)) for k, v in data.items()}
-    if isinstance(data, list):
+        return {k: (MASK if k in SECRET_FIELDS and v else _mask(v)) for k, v in data.items()}
+    if isinstance(data, list | tuple):  # to_builtins leaves a tuple (backends, pools) a tuple
         return [_mask(v) for v in data]
+    if isinstance(data, str):
+        return mask_url(data)
     return data
 
 
-def _mask_url(value: Any) -> Any:
-    """`redis://user:secret@host` -> `redis://user:***@host`."""
-    if not isinstance(value, str):
-        return _mask(value)
-    return re.sub(r"^([a-z][a-z0-9+.-]*://[^:/@]*:)[^@/]*@", rf"\g<1>{MASK}@", value)
+# scheme://authority, then the path, then a query string or fragment (RFC 3986's split)
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)([^?#]*)([?#].*)?", re.DOTALL)
+
+
+def mask_url(value: str) -> str:
+    """A URL with its credentials replaced by MASK: the userinfo's password (`redis://user:secret@host`
+    -> `redis://user:***@host`), a userinfo without one whole (it is a token: `https://***@host`), and the
+    query string and fragment (`?api_key=...` -> `?***`). Any other string is returned as it is."""
+    match = _URL.fullmatch(value)
+    if match is None:
+        return value
+    scheme, authority, path, query = match.groups()
+    userinfo, at, host = authority.rpartition("@")  # the last @: a password may hold one unescaped
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        authority = f"{user}:{MASK}@{host}" if colon else f"{MASK}@{host}"
+    return f"{scheme}{authority}{path}{query[0] + MASK if query else ''}"
 
 
 def _unwrap_optional(cls: Any) -> Any:
@@ -99,4 +116,4 @@ def _unwrap_optional(cls: Any) -> Any:
     return cls
 
 
-__all__ = ["MASK", "SECRET_FIELDS", "describe", "masked", "unknown_keys"]
+__all__ = ["MASK", "SECRET_FIELDS", "describe", "mask_url", "masked", "unknown_keys"]

@@ -8,7 +8,7 @@ import msgspec
 class UsageRecord(msgspec.Struct, frozen=True, tag="usage.v2", tag_field="kind"):
     id: str
     tenant: str
-    model: str
+    model: str  # a configured model; "other" for a refusal of a model the client named that is not configured
     outcome: str  # "done" or an error code
     prompt_tokens: int
     completion_tokens: int

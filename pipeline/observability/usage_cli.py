@@ -103,12 +103,20 @@ async def read_since(settings: Settings, since: float) -> list[UsageRecord]:
         await consumer.stop()
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal would act on (escape sequences, carriage returns, newlines)
+    written as its Python escape: a record's model and outcome are data, and they cannot move the cursor
+    or add a row to the table."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def render(tenant: str, since_s: float, by_model: dict[str, Tally]) -> str:
+    tenant = printable(tenant)
     lines = [f"tenant {tenant}, last {since_s:g} s", f"{'model':<28}{'requests':>10}{'prompt':>10}{'completion':>12}{'cost':>12}  outcomes"]
     total = Tally()
     for model, tally in sorted(by_model.items()):
-        outcomes = ", ".join(f"{k}={v}" for k, v in sorted(tally.outcomes.items()))
-        lines.append(f"{model:<28}{tally.requests:>10}{tally.prompt_tokens:>10}{tally.completion_tokens:>12}{tally.cost:>12.6f}  {outcomes}")
+        outcomes = printable(", ".join(f"{k}={v}" for k, v in sorted(tally.outcomes.items())))
+        lines.append(f"{printable(model):<28}{tally.requests:>10}{tally.prompt_tokens:>10}{tally.completion_tokens:>12}{tally.cost:>12.6f}  {outcomes}")
         total.requests += tally.requests
         total.prompt_tokens += tally.prompt_tokens
         total.completion_tokens += tally.completion_tokens

@@ -354,11 +354,15 @@ class EmitStage:
         return msgspec.structs.replace(message, chunks=received, timings=timings)
 
     def _usage(self, message: Done | Failed) -> UsageRecord:
+        """The request's usage record. A refusal's model is the one the client sent, any string (ingest may
+        have refused it as unknown): the record names it only if it is configured, else "other", as the
+        metrics do, so a client can neither mint usage rows nor put control characters in `sluice usage`."""
         outcome = "done" if isinstance(message, Done) else message.code.value
+        model = message.model if isinstance(message, Done) or message.model in self._models else costs.OTHER
         now = time.time()
         total = round((now - message.created_at) * 1000.0, 3) if message.created_at else 0.0
         return UsageRecord(
-            id=message.id, tenant=message.tenant, model=message.model, outcome=outcome,
+            id=message.id, tenant=message.tenant, model=model, outcome=outcome,
             prompt_tokens=message.usage.prompt_tokens, completion_tokens=message.usage.completion_tokens,
             total_ms=total, timings=message.timings, at=now, cost=message.cost,
             cache=message.cache.value if isinstance(message, Done) and message.cache is not None else None,

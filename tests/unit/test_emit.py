@@ -11,7 +11,7 @@ from pipeline.stages import emit as emit_module
 from pipeline.stages.emit import EmitStage
 from pipeline.state import MemoryStateStore
 from tests.unit.fakes import Clock, run_handler
-from tests.unit.helpers import SETTINGS, node
+from tests.unit.helpers import MODEL, SETTINGS, node
 from topics import registry
 from topics.errors import ErrorCode
 from topics.stream import EMPTY_DIGEST, Chunk, Done, Failed, FinishReason, Usage, digest_of, digest_step
@@ -504,6 +504,25 @@ async def test_each_refused_record_under_one_bare_id_gets_one_terminal_event() -
     assert terminals == [("n1", "r1"), ("n2", "r1")]  # keyed on the reply topic by the client's id, as before
     assert len([o for o in outs if o.topic == registry.USAGE]) == 2  # one usage record per refusal
     assert await replies(emit(store), refusal("n2")) == []
+
+
+@pytest.mark.asyncio
+async def test_a_refusals_usage_record_names_only_a_configured_model() -> None:
+    """Ingest refuses an unknown model after authentication, and its refusal carries the model string the
+    client sent (any 256 characters): the usage record named it, and `sluice usage` printed escape
+    sequences and a forged row, one new row per string. Unconfigured, it is "other", as in the metrics."""
+    forged = "\x1b[2K\rgpt-4o 1 0 0 0.0\nFORGED"
+    stage = emit()
+    usage: dict[str, str] = {}
+    for rid, model in (("r1", forged), ("r2", MODEL)):
+        refused = Failed(id=rid, reply_to=REPLY, code=ErrorCode.not_found, message="unknown model", retriable=False,
+                         tenant="acme", model=model, created_at=1.0, nonce="n")
+        [record] = [o.value for o in await run_handler(stage, refused) if o.topic == registry.USAGE]
+        assert isinstance(record, UsageRecord)
+        usage[rid] = record.model
+    assert usage == {"r1": "other", "r2": MODEL}
+    [finished] = [o.value for o in await run_handler(stage, done(0)) if o.topic == registry.USAGE]
+    assert isinstance(finished, UsageRecord) and finished.model == "m"  # the model ingest admitted
 
 
 @pytest.mark.asyncio

@@ -129,13 +129,15 @@ def test_refuses_limits_that_would_drop_everything(kwargs: dict[str, float]) -> 
 
 
 def test_configure_logging_rate_limits_every_root_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """And pins the loggers that write payloads or URLs at WARNING: httpx logged each upstream request's
+    full URL at INFO, `https://user:pw@host/v1?key=...` included."""
     from pipeline.gateway.redact import RedactKeys
     from pipeline.serve import configure_logging
 
     handler = logging.NullHandler()
     root = logging.getLogger()
     monkeypatch.setattr(root, "handlers", [handler])  # basicConfig leaves a root with handlers alone
-    levels = {name: logging.getLogger(name).level for name in ("aiokafka", "kafka")}
+    levels = {name: logging.getLogger(name).level for name in ("aiokafka", "kafka", "httpx", "httpcore")}
     try:
         configure_logging("DEBUG")
         assert {logging.getLogger(name).level for name in levels} == {logging.WARNING}

@@ -304,6 +304,34 @@ def test_config_check_prints_the_values_the_file_leaves_out(tmp_path: Path, monk
     assert shown["bridge"]["metrics_token"] == "***" and shown["bridge"]["port"] == 8080
 
 
+def test_config_check_masks_credentials_in_every_url_valued_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Only fields named `url` were masked: a backend's base_url, the OTLP endpoint and the JWKS URL were
+    printed with their userinfo and query strings."""
+    (tmp_path / "urls.toml").write_text(
+        '[[backends]]\nname = "local"\nmodel = "smollm2-135m-instruct"\npool = "local"\n'
+        '[[backends]]\nname = "up"\nmodel = "gpt-4o"\npool = "up"\nkind = "openai"\n'
+        'base_url = "https://user:base-pw@api.example.com/v1?key=base-key"\n'
+        '[observability]\notlp_endpoint = "https://collector.example.com/v1/traces?token=otlp-token"\n'
+        '[gateway.jwt]\njwks_url = "https://jwks-token@idp.example.com/jwks#frag-secret"\n')
+    monkeypatch.setenv("SLUICE_CONFIG", str(tmp_path / "urls.toml"))
+    assert cli.main(["config", "check"]) == 0
+    out = capsys.readouterr().out
+    for secret in ("base-pw", "base-key", "otlp-token", "jwks-token", "frag-secret"):
+        assert secret not in out
+    shown = json.loads(out)
+    assert shown["backends"][1]["base_url"] == "https://user:***@api.example.com/v1?***"
+    assert shown["observability"]["otlp_endpoint"] == "https://collector.example.com/v1/traces?***"
+    assert shown["gateway"]["jwt"]["jwks_url"] == "https://***@idp.example.com/jwks#***"
+    assert shown["kafka"]["bootstrap"] == "127.0.0.1:19092" and shown["backends"][0]["model"] == "smollm2-135m-instruct"
+
+
+def test_a_redis_password_in_its_url_is_not_in_the_settings_repr(tmp_path: Path) -> None:
+    settings = load_text(tmp_path, '[redis]\nurl = "redis://u:repr-secret@127.0.0.1:1/0"\n')
+    assert "repr-secret" not in repr(settings) and "redis://u:***@127.0.0.1:1/0" in repr(settings.redis)
+    assert settings.redis.url == "redis://u:repr-secret@127.0.0.1:1/0"  # used as it is
+
+
 @pytest.mark.parametrize(("toml", "expected"), [
     ("[gateway]\nwindow_s = nan\n", "window_s, chars_per_token and redis_timeout_s must be positive"),
     ("[gateway]\nkey_cache_s = inf\n", "gateway.key_cache_s must be 0 to 3600 seconds, got inf"),

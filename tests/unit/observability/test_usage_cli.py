@@ -32,3 +32,12 @@ def test_summarise_counts_only_the_tenant_since() -> None:
     assert dict(by_model["m"].outcomes) == {"stop": 1, "rate_limited": 1}
     table = render("acme", 3600, by_model)
     assert table.splitlines()[-1].split()[:2] == ["total", "3"]
+
+
+def test_render_escapes_control_characters_in_what_a_record_carries() -> None:
+    """A model string with an escape sequence, a carriage return and a newline rewrote the terminal's line
+    and printed a forged row. Emit now writes "other" for an unconfigured model; this is the second line."""
+    forged = "\x1b[2K\rgpt-4o 1 0 0 0.0\nFORGED"
+    table = render("acme\r", 3600, summarise([record("acme\r", 100, model=forged, outcome="x\ty")], "acme\r", since=0))
+    assert not any(c in table for c in "\x1b\r\t") and table.count("\n") == 3
+    assert "\\x1b[2K\\rgpt-4o 1 0 0 0.0\\nFORGED" in table and "x\\ty=1" in table and "acme\\r" in table
