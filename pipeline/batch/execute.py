@@ -6,6 +6,8 @@ interactive one (`Client.request(**parsed.request_kwargs())`), puts it on the ba
 schedules it behind interactive work), signs it as the job's owner, and waits for its terminal event.
 A retriable refusal (429 with its Retry-After, 503, 504, a backend error) is tried again, up to
 `max_attempts`, each time as a new request with a new id; anything else is the line's answer.
+A line the signer refuses (the owner's JWT has expired: service.signer_for) is answered 401
+`unauthorized` without being sent, on any attempt.
 
 Output lines follow OpenAI's batch format: `{"id", "custom_id", "response": {"status_code",
 "request_id", "body"}, "error"}`. A line that never got a response (refused by validation, or the job
@@ -26,6 +28,7 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from pipeline.batch.records import Recorded
 from pipeline.batch.validation import Line, Rejected
 from pipeline.bridge.openai_format import Reply, completion, error_body
+from pipeline.errors import StageError
 from pipeline.sdk import Completion, RequestFailed
 from topics.errors import ErrorCode, http_status
 from topics.requests import Priority, Request
@@ -71,6 +74,9 @@ class Executor:
             except msgspec.ValidationError as exc:  # passed the bridge's parser but not the wire schema
                 body = error_body(f"the body is not a valid request: {exc}", code=ErrorCode.invalid_request)
                 return Recorded(line.number, False, response_line(line.custom_id, "", 400, body))
+            except StageError as exc:  # the signer refused: the owner's JWT expired (service.signer_for); never sent
+                body = error_body(exc.message, code=exc.code)
+                return Recorded(line.number, False, response_line(line.custom_id, "", http_status(exc.code), body))
             try:
                 answer = await self._client.complete(request)
             except RequestFailed as exc:

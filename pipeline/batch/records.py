@@ -2,7 +2,7 @@
 
     FileRecord     one uploaded (or written) file: owner tenant, purpose, size; the bytes are on disk
     Batch          one job: owner, input file, endpoint, status and its timestamps, the output files
-    Signer         who a job's lines run as: a key's hash or a JWT's claims, never a raw credential
+    Signer         who a job's lines run as: a key's hash or a JWT's claims (and its expiry), never a raw credential
     Recorded       one line's outcome, recorded once (the output or error line as it will be written)
 
 Ids are generated here (`new_file_id`: random hex; `new_batch_id`: the creation second, then random hex,
@@ -63,6 +63,14 @@ class Signer(msgspec.Struct, frozen=True):
     subject: str  # key: its SHA-256 (ingest looks it up, so a revoked key stops the job); jwt: `sub`
     tenant: str | None = None  # jwt: the verified tenant claim
     models: tuple[str, ...] = ()  # jwt: the verified models claim
+    # jwt: its `exp` plus the leeway (unix seconds); no line is signed from then on (service.signer_for).
+    # None on a jwt: a record written before this field, whose expiry is unknown: taken as expired, since
+    # running it could act as the user for the whole completion window. Keys: None (ingest looks them up).
+    expires_at: float | None = None
+
+    def expired(self, now: float) -> bool:
+        """Whether lines may no longer be signed as this owner (a key never expires here)."""
+        return self.kind == "jwt" and (self.expires_at is None or now >= self.expires_at)
 
 
 class BatchError(msgspec.Struct, frozen=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -15,10 +16,12 @@ from pipeline.batch.files import FileStore
 from pipeline.batch.records import Batch
 from pipeline.batch.redis_store import RedisJobStore
 from pipeline.batch.worker import BatchWorker
+from pipeline.errors import StageError
 from pipeline.gateway.build import redis_client
 from pipeline.gateway.principal import sign
 from pipeline.sdk import Client
 from pipeline.settings import REPO_ROOT, Settings
+from topics.errors import ErrorCode
 from topics.requests import Request
 
 log = logging.getLogger(__name__)
@@ -35,9 +38,12 @@ def job_store(settings: Settings) -> RedisJobStore:
     return RedisJobStore(redis_client(settings), keep_s=settings.batch.keep_s)
 
 
-def signer_for(secret: str) -> Callable[[Batch], Callable[[Request], Request]]:
+def signer_for(secret: str, clock: Callable[[], float] = time.time) -> Callable[[Batch], Callable[[Request], Request]]:
     """How a job's requests are signed as its owner (pipeline/gateway/principal.py): the key's hash or
-    the JWT's claims, HMAC-signed with the gateway secret for that one request, like the bridge's own."""
+    the JWT's claims, HMAC-signed with the gateway secret for that one request, like the bridge's own,
+    valid until the request's deadline or the JWT's expiry if sooner. Once the JWT has expired no line
+    is signed: each is refused here as ingest would refuse it (StageError `unauthorized`, recorded as
+    the line's answer by the executor), so a token with a second left cannot run a day-long job."""
 
     def for_batch(batch: Batch) -> Callable[[Request], Request]:
         owner = batch.signer
@@ -45,7 +51,11 @@ def signer_for(secret: str) -> Callable[[Batch], Callable[[Request], Request]]:
         def apply(request: Request) -> Request:
             if owner is None:
                 return msgspec.structs.replace(request, api_key=None)
+            if owner.expired(clock()):
+                raise StageError(ErrorCode.unauthorized, "the token has expired")
             expires_at = request.created_at + request.deadline_s
+            if owner.expires_at is not None:
+                expires_at = min(expires_at, owner.expires_at)
             return sign(secret, request, owner.kind, owner.subject, expires_at, tenant=owner.tenant, models=owner.models)
 
         return apply

@@ -49,7 +49,7 @@ from pipeline.batch.service import executor_factory, file_store
 from pipeline.batch.store import JobStore
 from pipeline.batch.worker import BatchWorker
 from pipeline.bridge.app import read_capped
-from pipeline.bridge.credentials import Credential, Credentials
+from pipeline.bridge.credentials import Credential, Credentials, KeysAway
 from pipeline.bridge.openai_format import RequestTimeout, Unauthorized, decode_body, error_body
 from pipeline.gateway.build import redis_client
 from pipeline.gateway.errors import StoreUnavailable
@@ -58,7 +58,6 @@ from pipeline.gateway.keys import KeyStore, confirmed
 from pipeline.gateway.redis_keys import RedisKeyStore
 from pipeline.sdk import Client
 from pipeline.settings import Settings
-from topics.errors import ErrorCode
 
 log = logging.getLogger(__name__)
 MAX_LIST = 100
@@ -123,7 +122,12 @@ class BatchApi:
     async def owner(self, request: HttpRequest) -> Owner:
         if self.settings.gateway.auth_required and _bearer(request) is None:
             raise Unauthorized("an API key is required (Authorization: Bearer sk-sluice-...)")
-        return await owner_of(await self._credentials.resolve(_bearer(request)), self._keys, self.settings)
+        return await self.owner_of_credential(await self._credentials.resolve(_bearer(request)))
+
+    async def owner_of_credential(self, credential: Credential) -> Owner:
+        """`owner_of` with this bridge's key store: a key must be found there and valid (one lookup; 503
+        `KeysAway` if the store does not answer); a JWT was verified by `Credentials.resolve`."""
+        return await owner_of(credential, self._keys, self.settings)
 
     async def upload(self, request: HttpRequest) -> Response:
         owner = await self.owner(request)
@@ -261,20 +265,16 @@ async def owner_of(credential: Credential, keys: KeyStore, settings: Settings) -
     if credential.kind == "jwt":
         if not credential.tenant:
             raise Unauthorized("the token names no tenant")
-        return Owner(credential.tenant, Signer("jwt", credential.subject, credential.tenant, credential.models))
+        signer = Signer("jwt", credential.subject, credential.tenant, credential.models, expires_at=credential.expires_at)
+        return Owner(credential.tenant, signer)  # its lines stop at the JWT's expiry (batch/service.signer_for)
     try:
         entry = await keys.lookup(credential.subject)
         entry = await confirmed(keys, credential.subject, entry) if entry is not None else None
     except StoreUnavailable:
-        raise BatchUnavailable("credentials cannot be checked right now") from None
+        raise KeysAway("credentials cannot be checked right now", retry_after_s=1.0) from None
     if entry is None or not entry.valid(time.time()):
         raise Unauthorized(INVALID_KEY)
     return Owner(entry.record.tenant, Signer("key", credential.subject))
-
-
-class BatchUnavailable(BatchError):
-    status = 503
-    code = ErrorCode.unavailable
 
 
 def _answering(handler: Handler) -> Handler:

@@ -12,6 +12,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pipeline.gateway.hosts import HostEntryError, parse_entry
 
@@ -47,10 +48,37 @@ class JwtSettings:
     issuer: str = ""
     audience: str = ""
     jwks_file: str = ""  # a JWKS JSON file (relative to the repository root or absolute)
-    jwks_url: str = ""  # or a URL the operator configured; fetched and cached by PyJWT
+    jwks_url: str = ""  # or an https:// URL the operator configured (http:// only to loopback); fetched by PyJWT
     leeway_s: float = 0.0  # clock skew allowed on `exp` and `nbf`, 0 to MAX_JWT_LEEWAY_S (NaN or inf turned them off)
     tenant_claim: str = "tenant"
     models_claim: str = "models"  # optional claim: a list restricting the models
+
+
+def jwks_url_problem(url: str) -> str | None:
+    """Why `url` may not be the JWKS URL, or None. PyJWT fetches it with urllib, which also opens http://,
+    file:// and data: URLs; whoever can answer for the URL can sign tokens, so only https:// is taken,
+    and plain http:// only to a loopback host (an IdP or test server on this machine, no network path)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:
+        return "is not a URL"
+    if parts.scheme == "https" and host:
+        return None
+    if parts.scheme == "http" and host and _loopback(host):
+        return None
+    # scheme and host only: a URL's user info may hold a secret
+    return (f"must be an https:// URL (plain http:// only to a loopback host: localhost, 127.0.0.0/8, ::1), "
+            f"got scheme {parts.scheme!r}, host {host!r}")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -144,6 +172,8 @@ class GatewaySettings:
                 found.append(f"gateway.allowed_origins: {origin!r} is not an origin (scheme://host[:port])")
         if self.jwt.enabled and not (self.jwt.jwks_file or self.jwt.jwks_url):
             found.append("gateway.jwt: enabled needs jwks_file or jwks_url")
+        if self.jwt.jwks_url and (problem := jwks_url_problem(self.jwt.jwks_url)):
+            found.append(f"gateway.jwt.jwks_url: {problem}")
         if self.jwt.enabled and (not self.jwt.issuer or not self.jwt.audience):
             found.append("gateway.jwt: enabled needs issuer and audience")
         if not 0 <= self.jwt.leeway_s <= MAX_JWT_LEEWAY_S:  # NaN fails too

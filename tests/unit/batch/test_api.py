@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.testclient import TestClient
 
 from pipeline.batch.store import MemoryJobStore
-from pipeline.bridge.batches import BatchApi
-from pipeline.bridge.credentials import Credentials
+from pipeline.bridge.batches import BatchApi, owner_of
+from pipeline.bridge.credentials import Credential, Credentials
 from pipeline.bridge.openai_format import BridgeError
 from pipeline.gateway.keys import KeyRecord, MemoryKeyStore, hash_key, new_key
 from pipeline.settings import Settings
@@ -219,3 +219,17 @@ def test_uploads_past_the_tenants_quota_get_413_and_files_say_when_they_expire(t
             acme.files.create(file=("in.jsonl", data), purpose="batch")
         assert caught.value.status_code == 413
         assert client(http, "globex").files.create(file=("in.jsonl", data), purpose="batch").bytes == len(data)
+
+
+def test_a_batch_created_with_a_jwt_keeps_the_tokens_expiry_and_a_keyed_one_none() -> None:
+    """The job's lines stop being signed at the JWT's expiry (batch/service.signer_for), so the owner
+    recorded at creation must carry it; a key has none of its own (ingest looks it up per line)."""
+    settings = Settings()
+    jwt = Credential("test-secret", "jwt", "ey.x.y", "svc-1", "acme", ("m",), expires_at=1_900_000_030.0)
+    owner = asyncio.run(owner_of(jwt, MemoryKeyStore(), settings))
+    assert owner.signer is not None and owner.signer.kind == "jwt" and owner.signer.expires_at == 1_900_000_030.0
+    keys = MemoryKeyStore()
+    asyncio.run(keys.save(KeyRecord(key_id="key_acme", tenant="acme", hashes={hash_key(KEYS["acme"]): 0.0})))
+    keyed = Credential("test-secret", "key", KEYS["acme"], hash_key(KEYS["acme"]))
+    owner = asyncio.run(owner_of(keyed, keys, settings))
+    assert owner.signer is not None and owner.signer.kind == "key" and owner.signer.expires_at is None

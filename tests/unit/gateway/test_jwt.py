@@ -108,6 +108,26 @@ async def test_a_leeway_up_to_five_minutes_is_taken() -> None:
         assert GatewaySettings(jwt=JwtSettings(leeway_s=leeway_s)).problems() == []
 
 
+@pytest.mark.parametrize("url", [
+    "http://idp.example.com/jwks", "http://10.0.0.7/jwks", "http://localhost.example.com/jwks",
+    "http://127.0.0.1@idp.example.com/jwks", "file:///etc/jwks.json", "data:application/json,{}", "ftp://idp/jwks",
+    "https:///jwks", "idp.example.com/jwks",
+])
+async def test_a_jwks_url_anyone_on_the_path_could_answer_is_refused(url: str) -> None:
+    """PyJWT's urllib opener fetches http://, file:// and data: alike; over plain http whoever is on the
+    path serves the keys, and so signs any token."""
+    problems = GatewaySettings(jwt=JwtSettings(enabled=True, issuer=ISS, audience=AUD, jwks_url=url)).problems()
+    assert [p for p in problems if p.startswith("gateway.jwt.jwks_url: must be an https:// URL")], problems
+
+
+@pytest.mark.parametrize("url", [
+    "https://idp.example.com/.well-known/jwks.json", "HTTPS://IDP.example.com/jwks", "http://127.0.0.1:8081/jwks",
+    "http://localhost/jwks", "http://[::1]:9000/jwks",
+])
+async def test_an_https_jwks_url_or_plain_http_to_loopback_is_taken(url: str) -> None:
+    assert GatewaySettings(jwt=JwtSettings(enabled=True, issuer=ISS, audience=AUD, jwks_url=url)).problems() == []
+
+
 async def test_alg_none_is_refused(gateway: Gateway) -> None:
     header = b64(json.dumps({"alg": "none", "typ": "JWT", "kid": "k1"}).encode())
     claims = b64(json.dumps({"iss": ISS, "aud": AUD, "sub": "x", "tenant": "acme", "exp": int(time.time()) + 60}).encode())
