@@ -16,6 +16,7 @@ import contextlib
 import socket
 import ssl
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
@@ -65,19 +66,15 @@ def shared_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(
-    settings: Settings, client: Client, stop: asyncio.Event, *, owns_client: bool = False, shared_port: bool = False,
-    siblings: Siblings | None = None,
-) -> None:
-    """Serves the bridge on settings.bridge.host:port until `stop` is set; returns once it has shut down.
-
-    With `owns_client` the app starts and stops `client`; otherwise the caller has started it. With
-    `shared_port` other processes may serve the same port (`shared_socket`), and `siblings` reaches their
-    metrics."""
-    app = create_app(settings, client, owns_client=owns_client, siblings=siblings)
+def server_config(settings: Settings, app: Any) -> uvicorn.Config:
+    """uvicorn's settings for the bridge. `log_config=None`: uvicorn's own logging config would give its
+    loggers a handler of their own that does not propagate, past the root handlers' filters (key
+    redaction and the rate limit, pipeline/serve.configure_logging), so a client that makes the bridge log
+    a traceback could flood the log and put a key in it; its loggers go to the root handlers instead."""
     tls = settings.gateway.tls
-    config = uvicorn.Config(
+    return uvicorn.Config(
         app,
+        log_config=None,
         host=settings.bridge.host,
         port=settings.bridge.port,
         log_level="warning",
@@ -97,7 +94,19 @@ async def serve(
         ssl_ca_certs=tls.client_ca or None,
         ssl_cert_reqs=ssl.CERT_REQUIRED if tls.client_ca else ssl.CERT_NONE,
     )
-    server = _Server(config)
+
+
+async def serve(
+    settings: Settings, client: Client, stop: asyncio.Event, *, owns_client: bool = False, shared_port: bool = False,
+    siblings: Siblings | None = None,
+) -> None:
+    """Serves the bridge on settings.bridge.host:port until `stop` is set; returns once it has shut down.
+
+    With `owns_client` the app starts and stops `client`; otherwise the caller has started it. With
+    `shared_port` other processes may serve the same port (`shared_socket`), and `siblings` reaches their
+    metrics."""
+    app = create_app(settings, client, owns_client=owns_client, siblings=siblings)
+    server = _Server(server_config(settings, app))
     sockets = [shared_socket(settings.bridge.host, settings.bridge.port)] if shared_port else None
     serving = asyncio.create_task(server.serve_until_exit(sockets))
     stopping = asyncio.create_task(stop.wait())

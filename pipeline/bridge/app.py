@@ -11,8 +11,9 @@ Every request goes through `Client`, so it takes the same path as any other: ing
 the limits and (later) the API key, and its refusals come back as error terminal events that the
 bridge turns into OpenAI errors with the status from `topics.errors.http_status`. The bridge itself
 refuses only what it cannot parse, bodies over `body_cap()`, credentials it can tell are bad
-(credentials.py), requests over `bridge.max_in_flight` (admission.py), and WebSocket messages past
-`bridge.ws_max_requests` running on their socket (websocket.py).
+(credentials.py; a WebSocket's at its handshake, its key looked up where auth is required), requests
+over `bridge.max_in_flight` (admission.py), and WebSocket messages past `bridge.ws_max_requests`
+running on their socket (websocket.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from pipeline.observability.http import TraceRequests
 from pipeline.observability.siblings import Siblings
 from pipeline.sdk import Client
 from pipeline.settings import LimitSettings, Settings
-from topics.errors import ErrorCode
+from topics.errors import ErrorCode, retriable
 from topics.requests import Request
 
 log = logging.getLogger(__name__)
@@ -115,14 +116,18 @@ def create_app(settings: Settings, client: Client, *, owns_client: bool = False,
         return JSONResponse(model_body(model_id))
 
     async def stream(websocket: WebSocket) -> None:
-        await websocket.accept()
+        # The credential is checked in full before the handshake is accepted, once for the socket: a JWT
+        # verified, and where auth is required a key looked up (as for /v1/models). A made-up key of the
+        # right shape passed the shape check, and each of its messages went into Kafka to be refused by ingest.
         try:
             require_credential(websocket, auth_required)
             credential = await credentials.resolve(bearer_token(websocket))
-        except Unauthorized as exc:
-            await websocket.send_json({"type": "error", "id": None, "code": exc.code.value, "message": exc.message})
-            await websocket.close(code=1008)
+            if auth_required:
+                await batches.owner_of_credential(credential)
+        except BridgeError as exc:  # 401, or 503 where the JWKS or the key store did not answer
+            await refuse_handshake(websocket, exc)
             return
+        await websocket.accept()
         secret = settings.gateway.client_info_secret
         no_cache, no_store = cache_directives(websocket)  # the handshake's, for every request on the socket
 
@@ -202,6 +207,18 @@ class HeaderLimit:
             await JSONResponse(body, status_code=431)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+async def refuse_handshake(websocket: WebSocket, exc: BridgeError) -> None:
+    """Refuses a WebSocket before it is accepted, as the same error over HTTP is answered: its status, body
+    and headers (401; 503 with `Retry-After`), where the server has ASGI's denial response extension
+    (uvicorn has). Elsewhere a close before accept (which the server answers with 403): 1013, "try again
+    later", for an error a retry may pass, else 1008, as `edges.BrowserOrigins` refuses."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers))
+        return
+    reason = exc.message.encode()[:123].decode(errors="ignore")  # a close frame's reason holds 123 bytes
+    await websocket.close(1013 if retriable(exc.code) else 1008, reason)
 
 
 TASK = re.compile(r"^[a-z][a-z0-9_-]{0,31}\Z")
@@ -287,4 +304,4 @@ async def _internal_error(request: HTTPConnection, exc: Exception) -> Response:
     return JSONResponse(error_body("internal error", code=ErrorCode.internal), status_code=500)
 
 
-__all__ = ["body_cap", "bearer_token", "create_app", "read_capped", "require_credential"]
+__all__ = ["body_cap", "bearer_token", "create_app", "read_capped", "refuse_handshake", "require_credential"]

@@ -35,8 +35,9 @@ from topics.requests import Request
 
 
 class KeysAway(BridgeError):
-    """503: the identity provider's key set did not answer and the token's key is not cached; a retry
-    after `Retry-After` may pass (a bad token is a 401, never this)."""
+    """503: the credential cannot be checked now: the identity provider's key set did not answer and the
+    token's key is not cached, or the key store (Redis) did not answer a key's lookup; a retry after
+    `Retry-After` may pass (a bad credential is a 401, never this)."""
 
     status = 503
     code = ErrorCode.unavailable

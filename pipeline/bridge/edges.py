@@ -4,7 +4,8 @@
     BrowserOrigins           what a web page may send or open (`gateway.allowed_origins`)
     head_limited_protocol    uvicorn's httptools protocol with a deadline and a size bound on each request head,
                              and a deadline on a blocked write (`bridge.send_timeout_s`)
-    websocket_protocol       uvicorn's WebSocket protocol with the same deadline on a blocked write
+    websocket_protocol       uvicorn's WebSocket protocol with the same deadline on a blocked write, and no
+                             reading while the answers to a client's pings fill the write buffer
     metrics_allowed          who may read /metrics on the API port
 
 Starlette's TrustedHostMiddleware compares only the host part of the header, so an entry with a port
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
@@ -29,6 +31,9 @@ from pipeline.bridge.openai_format import error_body
 from pipeline.gateway.hosts import allowed, parse_entry
 from pipeline.observability.config import bearer_matches
 from topics.errors import ErrorCode
+
+if TYPE_CHECKING:
+    from uvicorn._types import ASGIReceiveEvent
 
 log = logging.getLogger(__name__)
 
@@ -206,10 +211,41 @@ def websocket_protocol(send_timeout_s: float) -> type[WebSocketsSansIOProtocol]:
     close that waits for ever: when a keepalive ping goes unanswered uvicorn writes a close frame and
     closes, and a close waits for the buffer to drain, so behind data the client does not read the
     connection (and the session's `receive()`) never ended; such a close is an abort. A connection still
-    open `send_timeout_s` after the app returned and uvicorn's closing handshake timed out is aborted too."""
+    open `send_timeout_s` after the app returned and uvicorn's closing handshake timed out is aborted too.
+    While the pongs answering a client's pings hold the write buffer over its high-water mark, the connection
+    reads nothing more (`handle_ping`)."""
 
     class SendLimitedWebSocket(SendDeadline, WebSocketsSansIOProtocol):
         _end_timer: asyncio.TimerHandle | None = None
+        _pongs_backed_up = False  # reading paused: answers to the client's pings fill the write buffer
+
+        def handle_ping(self) -> None:
+            """uvicorn answers each ping with a pong written at once, never waiting for the buffer to drain
+            (only the app's sends wait): a client sending pings and reading nothing grew the buffer by
+            megabytes a second until the send deadline. Once a pong is written with the buffer over its
+            high-water mark (the bound the app's data has: the transport called `pause_writing`), the
+            connection stops reading until the buffer drains below its low-water mark, so the pings back
+            up in the client's own socket, as TCP would have it. Paused rather than aborted: a client that
+            pings while it reads a large answer slowly is not at fault, and one that never reads is still
+            aborted by the send deadline. The buffer stays under the mark plus one read (up to 256 KiB of
+            pings, answered together)."""
+            super().handle_ping()
+            if not self.writable.is_set() and not self._pongs_backed_up:
+                self._pongs_backed_up = True
+                self.transport.pause_reading()
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._pongs_backed_up:
+                self._pongs_backed_up = False
+                if not self.read_paused:  # (else uvicorn resumes once the app has taken the message it holds)
+                    self.transport.resume_reading()
+
+        async def receive(self) -> ASGIReceiveEvent:
+            message = await super().receive()
+            if self._pongs_backed_up:  # uvicorn resumed reading as the app took its message: not yet
+                self.transport.pause_reading()
+            return message
 
         def keepalive_timeout(self) -> None:
             super().keepalive_timeout()

@@ -1,6 +1,7 @@
 """The bridge's app on an SDK client whose Kafka is replaced by an in-memory answer: what it refuses
 before anything reaches Kafka (bad bytes, features it does not do, foreign origins and Host headers),
-`GET /v1/models/{id}`, the cache directives it passes on, what it answers when the broker refuses a
+`GET /v1/models/{id}`, the credential a WebSocket handshake must carry (a key that exists; 503 to retry
+where it cannot be checked), the cache directives it passes on, what it answers when the broker refuses a
 request, when a request takes and gives back its admission place (`bridge.max_in_flight`), the deadline
 on a batch upload (`bridge.body_timeout_s`), and that the bridge's own limits are validated."""
 
@@ -16,11 +17,14 @@ from pathlib import Path
 import httpx
 import pytest
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
-from starlette.testclient import TestClient
+from starlette.testclient import TestClient, WebSocketDenialResponse
 
+from pipeline.bridge import batches
 from pipeline.bridge.app import create_app
-from pipeline.bridge.credentials import Credential, Credentials
+from pipeline.bridge.credentials import Credential, Credentials, KeysAway
 from pipeline.bridge.openai_format import Unauthorized
+from pipeline.gateway.errors import StoreUnavailable
+from pipeline.gateway.keys import KeyEntry, KeyManager, MemoryKeyStore
 from pipeline.sdk import Client
 from pipeline.settings import Settings, SettingsError
 from topics.requests import Request
@@ -223,6 +227,74 @@ def test_retrieving_a_model_needs_a_key_where_listing_them_does(bridge: tuple[Te
     response = http.get(f"/v1/models/{MODEL}")
     assert response.status_code == 401 and response.json()["error"]["code"] == "unauthorized"
     assert http.get("/v1/models/gpt-4o").status_code == 401  # not a 404: which models exist is for callers only
+
+
+AUTH = with_gateway(auth_required=True)
+MADE_UP_KEY = "sk-sluice-" + "A" * 16  # the right shape, but no such key
+
+
+class CountingKeys(MemoryKeyStore):
+    """The key store in memory, counting its lookups; with `away` they fail as with Redis down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookups = 0
+        self.away = False
+
+    async def lookup(self, key_hash: str) -> KeyEntry | None:
+        self.lookups += 1
+        if self.away:
+            raise StoreUnavailable("redis: ConnectionError")
+        return await super().lookup(key_hash)
+
+
+@pytest.fixture
+def keys(monkeypatch: pytest.MonkeyPatch) -> CountingKeys:
+    """The bridge's key store (Redis) replaced with one in memory, for the apps the test creates."""
+    store = CountingKeys()
+    monkeypatch.setattr(batches, "RedisKeyStore", lambda redis: store)
+    return store
+
+
+def bearer(credential: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {credential}"}
+
+
+def test_a_websocket_is_refused_at_its_handshake_unless_its_key_exists(keys: CountingKeys) -> None:
+    """A made-up key of the right shape was accepted, and each message on its socket went into Kafka. A key
+    that exists is looked up once for the socket, not for each message."""
+    key, _ = asyncio.run(KeyManager(keys, rotate_overlap_s=60.0).create("acme"))
+    with TestClient(create_app(AUTH, AnsweringClient(AUTH)), base_url="http://127.0.0.1:8080") as http:
+        for headers in ({}, bearer(MADE_UP_KEY)):
+            with pytest.raises(WebSocketDenialResponse) as refused, http.websocket_connect(WS_URL, headers=headers):
+                pass
+            assert refused.value.status_code == 401 and refused.value.json()["error"]["code"] == "unauthorized"
+        keys.lookups = 0
+        with http.websocket_connect(WS_URL, headers=bearer(key)) as ws:
+            for _ in range(2):
+                ws.send_text(json.dumps(chat()))
+                assert [ws.receive_json()["type"] for _ in range(4)] == ["start", "chunk", "chunk", "done"]
+    assert keys.lookups == 1  # at the handshake, not for each message
+
+
+@pytest.mark.parametrize("away", ["identity provider", "key store"])
+def test_a_websocket_whose_credential_cannot_be_checked_now_is_refused_with_a_503_to_retry(
+    away: str, keys: CountingKeys, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The JWKS not answering (KeysAway) surfaced after the accept, where Starlette's handler sent an HTTP
+    response on the accepted socket: a RuntimeError in the logs, 1006 for the client."""
+    if away == "identity provider":
+        async def unanswered(self: Credentials, token: str | None) -> Credential:
+            raise KeysAway("the identity provider's keys did not answer", 7.5)
+
+        monkeypatch.setattr(Credentials, "resolve", unanswered)
+    keys.away = True
+    with TestClient(create_app(AUTH, AnsweringClient(AUTH)), base_url="http://127.0.0.1:8080") as http:
+        headers = bearer(MADE_UP_KEY)
+        with pytest.raises(WebSocketDenialResponse) as refused, http.websocket_connect(WS_URL, headers=headers):
+            pass
+    assert refused.value.status_code == 503 and refused.value.json()["error"]["code"] == "unavailable"
+    assert refused.value.headers["retry-after"] == ("8" if away == "identity provider" else "1")
 
 
 class HoldingClient(AnsweringClient):

@@ -2,8 +2,9 @@
 bridge served by `pipeline.bridge.serve` (uvicorn, its protocols) on 127.0.0.1 with an SDK client whose Kafka
 is replaced by an in-memory answer far larger than any socket buffer. The client sends its request and then
 reads nothing; the bridge must end the connection, cancel the request in the pipeline and give its
-admission place back, instead of waiting in a send for ever. And uvicorn's WebSocket keepalive, whose
-close after an unanswered ping waited on the same drain, with the bridge's protocols alone."""
+admission place back, instead of waiting in a send for ever. And, with the bridge's protocols alone,
+uvicorn's WebSocket keepalive, whose close after an unanswered ping waited on the same drain, and a client
+that sends pings and reads none of the pongs."""
 
 from __future__ import annotations
 
@@ -191,6 +192,64 @@ async def test_a_websocket_whose_ping_goes_unanswered_behind_unread_data_is_abor
                                            "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
                                            "Sec-WebSocket-Version: 13\r\n\r\n").encode())  # and then reads nothing
             await asyncio.wait_for(gone.wait(), 5)
+    finally:
+        server.should_exit = True
+        await serving
+
+
+def masked_ping_frame(payload: bytes) -> bytes:
+    """A WebSocket ping as a client sends it (masked; a control frame's payload is at most 125 bytes)."""
+    mask = os.urandom(4)
+    return b"\x89" + bytes([0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+PINGS = 8 * 1024 * 1024  # bytes of pings the client tries to send, reading none of the pongs
+MOST_BUFFERED = 1024 * 1024  # the high-water mark (64 KiB) plus one read (256 KiB) of pings answered, with room
+
+
+@pytest.mark.asyncio
+async def test_a_websocket_client_that_pings_and_reads_nothing_cannot_grow_the_write_buffer() -> None:
+    """uvicorn answers each ping with a pong written at once, which never waits for the buffer to drain: a
+    client sending pings and reading nothing grew the bridge's write buffer by megabytes a second until the
+    send deadline (60 s here). The bridge must stop reading instead, so the pings back up on the client."""
+    peak = 0
+
+    class Watched(websocket_protocol(60.0)):  # type: ignore[misc, valid-type]
+        def handle_ping(self) -> None:
+            nonlocal peak
+            super().handle_ping()
+            peak = max(peak, self.transport.get_write_buffer_size())
+
+    async def hold(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.receive()  # the client's going
+
+    port = free_port()
+    config = uvicorn.Config(Starlette(routes=[WebSocketRoute("/", hold)]), host="127.0.0.1", port=port,
+                            http=head_limited_protocol(10.0, 16384, 60.0), ws=Watched, ws_ping_interval=None,
+                            log_level="error", lifespan="off")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        loop = asyncio.get_running_loop()
+        with await connected(port) as sock:
+            await loop.sock_sendall(sock, (f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                                           "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                                           "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += await asyncio.wait_for(loop.sock_recv(sock, 1), 5)
+            assert answer.startswith(b"HTTP/1.1 101")
+            burst = masked_ping_frame(b"p" * 125) * 512  # 67 KiB of pings
+            sent = 0
+            with contextlib.suppress(TimeoutError):  # the bridge stopped reading: the kernel's buffers are full
+                while sent < PINGS:
+                    await asyncio.wait_for(loop.sock_sendall(sock, burst), 1.0)
+                    sent += len(burst)
+            await asyncio.sleep(0.2)  # the bridge answers what it has read
+            assert peak < MOST_BUFFERED, f"{peak} bytes of pongs buffered after {sent} bytes of pings"
     finally:
         server.should_exit = True
         await serving

@@ -1,6 +1,7 @@
 """`/v1/stream` (pipeline/bridge/websocket.py) driven over ASGI in the test's own loop, so the test decides
-when the pipeline answers: how many requests one socket may run at once (`bridge.ws_max_requests`), and
-when an idle socket is closed (`bridge.ws_idle_s`)."""
+when the pipeline answers: how many requests one socket may run at once (`bridge.ws_max_requests`),
+when an idle socket is closed (`bridge.ws_idle_s`), and how a handshake is refused where the server has
+no denial response (this scope has no extensions)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from typing import Any
 import pytest
 
 from pipeline.bridge.app import create_app
+from pipeline.bridge.credentials import Credential, Credentials, KeysAway
 from pipeline.settings import Settings
-from tests.unit.test_bridge_app import SETTINGS, HoldingClient, chat
+from tests.unit.test_bridge_app import SETTINGS, HoldingClient, chat, with_gateway
 
 IDLE_S = 0.2
 
@@ -99,4 +101,23 @@ async def test_a_socket_that_never_sends_a_request_is_closed_after_ws_idle_s() -
     closed = await ws.sent()
     assert (closed["type"], closed["code"]) == ("websocket.close", 1000)
     ws.inbox.put_nowait({"type": "websocket.disconnect", "code": 1000})
+    await asyncio.wait_for(ws.app, 5)
+
+
+@pytest.mark.parametrize(("auth_required", "code"), [
+    (False, 1013),  # the credential cannot be checked now (the JWKS did not answer): try again later
+    (True, 1008),  # none where one is required: a policy violation, as a foreign origin is refused
+])
+@pytest.mark.asyncio
+async def test_without_a_denial_response_a_refused_handshake_is_a_close_before_accept(
+    auth_required: bool, code: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def unanswered(self: Credentials, token: str | None) -> Credential:
+        raise KeysAway("the identity provider's keys did not answer", 7.5)
+
+    monkeypatch.setattr(Credentials, "resolve", unanswered)
+    settings = with_gateway(auth_required=auth_required)
+    ws = Socket(settings, HoldingClient(settings))
+    closed = await ws.sent()
+    assert (closed["type"], closed.get("code")) == ("websocket.close", code) and closed["reason"]
     await asyncio.wait_for(ws.app, 5)

@@ -145,3 +145,37 @@ def test_configure_logging_rate_limits_every_root_handler(monkeypatch: pytest.Mo
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
     assert [type(f) for f in handler.filters] == [RateLimit, RedactKeys]
+
+
+def test_the_bridges_uvicorn_logs_through_the_root_handlers_filters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn's default logging config gave `uvicorn.error` a handler of its own that does not propagate:
+    a traceback the bridge logged ("Exception in ASGI application") skipped key redaction and the rate
+    limit. The bridge's config keeps uvicorn's loggers on the root handlers."""
+    from pipeline.bridge import server_config
+    from pipeline.serve import configure_logging
+    from pipeline.settings import Settings
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Collect()
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [handler])
+    uvicorn_loggers = {name: logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "uvicorn.access")}
+    saved = {name: (lg.handlers[:], lg.propagate, lg.level) for name, lg in uvicorn_loggers.items()}
+    try:
+        configure_logging("INFO")
+        server_config(Settings(), app=object())  # uvicorn configures logging when its Config is made
+        for _ in range(40):
+            logging.getLogger("uvicorn.error").error("Exception in ASGI application: sk-sluice-%s", "A" * 32)
+    finally:
+        for name, (handlers, propagate, level) in saved.items():
+            lg = uvicorn_loggers[name]
+            lg.handlers, lg.propagate = handlers, propagate
+            lg.setLevel(level)
+    assert lines, "uvicorn's records never reached the root handlers"
+    assert not any("A" * 32 in line for line in lines)
+    assert len(lines) < 40  # the rate limit's burst, then a note of what it dropped
