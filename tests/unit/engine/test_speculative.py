@@ -10,6 +10,9 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.llm_engine import LLMEngine
+from pipeline.engine.model_runner import ModelRunner
 from pipeline.engine.params import SamplingParams
 from pipeline.engine.sampler import token_probs
 from pipeline.engine.speculative import (
@@ -273,11 +276,8 @@ def test_ngram_speculation_under_temperature_gives_the_plain_samples(loaded: Loa
 
 def test_the_engine_as_target_gives_the_plain_greedy_output(loaded: Loaded, rewrite_prompt: list[int], plain: list[int]) -> None:
     """The adapter over the project's engine (paged KV): same tokens with n-gram drafts, blocks all returned."""
-    config_module = pytest.importorskip("pipeline.engine.config")
-    engine_module = pytest.importorskip("pipeline.engine.llm_engine")
-    runner_module = pytest.importorskip("pipeline.engine.model_runner")
-    config = config_module.EngineConfig(num_blocks=64, max_num_batched_tokens=64)
-    engine = engine_module.LLMEngine(runner_module.ModelRunner.from_transformers(loaded[0], config))
+    config = EngineConfig(num_blocks=64, max_num_batched_tokens=64)
+    engine = LLMEngine(ModelRunner.from_transformers(loaded[0], config))
     target = EngineModel(engine)
     result = SpeculativeDecoder(target, NGramProposer()).generate(rewrite_prompt, N)
     assert result.tokens == plain

@@ -58,7 +58,7 @@ def test_the_scope_tells_an_answer_on_its_topics_from_one_that_left_them(input_g
 
 def postguard(make_output_guard) -> PostguardStage:  # type: ignore[no-untyped-def]
     # Topics only: with a 4-chunk window the default MiniLM toxicity head scores 5-word openings, and
-    # "If your suitcase was delayed," scores 0.82 (test_toxicity.py keeps that as a strict xfail).
+    # "If your suitcase was delayed," scores 0.82 (test_toxicity.py keeps that as an xfail, not strict: 0.74 on another host).
     settings = {"holdback_tokens": 4, "routes": {MODEL: AIRLINE}, "toxicity_backend": "profanity_check"}
     return PostguardStage(GuardSettings(**settings), make_output_guard(**settings), node("postguard").topics)  # type: ignore[arg-type]
 

@@ -5,9 +5,12 @@ failures, to be promoted when a better head lands. The sentences here are in non
 validation or benchmark sets.
 
 Two of the misses sit near the threshold, and the int8 embedder's output moves with the host: on the
-hosts where they were written the head gave 0.44 and 0.82; on an AMD EPYC with AVX2 and no AVX-512 or
-VNNI (2026-12-05) 0.54 and 0.74, past the line. So they are expected failures that may pass (not strict):
-what they record is that the head cannot be trusted on such sentences, wherever it lands."""
+hosts where they were written, and on an Intel Xeon with AVX-512 VNNI (2026-12-07), the head gives 0.44
+and 0.82; on an AMD EPYC with AVX2 and no AVX-512 or VNNI (2026-12-05) it gave 0.54 and 0.74, past the
+line. So those two are expected failures that may pass (not strict: CI runs on whatever host it gets);
+what they record is that the head cannot be trusted on such sentences, wherever it lands. Every xfail
+here has `raises=AssertionError`: only the score missing its mark is the expected failure, an error on
+the way (a broken head, a shape error) fails the test."""
 
 from __future__ import annotations
 
@@ -35,17 +38,17 @@ def test_the_head_scores_what_the_word_model_misses_and_keeps_what_it_catches(he
     assert head.scores(["You are a fucking idiot."])[0] >= 0.8  # profane abuse: the word model's score is kept
 
 
-@pytest.mark.xfail(strict=False, reason="a veiled threat phrased unlike the written training threats: 0.44 (0.54 on another host)")
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason="a veiled threat phrased unlike the written training threats: 0.44 (0.54 on another host)")
 def test_a_threat_about_someones_children_is_flagged(head: MiniLmToxicity) -> None:
     assert head.scores(["Think twice before you call the police, because I know which school your kids go to."])[0] >= 0.5
 
 
-@pytest.mark.xfail(strict=True, reason="alt-profanity-check gives 'docker kill' 0.94 and the served score is the larger")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="alt-profanity-check gives 'docker kill' 0.94 and the served score is the larger")
 def test_a_docker_kill_command_is_not_flagged(head: MiniLmToxicity) -> None:
     assert head.scores(["To stop the container, run docker kill followed by its name."])[0] < 0.5
 
 
-@pytest.mark.xfail(strict=False, reason="the written threats are often conditional: a bare 'If your ...' opening scores 0.82 (0.74 on another host)")
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason="the written threats are often conditional: a bare 'If your ...' opening scores 0.82 (0.74 on another host)")
 def test_the_opening_of_a_conditional_sentence_is_not_flagged(head: MiniLmToxicity) -> None:
     # Postguard scores an unfinished sentence once its start is about to leave the holdback window.
     assert head.scores(["If your suitcase was delayed,"])[0] < 0.8
