@@ -55,6 +55,7 @@ from pipeline.bridge.openai_format import (
     models_body,
     parse_chat,
     parse_completion,
+    validated,
 )
 from pipeline.bridge.relay import RelayResponse
 from pipeline.bridge.websocket import StreamSession
@@ -178,7 +179,8 @@ def _completions(
         try:
             parsed = parse(decode_body(body))
             no_cache, no_store = cache_directives(request)
-            sdk_request = client.request(**parsed.request_kwargs(), no_cache=no_cache, no_store=no_store, task=task_header(request))
+            sdk_request = validated(lambda: client.request(**parsed.request_kwargs(), no_cache=no_cache, no_store=no_store,
+                                                           task=task_header(request)))
             sdk_request = with_client_info(sdk_request, request, settings.gateway.client_info_secret)
             sdk_request = credential.apply(sdk_request)  # signed last: the token covers the rest
         except BaseException:

@@ -42,6 +42,7 @@ from pipeline.bridge.openai_format import (
     parse_chat,
     to_json,
     usage_body,
+    validated,
 )
 from pipeline.bridge.relay import TIMEOUT_MESSAGE, Tally, finished
 from pipeline.sdk import Client, RequestFailed
@@ -133,6 +134,7 @@ class StreamSession:
                 raise TooManyOnSocket(f"this socket has {len(self._running)} requests running, its limit "
                                       "(bridge.ws_max_requests); send more as they end")
             parsed = parse_chat(decode_body(raw))
+            request = self._prepare(validated(lambda: self._client.request(**{**parsed.request_kwargs(), "stream": True})))
             self._admission.enter()
         except BridgeError as exc:
             await self._send({"type": "error", "id": None, "code": exc.code.value, "message": exc.message,
@@ -145,7 +147,6 @@ class StreamSession:
                               "retriable": retriable(ErrorCode.internal)})
             return
         try:
-            request = self._prepare(self._client.request(**{**parsed.request_kwargs(), "stream": True}))  # the socket streams
             await self._send({"type": "start", "id": request.id, "model": request.model})
         except BaseException:
             self._admission.leave()  # no task: _finished, which leaves it otherwise, never runs

@@ -97,6 +97,25 @@ def test_a_tool_call_request_is_a_400_naming_tools_not_a_plain_answer(bridge: tu
     assert client.sent == []
 
 
+def test_a_field_past_the_wire_schemas_bounds_is_a_400_naming_it_over_http_and_the_websocket(
+        bridge: tuple[TestClient, AnsweringClient]) -> None:
+    """A model name over the schema's 256 characters passed the bridge's own checks and failed in
+    `Client.request`: a 500 with a traceback over HTTP, and the end of the whole WebSocket."""
+    http, client = bridge
+    long_model = {**chat(), "model": "m" * 300}
+    response = http.post("/v1/chat/completions", json=long_model)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "model" and "m" * 300 not in response.text
+    with http.websocket_connect(WS_URL) as ws:
+        ws.send_text(json.dumps(long_model))
+        refused = ws.receive_json()
+        assert (refused["type"], refused["code"], refused["param"]) == ("error", "invalid_request", "model")
+        ws.send_text(json.dumps(chat()))  # the socket keeps serving
+        assert ws.receive_json()["type"] == "start"
+        assert [ws.receive_json()["type"] for _ in range(3)] == ["chunk", "chunk", "done"]
+    assert all(len(sent.model) <= 256 for sent in client.sent)
+
+
 def test_every_cache_control_line_counts(bridge: tuple[TestClient, AnsweringClient]) -> None:
     http, client = bridge
     headers = [("cache-control", "max-age=0"), ("cache-control", "no-store")]  # a proxy added the second line
