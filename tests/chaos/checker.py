@@ -2,14 +2,17 @@
 
 Client view (per request): exactly one terminal event, and it is `done`; chunks 0..n-1 once each, in
 order; the text equal to the fault-free run's for the same spec; `done.chunks` and `done.digest` agree
-with the chunks. Topic view (every topic read from the beginning, outside any group): terminal events
-and usage records per request id (duplicates are violations), chunks per (id, seq) on the reply topic
-(duplicates reported: the SDK hides them) and on decode's output (re-decoded tokens), dead letters.
+with the chunks; closing the stream (`Stream.aclose()`) raised nothing. Topic view (every topic read
+from the beginning, outside any group): terminal events and usage records per request id (duplicates
+are violations), chunks per (id, seq) on the reply topic (duplicates reported: the SDK hides them) and
+on decode's output (re-decoded tokens), dead letters.
 
 Numbers: the takeover stall (for streams in flight at a fault, the largest gap between two
 consecutive events of the stream after it: sent, chunks, terminal), the recovery (for streams not ended
 when a fault was over, a broker back or a process resumed or killed: the time from then to the stream's
-next event), re-decoded chunks per kill.
+next event), re-decoded chunks per kill, usage records missing (counted, not failed: billing is at most
+once, docs/reliability.md). One number is also a bound: the takeover stall p99 of a scenario whose only
+faults are kills (`TAKEOVER_STALL_BOUND_S`).
 Request ids on the topics may be namespaced (`<tenant>/<client id>`): matched on the part after "/".
 """
 
@@ -36,6 +39,13 @@ from tests.chaos.supervisor import WorkerRun
 # after the rebalance that follows (a broker-hang run, session 39: chunks 39..54 sent again, then 40 a
 # third time: 17 repeats for one fault).
 REDECODE_SLACK = 2 * AHEAD
+# The takeover stall p99 of a scenario whose only faults are kills, past which it is a violation: a
+# correctness bound, not a speed target (that is 6 s, docs/reliability.md). A killed worker's partitions
+# move once its group session expires, so a session timeout back at 30 s (before issue 9: stalls of
+# 31-60 s after a kill, p99 31.7 s) puts every takeover past it. Measured since session 28: p99 3.2-8.0 s
+# in every profile's kill scenario but processes-guarded's, 13.2 and 13.4 s (sessions 31 and 42, whole
+# guarded processes then taking 14 s to start; 6.2 s since): 20 s leaves half that again, 10 s under 30.
+TAKEOVER_STALL_BOUND_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +162,10 @@ class ScenarioReport:
     reply_duplicate_terminals: int
     reply_duplicate_chunks: int
     usage_duplicates: int
+    # Finished requests with no usage record: counted and reported, never a violation. Billing is at most
+    # once (docs/reliability.md, "billing"): a worker killed after claiming a record and before the broker
+    # has it, or a produce that fails in a broker outage, loses it, and sending it again was reverted
+    # (session 37) for the duplicates it made.
     usage_missing: int
     cache_hits: int  # requests the cache answered (a profile with the cache stage and repeated requests)
     dead_letters: int
@@ -225,6 +239,11 @@ def check(
                   f"{w.stage} pid {w.pid} exit {w.exit_code} ({w.log})")
     stalls, by_fault = _stalls(results, faults)
     recoveries = _recoveries(results, faults)
+    stall_p99 = percentile(stalls, 0.99)
+    only_kills = bool(faults) and all(f.kind == "kill" for f in faults)
+    if only_kills and stall_p99 is not None and stall_p99 > TAKEOVER_STALL_BOUND_S:
+        flags.add("takeover stall p99 past the bound",
+                  f"{stall_p99:.1f} s > {TAKEOVER_STALL_BOUND_S:.0f} s over {len(stalls)} streams ({by_fault})")
     kills = sum(1 for f in faults if f.kind == "kill")
     redecoded = sum(redecoded_by_key.values())
     return ScenarioReport(
@@ -234,7 +253,7 @@ def check(
         failed=dict(Counter(str(r.code) for r in results if r.outcome == "failed")),
         violations=dict(flags.counts), examples=flags.examples,
         affected_streams=len(stalls),
-        stall_p50_s=_round(percentile(stalls, 0.50)), stall_p99_s=_round(percentile(stalls, 0.99)),
+        stall_p50_s=_round(percentile(stalls, 0.50)), stall_p99_s=_round(stall_p99),
         stall_max_s=_round(max(stalls, default=None)), stall_by_fault=by_fault,
         recovery_p50_s=_round(percentile(recoveries, 0.50)), recovery_p99_s=_round(percentile(recoveries, 0.99)),
         kills=kills, redecoded_chunks=redecoded, redecoded_per_kill=round(redecoded / kills, 1) if kills else None,
@@ -251,6 +270,8 @@ def check(
 
 def _check_client(r: ClientResult, reference: dict[str, str] | None, flags: _Flags) -> None:
     who = f"{r.request_id} ({r.spec.key})"
+    if r.cleanup_error is not None:  # the SDK's caller saw `aclose()` raise, which it never should
+        flags.add("closing the stream raised", f"{who}: {r.cleanup_error} after {r.outcome}")
     if r.outcome in ("no_terminal", "client_error"):
         flags.add("no terminal event at the client", f"{who}: {r.outcome} {r.code or ''} after {len(r.chunks)} chunks")
         return
@@ -335,9 +356,9 @@ def markdown(
         f"stages {' '.join(stages) or '-'}; seed {seed}; {wall_s:.0f} s in all",
         "",
         "| scenario | requests | done | faults | violations | stall p50 / p99 / max (s) | recovery p50 / p99 (s) "
-        "| re-decoded (per kill) | dup terminals on reply | dup chunks on reply | dup usage | dead letters | worker exits "
-        "| cache hits | s |",
-        "| --- | ---: | ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| re-decoded (per kill) | dup terminals on reply | dup chunks on reply | dup usage | missing usage | dead letters "
+        "| worker exits | cache hits | s |",
+        "| --- | ---: | ---: | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in reports:
         faults = ", ".join(f"{n} {kind}" for kind, n in r.faults.items()) or "none"
@@ -347,7 +368,8 @@ def markdown(
         lines.append(
             f"| {r.name} | {r.requests} | {r.done} | {faults} | {sum(r.violations.values())} | {stall} | {recovery} "
             f"| {r.redecoded_chunks}{per_kill} | {r.reply_duplicate_terminals} | {r.reply_duplicate_chunks} "
-            f"| {r.usage_duplicates} | {r.dead_letters} | {len(r.worker_exits)} | {r.cache_hits} | {r.wall_s:.0f} |"
+            f"| {r.usage_duplicates} | {r.usage_missing} | {r.dead_letters} | {len(r.worker_exits)} | {r.cache_hits} "
+            f"| {r.wall_s:.0f} |"
         )
     for r in reports:
         if r.violations or r.failed or r.worker_exits:

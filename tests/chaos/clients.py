@@ -40,7 +40,9 @@ class ClientResult:
     cache: str | None = None  # done: the cache tier that answered (None: generated)
     done_digest: str | None = None
     finish_reason: str | None = None
-    cleanup_error: str | None = None  # closing the stream failed (its cancel could not be produced)
+    # `stream.aclose()` raised (its exception's type). The SDK logs a cancel the broker would not take and
+    # returns (`sdk._cancel`), so anything here escaped `aclose()` itself: the checker calls it a violation.
+    cleanup_error: str | None = None
 
     @property
     def text(self) -> str:
@@ -50,6 +52,7 @@ class ClientResult:
         return {
             "scenario": self.scenario, "spec": self.spec.key, "id": self.request_id, "outcome": self.outcome,
             "code": self.code, "chunks": len(self.chunks), "finish_reason": self.finish_reason,
+            "cleanup_error": self.cleanup_error,
         }
 
 
@@ -81,7 +84,7 @@ async def stream_one(
         result.ended_at = time.monotonic()
     try:
         await stream.aclose()
-    except Exception as exc:  # kept with the result: the checker reports it
+    except Exception as exc:  # kept with the result: the checker flags it (`checker._check_client`)
         result.cleanup_error = type(exc).__name__
     return result
 

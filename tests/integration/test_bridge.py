@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from tests.integration.conftest import Bridge
 from topics import codec, registry
 from topics.errors import ErrorCode
 from topics.hops import client_id_of
+from topics.requests import Request
 from topics.stream import Chunk, Failed, StreamEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -154,17 +156,21 @@ async def test_leaving_an_sse_stream_cancels_the_request(bridge: Bridge) -> None
 
 
 async def test_leaving_before_a_whole_answer_cancels_the_request(bridge: Bridge) -> None:
-    """Not streaming: the client gives up (its connection closes) before the answer is there."""
+    """Not streaming: the client gives up (its connection closes) before the answer is there. It never
+    sees its request's id: the test finds it on llm.requests by the user agent it sent."""
     watch = await kafka.broadcast_consumer(bridge.settings, (registry.reply_topic(bridge.settings.bridge.reply_name),), "test-bridge-whole-watch")
+    sent = await kafka.broadcast_consumer(bridge.settings, (registry.REQUESTS,), "test-bridge-whole-sent")
+    agent = f"test-bridge-whole-{uuid.uuid4().hex}"
     try:
         body = {"model": bridge.settings.models[0], "messages": STORY, "max_tokens": 300}
-        async with httpx.AsyncClient(base_url=bridge.url, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=bridge.url, timeout=120, headers={"user-agent": agent}) as http:
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(3):
                     await http.post("/v1/chat/completions", json=body)
-        terminal = await _first_terminal(watch)
+        terminal = await _terminal_of(watch, await _id_sent_by(sent, agent))
     finally:
         await watch.stop()
+        await sent.stop()
     assert isinstance(terminal, Failed) and terminal.code is ErrorCode.cancelled
     assert terminal.usage.completion_tokens < 200
 
@@ -205,14 +211,19 @@ async def _terminal_of(consumer: AIOKafkaConsumer, request_id: str, timeout: flo
     raise AssertionError(f"no terminal event for {request_id} within {timeout} s")
 
 
-async def _first_terminal(consumer: AIOKafkaConsumer, timeout: float = 60.0) -> StreamEvent:
-    """The first terminal event of any request (for a test whose request's id the client never saw)."""
+async def _id_sent_by(consumer: AIOKafkaConsumer, user_agent: str, timeout: float = 60.0) -> str:
+    """The client id of the request the bridge sent on llm.requests for a caller with this user agent
+    (for a test whose client never saw its request's id)."""
     async with asyncio.timeout(timeout):
         while True:
             for records in (await consumer.getmany(timeout_ms=200)).values():
                 for record in records:
-                    if not isinstance(event := codec.decode(record.value or b"", StreamEvent), Chunk):
-                        return event
+                    try:
+                        request = codec.decode(record.value or b"", Request)
+                    except codec.SchemaError:  # another test's hostile record
+                        continue
+                    if request.user_agent == user_agent:
+                        return client_id_of(request.id)
 
 
 async def _ws_until(ws: Any, enough: Callable[[list[dict[str, Any]]], bool], timeout: float = 120.0) -> list[dict[str, Any]]:

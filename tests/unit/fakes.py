@@ -80,11 +80,13 @@ async def run_handler(stage: Stage, message: Any) -> list[Out]:
 
 class HeldAcks:
     """The runner's producer, acknowledging nothing until the test resolves `pending` (`release()`: all).
-    `calls`: ("one" | "batch", [values]) per send; `send_together` declines (None) unless `fits`."""
+    `calls`: ("one" | "batch", [values]) per send; `produced`: the same with the topic each send went to,
+    ("one" | "batch", topic, [values]); `send_together` declines (None) unless `fits`."""
 
     def __init__(self, fits: bool = True) -> None:
         self.fits = fits
         self.calls: list[tuple[str, list[bytes]]] = []
+        self.produced: list[tuple[str, str, list[bytes]]] = []
         self.pending: list[asyncio.Future[Any]] = []
 
     def _ack(self) -> asyncio.Future[Any]:
@@ -94,12 +96,14 @@ class HeldAcks:
 
     async def send(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
         self.calls.append(("one", [value]))
+        self.produced.append(("one", topic, [value]))
         return self._ack()
 
     async def send_together(self, topic: str, key: bytes, items: list[tuple[bytes, list[tuple[str, bytes]]]]) -> asyncio.Future[Any] | None:
         if not self.fits:
             return None
         self.calls.append(("batch", [value for value, _ in items]))
+        self.produced.append(("batch", topic, [value for value, _ in items]))
         return self._ack()
 
     def release(self) -> None:

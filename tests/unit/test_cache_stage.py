@@ -25,7 +25,7 @@ from pipeline.stages.emit import EmitStage
 from pipeline.state import MemoryStateStore
 from pipeline.topology import graph
 from tests.unit.fakes import run_handler
-from tests.unit.helpers import SETTINGS, admitted, node, request
+from tests.unit.helpers import MODEL, SETTINGS, admitted, node, request
 from topics import registry
 from topics.cache import CacheTier, Entry, Purge, Ticket
 from topics.errors import ErrorCode
@@ -181,18 +181,34 @@ async def test_a_purge_drops_the_tenants_entries(embedder) -> None:  # type: ign
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    texts=st.lists(st.sampled_from(["How do I reset my password?", "How can I reset my password?", "Name a colour.",
-                                    "What is 2+2?", "what is 2 + 2"]), min_size=1, max_size=6),
-    tenants=st.lists(st.sampled_from(["a", "b", "a-b", "A"]), min_size=1, max_size=6),
+    asks=st.lists(st.tuples(
+        st.sampled_from(["How do I reset my password?", "How can I reset my password?", "Name a colour.",
+                         "What is 2+2?", "what is 2 + 2"]),
+        st.sampled_from(["a", "b", "a-b", "A"]),
+        st.sampled_from([None, "another-model"]),  # None: the configured model
+        st.sampled_from([8, 9]),  # max_tokens, one of the parameters the key holds
+    ), min_size=1, max_size=8),
 )
-async def test_no_entry_of_one_tenant_ever_answers_another(embedder, texts: list[str], tenants: list[str]) -> None:  # type: ignore[no-untyped-def]
+async def test_no_entry_of_one_tenant_ever_answers_another(embedder, asks: list[tuple[str, str, str | None, int]]) -> None:  # type: ignore[no-untyped-def]
+    """Each answer names the tenant, model, parameters and prompt it was generated for, so a hit shows
+    whose entry answered it: one stored for the same tenant, model and parameters (an exact hit: for the
+    same prompt too; a semantic hit: any prompt of theirs)."""
     p = Pipeline(embedder)
-    stored: set[str] = set()
-    for i, (text, tenant) in enumerate(zip(texts, tenants * len(texts), strict=False)):
-        status, _ = await p.ask(chat(text, f"p{i}", tenant=tenant))
-        if status != "miss":
-            assert tenant in stored  # a hit only ever comes from an entry of the same tenant
-        stored.add(tenant)
+    offered: dict[tuple[str, str, int], dict[str, str]] = {}  # (tenant, model, max_tokens) -> prompt -> its answer
+    for i, (text, tenant, model, max_tokens) in enumerate(asks):
+        model = model or MODEL
+        answer = (f"[{tenant}|{model}|{max_tokens}] ", f"answer to {text!r}")
+        asked = chat(text, f"p{i}", tenant=tenant, model=model, sampling=Sampling(max_tokens=max_tokens))
+        status, sent = await p.ask(asked, answer)
+        scope = offered.setdefault((tenant, model, max_tokens), {})
+        got = "".join(c.text for c in sent if isinstance(c, Chunk))
+        if status == "miss":
+            assert got == "".join(answer)
+            scope.setdefault(text, got)  # the first answer to a prompt is the one its key may keep
+        elif status == "hit-exact":
+            assert got == scope.get(text), (tenant, model, max_tokens, text, got)  # the same key's own answer
+        else:
+            assert got in scope.values(), (tenant, model, max_tokens, text, got)  # from the same tenant, model, parameters
     for entry in p.exact._entries.values():
         assert isinstance(entry, Entry) and entry.key.startswith(keys.scope(entry.tenant))
 

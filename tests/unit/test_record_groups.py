@@ -33,6 +33,7 @@ from topics.hops import Admitted
 from topics.stream import Chunk, Done, FinishReason, StreamEvent, Usage, digest_of
 
 REPLY = "llm.responses.sdk"
+USAGE = node("emit").topics.usage
 RID = "acme/r1"
 
 
@@ -50,15 +51,19 @@ def record(message: Any, offset: int, value: bytes | None = None) -> ConsumerRec
 
 
 def replies(producer: HeldAcks) -> list[tuple[str, list[str]]]:
-    """Per send to the reply topic: how it went and what it held (chunk seqs, "end")."""
+    """Per send to the reply topic: how it went and what it held (chunk seqs, "end"). A send to any other
+    topic is left out, whatever it holds (`sent_to` lists every send's topic)."""
     shown = []
-    for how, values in producer.calls:
-        try:
+    for how, topic, values in producer.produced:
+        if topic == REPLY:
             events = [codec.decode(v, StreamEvent) for v in values]
-        except codec.SchemaError:  # a usage record or a dead letter
-            continue
-        shown.append((how, [str(e.seq) if isinstance(e, Chunk) else "end" for e in events]))
+            shown.append((how, [str(e.seq) if isinstance(e, Chunk) else "end" for e in events]))
     return shown
+
+
+def sent_to(producer: HeldAcks) -> list[str]:
+    """The topic of each send, in order."""
+    return [topic for _, topic, _ in producer.produced]
 
 
 class Flaky(EmitStage):
@@ -217,7 +222,7 @@ async def test_a_hit_handed_to_emit_reaches_the_reply_topic_as_one_batch_and_nev
     task = asyncio.create_task(sender.process(record_of(helpers.admitted(helpers.request("r1")), "t.in"), None))
     assert await acknowledged(task, producer) == "ok"
     assert replies(producer) == [("batch", ["0", "1", "end"])]  # one produce request, to the reply topic only
-    assert len(producer.calls) == 2  # and the usage record: nothing went to llm.checked
+    assert sent_to(producer) == [REPLY, USAGE]  # and the usage record: nothing went to llm.checked
     stored = await store.read(RID + "#emit")
     assert stored.get("terminal") == b"1" and stored.get("emitted") == b"2"
 
@@ -231,6 +236,7 @@ async def test_a_failure_in_a_handed_over_hit_sends_it_message_by_message_with_o
     assert await acknowledged(task, producer) == "ok"
     assert emit.resets == [RID]
     assert replies(producer) == [("one", ["0"]), ("one", ["1"]), ("one", ["end"])]
+    assert sent_to(producer) == [REPLY] * 3 + [USAGE]  # handled again by emit, still never sent to llm.checked
 
 
 @pytest.mark.asyncio
@@ -259,6 +265,7 @@ async def test_a_generate_stage_hands_its_whole_stream_to_emit_which_answers_eac
     # consumes it here), and the last chunk left with the ending.
     assert [seq for _, seqs in replies(producer) for seq in seqs] == [str(i) for i in range(len(words))] + ["end"]
     assert replies(producer)[-1] == ("batch", [str(len(words) - 1), "end"])
+    assert [topic for topic in sent_to(producer) if topic != REPLY] == [USAGE]
     assert (await store.read(message.id)).get("finished") and (await store.read(message.id + "#emit")).get("terminal") == b"1"
 
 
@@ -287,7 +294,7 @@ async def test_route_hands_a_request_to_generate_whose_stream_reaches_only_the_r
     message = helpers.admitted(helpers.request("r1"))
     assert await acknowledged(asyncio.create_task(route.process(record_of(message, "llm.guarded"), None)), producer) == "ok"
     assert [seq for _, seqs in replies(producer) for seq in seqs] == ["0", "1", "2", "end"]
-    assert len(producer.calls) == len(replies(producer)) + 1  # and the usage record: no llm.routed, no llm.checked
+    assert [topic for topic in sent_to(producer) if topic != REPLY] == [USAGE]  # no llm.routed, no llm.checked
     assert (await store.read(message.id + "#emit")).get("terminal") == b"1"
 
 
@@ -298,9 +305,10 @@ async def test_a_route_handover_cancelled_midway_is_finished_once_by_the_redeliv
     message = helpers.admitted(helpers.request("r1"))
     first = asyncio.create_task(route_generate_emit(producer, store, ScriptedBackend(words, step_s=0.01))
                                 .process(record_of(message, "llm.guarded"), None))
-    while len(replies(producer)) < 4:  # the stream is under way, its chunks acknowledged as they come
-        producer.release()
-        await asyncio.sleep(0.005)
+    async with asyncio.timeout(5):  # fails, not hangs, when no reply reaches the reply topic
+        while len(replies(producer)) < 4:  # the stream is under way, its chunks acknowledged as they come
+            producer.release()
+            await asyncio.sleep(0.005)
     first.cancel()  # ingest's partition was taken away: the chain is redone from its record
     with pytest.raises(asyncio.CancelledError):
         await first
@@ -337,7 +345,7 @@ async def emitted_beside(client: Client, rid: str) -> tuple[HeldAcks, MemoryStat
 async def test_a_reply_one_of_this_process_s_streams_waits_for_is_delivered_in_memory_not_produced() -> None:
     client, rid, stream = bridge_client()
     producer, store = await emitted_beside(client, rid)
-    assert replies(producer) == []  # nothing on the reply topic (the usage record still goes to its topic)
+    assert replies(producer) == [] and sent_to(producer) == [USAGE]  # only the usage record, to its topic
     assert client._streams[rid.split("/")[1]] is stream._state
     assert [type(e).__name__ for e in stream._events] == ["Chunk", "Done"]
     stored = await store.read(rid + "#emit")
