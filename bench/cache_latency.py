@@ -17,8 +17,9 @@ broker just started is slower until its JIT has compiled its hot paths). Starts 
 (ports 19292/16579).
 
 Every stage and the bridge run in this process, wired as `sluice run --in-process` wires them (the
-handovers, and emit handing replies to the bridge's client: a request crosses the broker once; with
-`sluice run`'s two processes, about half the requests do). The client runs in the same process, one
+handovers, and emit handing replies to the bridge's client: a request crosses the broker once; so does
+`sluice run`'s default `[run] bridges = "every"`, where each bridge sends to its own process's ingest;
+with `bridges = "first"` about half the requests cross twice). The client runs in the same process, one
 request at a time, so its own cost is in every figure. By
 default it is the lean keep-alive client of `bench/http_load.py`, which bench/throughput.py uses too;
 `--client httpx` (the figures up to session 28) spent about 1.4 ms more per exact hit on session 29's
