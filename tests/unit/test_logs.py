@@ -167,6 +167,8 @@ def test_the_bridges_uvicorn_logs_through_the_root_handlers_filters(monkeypatch:
     uvicorn_loggers = {name: logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "uvicorn.access")}
     saved = {name: (lg.handlers[:], lg.propagate, lg.level) for name, lg in uvicorn_loggers.items()}
     try:
+        for lg in uvicorn_loggers.values():  # as in a fresh process (another test may have configured uvicorn)
+            lg.handlers, lg.propagate = [], True
         configure_logging("INFO")
         server_config(Settings(), app=object())  # uvicorn configures logging when its Config is made
         for _ in range(40):
