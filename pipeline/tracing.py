@@ -38,7 +38,7 @@ from typing import Any
 
 from opentelemetry import context, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace import Status, StatusCode, TraceFlags, TraceState
@@ -46,7 +46,7 @@ from opentelemetry.trace import Status, StatusCode, TraceFlags, TraceState
 from pipeline import metrics
 from pipeline.observability.config import ObservabilitySettings
 from pipeline.observability.export_child import ChildExporter
-from pipeline.observability.lean import LeanTracerProvider
+from pipeline.observability.lean import MAX_ATTRIBUTE_CHARS, LeanTracerProvider
 from pipeline.observability.otlp import OtlpHttpExporter
 from pipeline.observability.recent import TRACES
 from topics import registry
@@ -90,7 +90,8 @@ def install(settings: ObservabilitySettings | None = None, exporter: SpanExporte
     settings = settings or ObservabilitySettings()
     sampler = sampler or ParentBased(TraceIdRatioBased(settings.sample_ratio))
     kind = LeanTracerProvider if settings.recorder == "lean" else TracerProvider
-    provider = kind(resource=Resource.create({"service.name": settings.service_name}), sampler=sampler)
+    provider = kind(resource=Resource.create({"service.name": settings.service_name}), sampler=sampler,
+                    span_limits=SpanLimits(max_attribute_length=MAX_ATTRIBUTE_CHARS))  # the lean one's own bound
     if exporter is None and settings.otlp_endpoint:
         exporter = otlp_exporter(settings)
     if exporter is not None:

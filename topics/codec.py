@@ -32,6 +32,7 @@ _ID = re.compile(ID_PATTERN)
 # as far as it names the type's own fields, indices and map keys (msgspec writes a key as `[...]`); the
 # rest of a path is withheld as `[…]` (an unknown field's name can itself end in " - at `$.x`").
 _AT = re.compile(r"(.*) - at `(\$[^`]*)`\Z", re.DOTALL)
+_KEY_AT = re.compile(r"(.*) - at `key` in `(\$[^`]*)`\Z", re.DOTALL)  # a map's key broke its schema (the key not shown)
 _SEGMENT = re.compile(r"\.(\w{1,64})|\[(?:\d{1,10}|\.\.\.)\]")
 _BOUND = (r"(?:, got `\w+`| of (?:at (?:least|most) )?length (?:[<>]= )?\d+(?: to \d+)?(?:, got \d+)?"
           r"| [<>]=? [\w.+-]{1,32}| that's a multiple of \d+| with(?: no)? timezone component)?")
@@ -82,6 +83,8 @@ def _reason(exc: msgspec.MsgspecError, type_: Any) -> str:
     message, path = str(exc), ""
     if (at := _AT.fullmatch(message)) is not None:
         message, path = at.group(1), _path(at.group(2), type_)
+    elif (at := _KEY_AT.fullmatch(message)) is not None:
+        message, path = at.group(1), _path(at.group(2), type_) + "[key]"
     what = next((keep or message for shape, keep in _SHAPES if shape.fullmatch(message)), "Schema error")
     if message.startswith("Invalid value ") and path.endswith(".kind"):  # a tag (an older `request.v1`, a typo)
         what = "unknown message kind or schema version"

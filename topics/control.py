@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
-from typing import Annotated
 
 import msgspec
+
+from topics.hops import REQUEST_ID, RequestId
 
 
 class CancelReason(enum.StrEnum):
@@ -16,11 +17,11 @@ class CancelReason(enum.StrEnum):
 
 # A client id (`topics.requests.ID_PATTERN`, 64 at most), or `<tenant>/` before one: every decode and
 # prefill worker remembers the last cancellations it heard, so an id of a megabyte was a megabyte each.
-CANCEL_ID = r"^(?:[^/\s]{1,128}/)?[A-Za-z0-9._:-]{1,64}\Z"
+CANCEL_ID = REQUEST_ID  # topics.hops: the same rule as every other request id on the wire
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel.v2", tag_field="kind"):
     # the pipeline's request id (`<tenant>/<client id>`), or the client's id before it has seen one
-    id: Annotated[str, msgspec.Meta(pattern=CANCEL_ID)]
+    id: RequestId
     reason: CancelReason
     at: float

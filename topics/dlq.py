@@ -13,6 +13,8 @@ from types import MappingProxyType
 
 import msgspec
 
+from topics.hops import MAX_REQUEST_ID_CHARS
+
 
 class DeadLetter(msgspec.Struct, frozen=True, tag="dead_letter.v1", tag_field="kind"):
     stage: str
@@ -35,7 +37,7 @@ LIMITS = MappingProxyType({
     "error_type": 128,
     "error": 1000,
     "payload_sha256": 64,  # a hex SHA-256
-    "request_id": 128,
+    "request_id": MAX_REQUEST_ID_CHARS,  # `<tenant>/<client id>` at their longest
 })
 
 

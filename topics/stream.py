@@ -13,6 +13,11 @@ the client's own id (all of ingest's, and the runner's for a record it could not
 `nonce` naming the record it refuses: one client id can be refused many times (the same bytes sent again
 after a 429, another tenant's or a stranger's request under the same id), so postguard and emit keep one
 terminal event per refused record, not per id.
+
+Ids and timings are bounded by the schema (topics.hops: `RequestId`, `Timings`), a rate limit names one of
+the gateway's scopes and resources, a nonce is a short token: a record past them (written by whoever can
+write to these topics) is unreadable, dead-lettered like any schema error, and never reaches a log line, a
+span, a usage record or a metric label.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Iterable
+from typing import Annotated, Literal
 
 import msgspec
 
 from topics.cache import CacheTier, Ticket
 from topics.errors import ErrorCode
+from topics.hops import RequestId, Timings
 
 EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 
@@ -53,7 +60,7 @@ class Usage(msgspec.Struct, frozen=True):
 
 
 class Chunk(msgspec.Struct, frozen=True, omit_defaults=True, tag="chunk.v2", tag_field="kind"):
-    id: str  # request id
+    id: RequestId
     reply_to: str
     seq: int
     text: str
@@ -64,7 +71,7 @@ class Chunk(msgspec.Struct, frozen=True, omit_defaults=True, tag="chunk.v2", tag
 
 
 class Done(msgspec.Struct, frozen=True, omit_defaults=True, tag="done.v2", tag_field="kind"):
-    id: str
+    id: RequestId
     reply_to: str
     chunks: int
     digest: str  # the hash chain of the chunk texts (digest_step)
@@ -73,25 +80,28 @@ class Done(msgspec.Struct, frozen=True, omit_defaults=True, tag="done.v2", tag_f
     tenant: str
     model: str
     created_at: float
-    timings: dict[str, float] = {}  # stage -> ms; emit adds "total" (created_at to terminal)
+    timings: Timings = {}  # stage -> ms; emit adds "total" (created_at to terminal)
     cache: CacheTier | None = None  # which tier answered; None: generated
     ticket: Ticket | None = None  # a miss the cache may store: emit stores the answer under it (topics.cache)
     cost: float = 0.0  # set by emit: what the request is billed at the configured prices (gateway.prices)
     deadline_s: float = 300.0  # the request's: how long a stage after decode waits out an outage with it
 
 
+LimitScope = Literal["key", "tenant", "ip", "global"]  # what a limit counts by (pipeline.gateway.limits.Scope)
+
+
 class RateLimit(msgspec.Struct, frozen=True):
     """Which limit refused a request: the bridge turns it into `x-ratelimit-*` headers."""
 
-    scope: str  # "key", "tenant", "ip" or "global"
-    resource: str  # "requests" or "tokens"
+    scope: LimitScope
+    resource: Literal["requests", "tokens"]  # a spent budget is `budget_exceeded`, with no RateLimit
     limit: int  # per window
     remaining: int
     reset_s: float  # seconds until the window has room again
 
 
 class Failed(msgspec.Struct, frozen=True, tag="error.v2", tag_field="kind"):
-    id: str
+    id: RequestId
     reply_to: str
     code: ErrorCode
     message: str  # safe for the client: never echoes prompt text or credentials
@@ -101,14 +111,14 @@ class Failed(msgspec.Struct, frozen=True, tag="error.v2", tag_field="kind"):
     created_at: float
     chunks: int = 0  # chunks sent before the error
     usage: Usage = Usage()
-    timings: dict[str, float] = {}
+    timings: Timings = {}
     retry_after_s: float | None = None
     rate_limit: RateLimit | None = None  # set when code is rate_limited
     cost: float = 0.0  # set by emit: what the tokens used before the error are billed
     deadline_s: float = 300.0  # the request's: how long a stage after decode waits out an outage with it
     # Set on a refusal under the client's own id (no "<tenant>/"): an opaque digest of the refused record
     # (topic, partition, offset), so a replay of that record is dropped and another record's refusal is not.
-    nonce: str | None = None
+    nonce: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._:-]{1,64}\Z")] | None = None
 
 
 StreamEvent = Chunk | Done | Failed

@@ -15,6 +15,8 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from pipeline.gateway.hosts import HostEntryError, parse_entry
+from pipeline.gateway.keys import tenant_name
+from topics.requests import MAX_TENANT_CHARS
 
 # The longest overlap after `keys rotate`, as `--overlap-s` allows it (gateway/keys.py): past it the old key's
 # expiry is centuries away (or, at inf, no Redis expiry at all) while the operator believes it retired.
@@ -192,6 +194,9 @@ class GatewaySettings:
             found.append("gateway: window_s, chars_per_token and redis_timeout_s must be positive")
         if not 0 <= self.key_cache_s <= 3600:  # inf: a revoked key would work for ever in every ingest that saw it
             found.append(f"gateway.key_cache_s must be 0 to 3600 seconds, got {self.key_cache_s}")
+        if not tenant_name(self.anonymous_tenant):  # in every keyless request's id: topics.hops.REQUEST_ID
+            found.append(f"gateway.anonymous_tenant must be printable, without '/' or whitespace, "
+                         f"1 to {MAX_TENANT_CHARS} characters, got {self.anonymous_tenant!r}")
         if not 0 <= self.rotate_overlap_s < MAX_ROTATE_OVERLAP_S:  # NaN and inf fail too
             found.append(f"gateway.rotate_overlap_s must be 0 or more seconds, under {MAX_ROTATE_OVERLAP_S:.0f} (366 days), "
                          f"got {self.rotate_overlap_s}")

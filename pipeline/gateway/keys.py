@@ -93,8 +93,9 @@ def well_formed(raw: str) -> bool:
 
 def tenant_name(tenant: object) -> TypeGuard[str]:
     """Whether `tenant` may name a tenant, as a key's record or a JWT's claim: printable, without "/" or
-    whitespace, 1 to MAX_TENANT_CHARS characters. Request ids are `<tenant>/<id>`, and a cancel's id
-    must match topics.control.CANCEL_ID: another tenant name broke cancels and dead-lettered requests."""
+    whitespace, 1 to MAX_TENANT_CHARS characters. Request ids are `<tenant>/<id>`, and every one on the
+    wire (a cancel's too) must match topics.hops.REQUEST_ID: another tenant name broke cancels and
+    dead-lettered requests."""
     return (
         isinstance(tenant, str) and 0 < len(tenant) <= MAX_TENANT_CHARS and tenant.isprintable()
         and "/" not in tenant and not any(c.isspace() for c in tenant)

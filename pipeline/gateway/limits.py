@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from topics.stream import LimitScope
+
 Resource = Literal["requests", "tokens", "budget"]
 _SAFE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _HASHED = re.compile(r"^h[0-9a-f]{24}$")  # what `tag` makes of an unsafe name: a name of that form is hashed too
@@ -38,7 +40,7 @@ _HASHED = re.compile(r"^h[0-9a-f]{24}$")  # what `tag` makes of an unsafe name: 
 
 @dataclass(frozen=True)
 class Scope:
-    kind: Literal["key", "tenant", "ip", "global"]
+    kind: LimitScope
     name: str
     rpm: int = 0  # 0: no limit
     tpm: int = 0

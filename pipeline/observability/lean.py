@@ -11,7 +11,9 @@ tracers make `LeanSpan`s:
                   `traceparent` flag); only a root asks the provider's sampler (and
                   `pipeline.tracing.extract`, for a context from outside: there the flag is its draw)
     attributes    a plain dict; values of the types OTLP carries (str, bool, int, float, bytes and
-                  sequences of them), others dropped; at most MAX_ATTRIBUTES, the rest counted dropped
+                  sequences of them), others dropped; at most MAX_ATTRIBUTES, the rest counted dropped;
+                  a string cut to MAX_ATTRIBUTE_CHARS (bytes too), as the SDK's
+                  `attribute_value_length_limit` does (a value can come from a record's field)
     exceptions    recorded as status ERROR with the exception's class name only, never its message (a
                   message can quote a prompt); no exception event
     events, links kept, bounded like attributes (sluice's stages make none)
@@ -37,20 +39,25 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, S
 from opentelemetry.util._decorator import _agnosticcontextmanager
 
 MAX_ATTRIBUTES = 128  # per span, event or link (the SDK's default limit)
+MAX_ATTRIBUTE_CHARS = 1024  # per string value, and per string of a sequence (the SDK has no default limit)
 MAX_EVENTS = MAX_LINKS = 128
 _SCALARS = (str, bool, int, float, bytes)
 _PLAIN = frozenset(_SCALARS)  # exact classes, checked by identity: no subclass walks
+_CUT = frozenset((str, bytes))  # the values MAX_ATTRIBUTE_CHARS bounds
 _SAMPLED, _NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
 _UNSET = Status(StatusCode.UNSET)
 _bits = random.getrandbits
 
 
 def _valid(value: Any) -> Any:
-    """`value` as an attribute keeps it (a list becomes a tuple), or None: not an OTLP value."""
+    """`value` as an attribute keeps it (a list becomes a tuple, a long string is cut), or None: not an
+    OTLP value."""
+    if isinstance(value, str | bytes):
+        return value[:MAX_ATTRIBUTE_CHARS]
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, Sequence) and all(isinstance(v, _SCALARS) for v in value):
-        return tuple(value)
+        return tuple(v[:MAX_ATTRIBUTE_CHARS] if isinstance(v, str | bytes) else v for v in value)
     return None
 
 
@@ -84,8 +91,9 @@ class LeanSpan(trace.Span):
         self.instrumentation_scope = scope
         self._processor = processor
         if attributes:
-            for key, value in attributes.items():  # the common case inline: a scalar, under the limit
-                if value.__class__ in _PLAIN and len(self.attributes) < MAX_ATTRIBUTES:
+            for key, value in attributes.items():  # the common case inline: a short scalar, under the limit
+                if value.__class__ in _PLAIN and len(self.attributes) < MAX_ATTRIBUTES and (
+                        value.__class__ not in _CUT or len(value) <= MAX_ATTRIBUTE_CHARS):
                     self.attributes[key] = value
                 else:
                     self.set_attribute(key, value)

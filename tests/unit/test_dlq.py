@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from topics.dlq import LIMITS, DeadLetter, bounded
+from topics.hops import request_key
 
 FIELDS = {
     "stage": "ingest",
@@ -45,3 +46,10 @@ def test_records_written_before_the_flag_existed_still_decode() -> None:
     old = old.replace(b',"truncated":false', b"")
     assert b"truncated" not in old
     assert msgspec.json.decode(old, type=DeadLetter).truncated is False
+
+
+def test_the_longest_request_id_is_kept_whole() -> None:
+    """A tenant of 128 characters and a client id of 64: the dead letter was cut at 128."""
+    rid = request_key("t" * 128, "r" * 64)
+    letter = bounded(**FIELDS, request_id=rid)  # type: ignore[arg-type]
+    assert letter.request_id == rid and not letter.truncated

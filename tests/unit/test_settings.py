@@ -363,3 +363,13 @@ def test_a_rule_whose_backends_serve_none_of_its_models_is_refused(tmp_path: Pat
     with pytest.raises(SettingsError, match="routing rule 'r' can match no request: none of its backends serves"):
         load_text(tmp_path, two)
     assert load_text(tmp_path, two.replace('["gpu-a"]', '["gpu-a", "gpu-b"]')).routing.rules[0].models == ("n",)
+
+
+@pytest.mark.parametrize("tenant", ["", "a b", "a/b", "x\ny", "x" * 129])
+def test_the_anonymous_tenant_is_a_tenant_name(tmp_path: Path, tenant: str) -> None:
+    """It is the tenant in every keyless request's id (`<tenant>/<id>`): one the wire's id rule refuses
+    (topics.hops.REQUEST_ID) made every such request unreadable after ingest."""
+    with pytest.raises(SettingsError, match="gateway.anonymous_tenant must be printable"):
+        load_text(tmp_path, f"[gateway]\nanonymous_tenant = {json.dumps(tenant)}\n")
+    loaded = load_text(tmp_path, '[gateway]\nanonymous_tenant = "租户-1.é"\n')
+    assert loaded.gateway.anonymous_tenant == "租户-1.é"

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased,
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags
 
 from pipeline import tracing
-from pipeline.observability.lean import MAX_ATTRIBUTES, LeanSpan, LeanTracerProvider
+from pipeline.observability.lean import MAX_ATTRIBUTE_CHARS, MAX_ATTRIBUTES, LeanSpan, LeanTracerProvider
 from pipeline.observability.otlp import Encoder
 
 
@@ -78,6 +78,22 @@ def test_attributes_keep_otlp_types_within_the_limit() -> None:
     assert "bad" not in done.attributes and "none" not in done.attributes and "mixed" not in done.attributes
     # n, list and strs came first: of the k-keys, MAX_ATTRIBUTES - 3 fit, the other 8 are counted dropped
     assert len(done.attributes) == MAX_ATTRIBUTES and done.dropped_attributes == 8
+
+
+def test_a_long_string_attribute_is_cut_to_the_limit() -> None:
+    """A value can come from a record's field (`request.id`): a megabyte id made a megabyte attribute."""
+    tracer, memory = recorder()
+    long = "x" * 1_000_000
+    with tracer.start_as_current_span("s", attributes={"start": long, "short": "t/r1", "raw": b"y" * 5000}) as span:
+        span.set_attribute("request.id", long)
+        span.set_attribute("list", ["a", long])
+        span.add_event("e", {"why": long})
+    [done] = memory.get_finished_spans()
+    cut = "x" * MAX_ATTRIBUTE_CHARS
+    assert done.attributes["start"] == cut and done.attributes["request.id"] == cut
+    assert done.attributes["list"] == ("a", cut)
+    assert done.attributes["raw"] == b"y" * MAX_ATTRIBUTE_CHARS and done.attributes["short"] == "t/r1"
+    assert done.events[0].attributes["why"] == cut
 
 
 def test_an_exception_is_recorded_by_its_class_name_only() -> None:
