@@ -21,6 +21,7 @@ dropped past the queue.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -137,17 +138,21 @@ class _Connection(asyncio.Protocol):
         self._timer = None
         loop = asyncio.get_running_loop()
         now = loop.time()
+        oldest = self._waiting[self._abandoned] if self._abandoned < len(self._waiting) else None
+        if oldest is not None and not oldest.graced and now - oldest.deadline > self._timeout_s / 2:
+            # The timer ran late: the event loop was busy, not Redis. A reply may be unread in the socket
+            # (uvloop runs due timers before it polls), or a command may only just have gone out (uvloop
+            # writes small writes after the callback that made them). Every call already due gets a whole
+            # timeout of loop time from now, once, and together: one by one, each would have found the
+            # next one late in turn and a stalled Redis would fail the queue one timeout at a time.
+            for waiting in itertools.islice(self._waiting, self._abandoned, None):
+                if waiting.deadline > now:
+                    break
+                waiting.graced = True
+                waiting.deadline = now + self._timeout_s
         while self._abandoned < len(self._waiting):
             waiting = self._waiting[self._abandoned]
             if now < waiting.deadline:
-                break
-            if not waiting.graced and now - waiting.deadline > self._timeout_s / 2:
-                # The timer ran late: the event loop was busy, not Redis. The reply may be unread in the
-                # socket (uvloop runs due timers before it polls), or the command itself may only just have
-                # gone out (uvloop writes small writes after the callback that made them). The call gets a
-                # whole timeout of loop time from now, once.
-                waiting.graced = True
-                waiting.deadline = now + self._timeout_s
                 break
             self._abandoned += 1
             if not waiting.future.done():

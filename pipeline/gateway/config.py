@@ -174,7 +174,7 @@ class GatewaySettings:
                 found.append(f"gateway.allowed_origins: {origin!r} is not an origin (scheme://host[:port])")
         if self.jwt.enabled and not (self.jwt.jwks_file or self.jwt.jwks_url):
             found.append("gateway.jwt: enabled needs jwks_file or jwks_url")
-        if self.jwt.jwks_url and (problem := jwks_url_problem(self.jwt.jwks_url)):
+        if self.jwt.enabled and self.jwt.jwks_url and (problem := jwks_url_problem(self.jwt.jwks_url)):
             found.append(f"gateway.jwt.jwks_url: {problem}")
         if self.jwt.enabled and (not self.jwt.issuer or not self.jwt.audience):
             found.append("gateway.jwt: enabled needs issuer and audience")

@@ -31,7 +31,7 @@ from pipeline.gateway.config import GatewaySettings, TenantPolicy
 from pipeline.gateway.errors import StoreUnavailable
 from pipeline.gateway.estimate import prompt_estimate
 from pipeline.gateway.jwt_auth import InvalidToken, JwtVerifier, looks_like_jwt
-from pipeline.gateway.keys import PREFIX, KeyEntry, KeyStore, confirmed, hash_key, well_formed
+from pipeline.gateway.keys import PREFIX, KeyEntry, KeyStore, confirmed, hash_key, tenant_name, well_formed
 from pipeline.gateway.limits import Limiter, Refusal, Scope
 from pipeline.gateway.network import Address, NetworkRules, attest, client_block, parse_ip
 from pipeline.metrics import GATEWAY_DEGRADED
@@ -227,6 +227,11 @@ class Gateway:
         if entry is None or not entry.valid(self._clock()):
             raise StageError(ErrorCode.unauthorized, INVALID_KEY)
         r = entry.record
+        if not tenant_name(r.tenant):
+            # A key created before the tenant rule (a name with a space, say): its requests' ids would fail the
+            # wire schema (topics.hops.REQUEST_ID) a stage later, with no terminal event. Refused here instead.
+            raise StageError(ErrorCode.forbidden, "this key's tenant name is no longer accepted (no whitespace or "
+                             "'/'); create a new key under a valid tenant name")
         scope = Scope("key", r.key_id, r.rpm, r.tpm, r.budget, billed=r.budget > 0)
         return Principal("key:" + r.key_id, r.tenant, r.key_id, r.models, scope)
 

@@ -284,3 +284,17 @@ async def test_a_tenant_named_after_anothers_hashed_name_has_scopes_of_its_own()
     impostor = Scope("tenant", "h" + hashlib.sha256(b"Acme Corp").hexdigest()[:24])
     assert victim.tag != impostor.tag  # they shared rate windows, spend and budget
     assert Scope("tenant", "acme").tag == "tenant:acme"
+
+
+async def test_a_key_recorded_under_a_tenant_name_the_rule_now_refuses_is_forbidden_at_once() -> None:
+    """Keys created before the tenant rule (a name with a space was accepted) minted request ids the wire
+    schema now refuses a stage later: no terminal event, the client waiting out its deadline."""
+    import msgspec
+
+    r = rig()
+    raw, record = await r.keys.create("acme")
+    store = r.keys._store
+    entry = await store.lookup(next(iter(record.hashes)))
+    await store.save(msgspec.structs.replace(entry.record, tenant="Acme Inc"))  # as an older sluice wrote it
+    error = await refusal(r.gateway.admit(request("old", api_key=raw)))
+    assert error.code is ErrorCode.forbidden and "tenant name" in error.message

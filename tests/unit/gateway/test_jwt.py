@@ -128,6 +128,11 @@ async def test_an_https_jwks_url_or_plain_http_to_loopback_is_taken(url: str) ->
     assert GatewaySettings(jwt=JwtSettings(enabled=True, issuer=ISS, audience=AUD, jwks_url=url)).problems() == []
 
 
+async def test_a_leftover_jwks_url_is_not_checked_while_jwt_is_off() -> None:
+    """Nothing fetches it then: a config with JWT off and an old http:// URL still loads."""
+    assert GatewaySettings(jwt=JwtSettings(enabled=False, jwks_url="http://idp.internal/jwks")).problems() == []
+
+
 async def test_alg_none_is_refused(gateway: Gateway) -> None:
     header = b64(json.dumps({"alg": "none", "typ": "JWT", "kid": "k1"}).encode())
     claims = b64(json.dumps({"iss": ISS, "aud": AUD, "sub": "x", "tenant": "acme", "exp": int(time.time()) + 60}).encode())
