@@ -7,7 +7,7 @@ shares one socket and Redis answers in order (bench/redis_client.py).
 It speaks the part of `redis.asyncio.Redis` that the state store, the limiter, the key store and the exact
 cache call, with the same replies and the same exceptions (`redis.exceptions`, mapped by redis-py's own
 table), so a store runs on either client. Like `pipeline.gateway.build.redis_client` it fails fast: each
-call waits `timeout_s` at most, and is sent once more on a fresh connection when the connection broke
+call waits `timeout_s` at most (once more from a late timer, when the event loop was busy), and is sent once more on a fresh connection when the connection broke
 (every script is idempotent per request id, so a retry never counts twice). A call that timed out is
 abandoned, not its connection: replies come in order, so its reply, if it comes, is read and dropped, and
 the calls after it keep their places. Only when an abandoned call has had no reply for `DEAD_AFTER_S`

