@@ -31,6 +31,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from pipeline.stages.decode import AHEAD
 from tests.chaos.clients import ClientResult, stop_quietly
+from tests.chaos.scenarios import WHOLE
 from tests.chaos.supervisor import WorkerRun
 
 # Chunks a request may be decoded again per fault in flight: what decode may have sent and not yet had
@@ -45,11 +46,11 @@ REDECODE_SLACK = 2 * AHEAD
 # 31-60 s after a kill, p99 31.7 s) puts every takeover past it. Measured since session 28: p99 3.2-8.0 s
 # in every profile's kill scenario but processes-guarded's, 13.2 and 13.4 s (sessions 31 and 42, whole
 # guarded processes then taking 14 s to start; 6.2 s since): 20 s leaves half that again, 10 s under 30.
-# (A processes-guarded kill is of a whole process, its stage named `all` (scenarios.WHOLE), so it stays under it.)
 TAKEOVER_STALL_BOUND_S = 20.0
 # Kills of these are left out of the bound: a guard's replacement loads its models for 10-15 s, and a
 # second kill 6.6 s after the first can hit the worker that took over while it loads (output-guard's
-# p99 22.0-27.0 s in sessions 26-27; input-guard 22.6 s), which the session timeout does not explain.
+# p99 22.0-27.0 s in sessions 26-27; input-guard 22.6 s), which the session timeout does not explain. A
+# whole process of a guarded profile (processes-guarded) loads them too: 21.8 s in session 48.
 MODEL_STAGES = frozenset({"guard", "postguard"})
 
 
@@ -201,6 +202,7 @@ def check(
     reference: dict[str, str] | None,  # spec key -> the fault-free text; None: this is the fault-free run
     workers: Iterable[WorkerRun],
     window: tuple[float, float, float, float],  # monotonic start, end; wall-clock start, end
+    whole: tuple[str, ...] = (),  # the stages a kill of a whole process (`scenarios.WHOLE`) takes down
 ) -> ScenarioReport:
     flags = _Flags()
     by_key = {client_key(r.request_id): r for r in results}
@@ -245,8 +247,7 @@ def check(
     stalls, by_fault = _stalls(results, faults)
     recoveries = _recoveries(results, faults)
     stall_p99 = percentile(stalls, 0.99)
-    only_kills = bool(faults) and all(f.kind == "kill" and f.stage not in MODEL_STAGES for f in faults)
-    if only_kills and stall_p99 is not None and stall_p99 > TAKEOVER_STALL_BOUND_S:
+    if stall_bounded(faults, whole) and stall_p99 is not None and stall_p99 > TAKEOVER_STALL_BOUND_S:
         flags.add("takeover stall p99 past the bound",
                   f"{stall_p99:.1f} s > {TAKEOVER_STALL_BOUND_S:.0f} s over {len(stalls)} streams ({by_fault})")
     kills = sum(1 for f in faults if f.kind == "kill")
@@ -271,6 +272,13 @@ def check(
         worker_exits=[w.as_dict() for w in exits],
         fault_log=[f.as_dict() for f in faults],
     )
+
+
+def stall_bounded(faults: list[FaultEvent], whole: tuple[str, ...]) -> bool:
+    """Whether the scenario's takeover stall p99 is held to `TAKEOVER_STALL_BOUND_S`: its only faults are
+    kills, and none takes down a stage that loads models (a kill of `WHOLE` takes down `whole`)."""
+    killed = {stage for f in faults for stage in (whole if f.stage == WHOLE else (f.stage,))}
+    return bool(faults) and all(f.kind == "kill" for f in faults) and not killed & MODEL_STAGES
 
 
 def _check_client(r: ClientResult, reference: dict[str, str] | None, flags: _Flags) -> None:

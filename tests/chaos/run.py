@@ -24,7 +24,7 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -147,7 +147,7 @@ async def _run_profile(profile: Profile, seed: int, ports: harness.Ports, state:
             say("reading the topics")
             topics = await read_topics(services.bootstrap, "llm.responses.sdk", harness.decode_output(stages, pools))
             _dump(state, runs, topics)
-            reports = _check_all(runs, topics, supervisor)
+            reports = _check_all(runs, topics, supervisor, stages)
         return Report(profile.name, list(stages), seed, round(time.monotonic() - started, 1), reports, aborted=aborted)
     except Exception:
         return Report(profile.name, list(stages), seed, round(time.monotonic() - started, 1), [], traceback.format_exc())
@@ -169,10 +169,12 @@ def _dump(state: Path, runs: list[_Run], topics: Topics) -> None:
     (state / "faults.json").write_text(json.dumps(faults))  # times: time.monotonic(), as in clients.json
 
 
-def _check_all(runs: list[_Run], topics: Topics, supervisor: Supervisor) -> list[ScenarioReport]:
+def _check_all(runs: list[_Run], topics: Topics, supervisor: Supervisor, stages: Iterable[str]) -> list[ScenarioReport]:
+    """`stages`: what a kill of `WHOLE` takes down (every stage the deployment runs)."""
     reference = {r.spec.key: r.text for r in runs[0].results if r.outcome == "done"}
     return [
-        check(run.scenario.name, run.results, run.faults, topics, None if i == 0 else reference, supervisor.runs, run.window)
+        check(run.scenario.name, run.results, run.faults, topics, None if i == 0 else reference, supervisor.runs, run.window,
+              whole=tuple(stages))
         for i, run in enumerate(runs)
     ]
 
