@@ -25,12 +25,6 @@ address or key is wrong, 5xx), timeouts, a body of another shape and an ending o
 it counts against this one's health). The upstream's error body is never passed on (it may echo the
 prompt); its status is.
 
-Connections are kept alive and reused: after `[DONE]` the rest of the body (the chunked terminator) is
-read, within `DRAIN_S` and `BODY_SLACK` bytes, because httpx drops a connection whose body was closed
-unread (one TCP connection per request, a socket in TIME_WAIT each; an upstream that holds its body
-open past `[DONE]` loses its connection, never the answer). A kept-alive connection the upstream closed
-as a request went out fails before any byte of a response: that request is asked once more (`_send`).
-
 No token ids: the upstream speaks text. A successor that takes a stream over asks again and drops
 what was delivered (pipeline.stages.generate).
 """
@@ -60,19 +54,6 @@ MAX_LINE_BYTES = 1 << 20  # one SSE line (an event is some hundred bytes; a 600 
 BYTES_PER_TOKEN = 2048  # a body's allowance per `max_tokens`: an event per token is 150-400 bytes with its framing
 BODY_SLACK = 1 << 20  # and for the rest (the usage event, keep-alive comments)
 MAX_RETRY_AFTER_S = 3600.0  # an upstream's Retry-After is passed on to the client up to this
-# After `[DONE]` (or a refusal's body): the wait for the body's end, so the connection is reused. It is on
-# the answer's path (the stage sends the last chunk with its ending when the backend's stream ends; a drain
-# in a task of its own would cost a task per request), but the terminator leaves the upstream with `[DONE]`
-# (uvicorn writes them back to back): the wait is for a read already due. An upstream that holds its body
-# open costs an answer at most this, and the connection.
-DRAIN_S = 0.1
-MAX_REFUSAL_BYTES = 64 << 10  # a refusal's body read to its end (never passed on); a larger one drops the connection
-# The pool, per backend (the backend's config has no pool knobs): a stage keeps up to `runtime.max_in_flight`
-# (64 by default) requests in flight, so as many idle connections are kept between them (httpx's default
-# kept 20 and opened the rest anew); uvicorn (vLLM, SGLang) closes a connection idle for 5 s, so ours
-# expire first (a reuse that still crosses the upstream's close is asked again: `_send`).
-KEEPALIVE_CONNECTIONS = 64
-KEEPALIVE_S = 4.0
 # The upstream's endings that are an answer, as sluice's: eos, a stop string, TGI's names, a tool call.
 _ANSWERED: dict[str, FinishReason] = {
     "stop": "stop", "length": "length", "tool_calls": "stop", "function_call": "stop", "eos_token": "stop",
@@ -93,10 +74,8 @@ class OpenAIBackend:
         # identity: the size bounds count what the upstream sent, not what a compressed body expands to
         headers = {"accept-encoding": "identity"} | ({"authorization": f"Bearer {api_key}"} if api_key else {})
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
-        limits = httpx.Limits(max_connections=100,  # httpx's default
-                              max_keepalive_connections=KEEPALIVE_CONNECTIONS, keepalive_expiry=KEEPALIVE_S)
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", headers=headers, timeout=timeout,
-                                       limits=limits, transport=transport, follow_redirects=False, trust_env=False)
+                                       transport=transport, follow_redirects=False, trust_env=False)
         self._running: dict[str, httpx.Response] = {}
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # the last _CANCELLED_MEMORY cancelled
 
@@ -140,23 +119,17 @@ class OpenAIBackend:
         if rid in self._cancelled:  # cancelled before its stream began: nothing is asked (or paid for)
             raise Cancelled(rid)
         try:
-            response = await self._send(rid, path, body)
-            try:
+            async with self._http.stream("POST", path, json=body) as response:
                 self._running[rid] = response
                 if rid in self._cancelled:  # cancelled while the upstream had not answered yet
                     raise Cancelled(rid)
-                async with aclosing(response.aiter_bytes()) as chunks:
-                    if response.status_code != 200:
-                        await _drain(chunks, MAX_REFUSAL_BYTES)
-                        raise _refused(response)
-                    if request.stream:
-                        async for delta in self._deltas(chunks, request):
-                            yield delta
-                    else:  # held to the end, one delta: a failure midway still comes before any chunk was sent,
-                        yield await _whole(self._deltas(chunks, request))  # so the route's next backend takes it
-                    await _drain(chunks, BODY_SLACK)  # the answer is whole: what is left only frees the connection
-            finally:
-                await response.aclose()
+                if response.status_code != 200:
+                    raise _refused(response)
+                if request.stream:
+                    async for delta in self._deltas(response, request):
+                        yield delta
+                else:  # held to the end, one delta: a failure midway still comes before any chunk was sent,
+                    yield await _whole(self._deltas(response, request))  # so the route's next backend takes it
         except (httpx.StreamClosed, httpx.ReadError, httpx.RemoteProtocolError) as exc:
             if rid in self._cancelled:
                 raise Cancelled(rid) from None
@@ -170,84 +143,32 @@ class OpenAIBackend:
         finally:
             self._running.pop(rid, None)
 
-    async def _send(self, rid: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        """The upstream's response, its body unread. A kept-alive connection that the upstream closed as
-        the request went out (uvicorn closes one idle for 5 s; httpcore skips one it already sees closed,
-        but the close can cross the request on the wire) fails before any byte of a response: the request
-        is sent once more, on another connection, and is not the upstream's failure. Why that is safe: a
-        server closes an idle connection without reading what arrives on it, and an OpenAI-compatible
-        server sends a stream's head before it generates, so nothing was generated (or billed). What
-        cannot be told apart: a server that read the request and died before its head; it is asked once
-        more too. Hence only a reused connection: a new one that closes before answering is the
-        upstream's failure (it may be down), as is the second try's."""
-        opened = _Opened()
-        request = self._http.build_request("POST", path, json=body, extensions={"trace": opened})
-        try:
-            return await self._http.send(request, stream=True)
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            if opened.new or rid in self._cancelled:
-                raise
-            log.debug("backend %s: a kept-alive connection closed before the response (%s); asked again",
-                      self.name, type(exc).__name__)
-        return await self._http.send(request, stream=True)
-
-    async def _deltas(self, chunks: AsyncIterator[bytes], request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def _deltas(self, response: httpx.Response, request: GenerationRequest) -> AsyncIterator[Delta]:
         """The stream's events as deltas, the ending last (with the usage when the upstream sent it)."""
         rid = request.request_id
         stalled = _Stall(self._timeout_s)
         finish: FinishReason | None = None
         ended = False  # the delta with the finish reason was yielded
-        async with aclosing(_data(chunks, request.max_tokens * BYTES_PER_TOKEN + BODY_SLACK, stalled)) as lines:
-            async for data in lines:
-                if data == "[DONE]":
-                    break
-                if rid in self._cancelled:
-                    raise Cancelled(rid)
-                if ended:  # past the ending (an upstream that sends its usage twice): nothing more is news
-                    continue
-                event = _json(data)
-                delta, finish = _event(event, finish)
-                if _progress(event):
-                    stalled.moved()
-                if delta is not None:
-                    ended = delta.finish_reason is not None
-                    yield delta
+        async for data in _data(response, request.max_tokens * BYTES_PER_TOKEN + BODY_SLACK, stalled):
+            if data == "[DONE]":
+                break
+            if rid in self._cancelled:
+                raise Cancelled(rid)
+            if ended:  # past the ending (an upstream that sends its usage twice): nothing more is news
+                continue
+            event = _json(data)
+            delta, finish = _event(event, finish)
+            if _progress(event):
+                stalled.moved()
+            if delta is not None:
+                ended = delta.finish_reason is not None
+                yield delta
         if rid in self._cancelled:
             raise Cancelled(rid)
         if finish is None:
             raise ModelError("the upstream stream ended without a finish reason")
         if not ended:  # an upstream that sends no usage event
             yield Delta("", (), finish)
-
-
-class _Opened:
-    """httpcore's trace callback for one request: `new` once it opened a connection for it (none: the
-    request went out on a kept-alive one)."""
-
-    __slots__ = ("new",)
-
-    def __init__(self) -> None:
-        self.new = False
-
-    async def __call__(self, event: str, info: dict[str, Any]) -> None:
-        if event == "connection.connect_tcp.started":
-            self.new = True
-
-
-async def _drain(chunks: AsyncIterator[bytes], budget: int) -> None:
-    """Reads what is left of a body already answered (the chunked terminator, a refusal's JSON), so httpx
-    returns its connection to the pool instead of dropping it. At most `budget` bytes and `DRAIN_S`: past
-    either, or on a transport error, the connection is dropped as a body closed unread always was; the
-    answer is whole either way, so neither is the upstream's failure (logged at debug)."""
-    try:
-        async with asyncio.timeout(DRAIN_S):
-            async for chunk in chunks:
-                budget -= len(chunk)
-                if budget < 0:
-                    log.debug("upstream body past its bound after the answer; its connection is dropped")
-                    return
-    except (TimeoutError, httpx.TransportError, httpx.StreamError) as exc:
-        log.debug("upstream body not read to its end (%s); its connection is dropped", type(exc).__name__)
 
 
 async def _whole(deltas: AsyncIterator[Delta]) -> Delta:
@@ -272,38 +193,38 @@ class _Stall:
         self.at = self._loop.time() + self._timeout_s
 
 
-async def _data(chunks: AsyncIterator[bytes], max_body: int, stalled: _Stall) -> AsyncIterator[str]:
-    """The payloads of the body's `data:` lines (`chunks` is the caller's: it reads the rest). The timeout
-    wraps each read, never a yield (a timeout open across a yield would cancel whatever the consumer
-    awaits meanwhile)."""
+async def _data(response: httpx.Response, max_body: int, stalled: _Stall) -> AsyncIterator[str]:
+    """The payloads of the body's `data:` lines. The timeout wraps each read, never a yield (a timeout
+    open across a yield would cancel whatever the consumer awaits meanwhile)."""
     buffer, read, scanned = bytearray(), 0, 0
-    while True:
-        try:
-            async with asyncio.timeout_at(stalled.at):
-                chunk = await anext(chunks, None)
-        except TimeoutError:
-            raise ModelError("the upstream sent no text for the backend's timeout") from None
-        if chunk is None:
-            return
-        read += len(chunk)
-        if read > max_body:
-            raise ModelError("the upstream's answer is larger than max_tokens allows")
-        buffer += chunk
-        while (end := buffer.find(b"\n", scanned)) >= 0:
-            line = bytes(buffer[:end]).removesuffix(b"\r")
-            del buffer[: end + 1]
-            scanned = 0
-            if len(line) > MAX_LINE_BYTES:
+    async with aclosing(response.aiter_bytes()) as chunks:
+        while True:
+            try:
+                async with asyncio.timeout_at(stalled.at):
+                    chunk = await anext(chunks, None)
+            except TimeoutError:
+                raise ModelError("the upstream sent no text for the backend's timeout") from None
+            if chunk is None:
+                return
+            read += len(chunk)
+            if read > max_body:
+                raise ModelError("the upstream's answer is larger than max_tokens allows")
+            buffer += chunk
+            while (end := buffer.find(b"\n", scanned)) >= 0:
+                line = bytes(buffer[:end]).removesuffix(b"\r")
+                del buffer[: end + 1]
+                scanned = 0
+                if len(line) > MAX_LINE_BYTES:
+                    raise ModelError("the upstream sent a line longer than the bound")
+                if line.startswith(b"data:"):
+                    try:
+                        data = line[5:].decode().strip()
+                    except UnicodeDecodeError:
+                        raise ModelError("the upstream sent an event that is not UTF-8") from None
+                    yield data
+            if len(buffer) > MAX_LINE_BYTES:
                 raise ModelError("the upstream sent a line longer than the bound")
-            if line.startswith(b"data:"):
-                try:
-                    data = line[5:].decode().strip()
-                except UnicodeDecodeError:
-                    raise ModelError("the upstream sent an event that is not UTF-8") from None
-                yield data
-        if len(buffer) > MAX_LINE_BYTES:
-            raise ModelError("the upstream sent a line longer than the bound")
-        scanned = len(buffer)
+            scanned = len(buffer)
 
 
 def _json(data: str) -> Any:

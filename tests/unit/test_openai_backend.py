@@ -16,7 +16,7 @@ import pytest
 from bench.fake_openai import FakeUpstream, State
 from pipeline.backends.base import Backend, Delta, GenerationRequest, Message, SplitBackend
 from pipeline.backends.errors import Cancelled, Filtered, InvalidRequest, ModelError, Overloaded
-from pipeline.backends.openai_compat import DRAIN_S, MAX_RETRY_AFTER_S, OpenAIBackend, _event, _refused
+from pipeline.backends.openai_compat import MAX_RETRY_AFTER_S, OpenAIBackend, _event, _refused
 from pipeline.routing.stats import BackendStats
 from pipeline.stages.generate import GenerateStage
 from pipeline.state import MemoryStateStore
@@ -63,17 +63,11 @@ async def test_a_non_streaming_request_is_streamed_from_the_upstream_too() -> No
 
 
 class Raw:
-    """A bare HTTP/1.1 upstream whose answer the test writes byte for byte: `answer(body, writer)`. With
-    `keep_alive`, a connection takes request after request until the client or `answer` closes it;
-    `accepted` counts the connections."""
+    """A bare HTTP/1.1 upstream whose answer the test writes byte for byte: `answer(body, writer)`."""
 
-    def __init__(
-        self, answer: Callable[[dict[str, Any], asyncio.StreamWriter], Awaitable[None]], keep_alive: bool = False,
-    ) -> None:
+    def __init__(self, answer: Callable[[dict[str, Any], asyncio.StreamWriter], Awaitable[None]]) -> None:
         self._answer = answer
-        self._keep_alive = keep_alive
         self.bodies: list[dict[str, Any]] = []
-        self.accepted = 0
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> Raw:
@@ -89,18 +83,13 @@ class Raw:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._tasks.add(asyncio.current_task())  # type: ignore[arg-type]
-        self.accepted += 1
         try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.split(b"\r\n")
-                length = next(int(h.split(b":")[1]) for h in lines if h.lower().startswith(b"content-length"))
-                self.bodies.append(json.loads(await reader.readexactly(length)))
-                await self._answer(self.bodies[-1], writer)
-                await writer.drain()
-                if not self._keep_alive or writer.is_closing():
-                    break
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            self.bodies.append(json.loads(await reader.readexactly(length)))
+            await self._answer(self.bodies[-1], writer)
+            await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
             pass  # the client left, or the test ended
         finally:
             writer.close()
@@ -115,19 +104,6 @@ def sse(event: object) -> bytes:
 
 def said(text: str, reason: str | None = None) -> bytes:
     return sse({"choices": [{"delta": {"content": text}, "finish_reason": reason}]})
-
-
-KEPT_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-LAST_CHUNK = b"0\r\n\r\n"  # a chunked body's end, after [DONE]
-
-
-def chunked(*events: bytes) -> bytes:
-    return b"".join(b"%x\r\n" % len(e) + e + b"\r\n" for e in events)
-
-
-def kept_alive(text: str) -> bytes:
-    """A whole answer on a connection kept alive, as uvicorn (vLLM, SGLang) frames it."""
-    return KEPT_HEAD + chunked(said(text), said("", "stop"), b"data: [DONE]\n\n") + LAST_CHUNK
 
 
 async def test_a_whole_answer_is_streamed_so_the_timeout_is_between_events_not_over_the_answer() -> None:
@@ -486,83 +462,4 @@ async def test_a_model_that_reasons_before_it_answers_is_not_a_stall() -> None:
         backend = OpenAIBackend("up", upstream.base_url, "m", timeout_s=0.3)
         deltas = await collect(backend, ask(4))
         assert "".join(d.text for d in deltas) == "42" and deltas[-1].finish_reason == "stop"
-        await backend.aclose()
-
-
-async def test_sequential_requests_reuse_one_connection() -> None:
-    """Reading stopped at [DONE], so the body's end (the chunked terminator) was never read, and httpx
-    dropped every connection: 550 requests made 550 TCP connections (CPU for each, and at a remote
-    upstream a socket in TIME_WAIT each). A refusal's body was left unread too."""
-    async def answer(_: dict[str, Any], writer: asyncio.StreamWriter) -> None:
-        if len(upstream.bodies) == 1:
-            writer.write(b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\ncontent-length: 2\r\n\r\n{}")
-            return
-        writer.write(kept_alive("hi")[:-len(LAST_CHUNK)])
-        await writer.drain()
-        await asyncio.sleep(0.01)  # the terminator in a read of its own
-        writer.write(LAST_CHUNK)
-
-    async with Raw(answer, keep_alive=True) as upstream:
-        backend = OpenAIBackend("up", upstream.base_url, "m")
-        with pytest.raises(Overloaded):
-            await collect(backend, ask())
-        for stream in (True, False, True):
-            deltas = await collect(backend, GenerationRequest(**{**ask().__dict__, "stream": stream}))
-            assert "".join(d.text for d in deltas) == "hi" and deltas[-1].finish_reason == "stop"
-        assert len(upstream.bodies) == 4 and upstream.accepted == 1
-        await backend.aclose()
-
-
-async def test_an_upstream_that_holds_its_body_open_after_done_does_not_hold_the_answer() -> None:
-    """The answer is whole at [DONE]: the body's end is awaited `DRAIN_S` at most, then the connection
-    is dropped (never reused half read)."""
-    async def answer(_: dict[str, Any], writer: asyncio.StreamWriter) -> None:
-        writer.write(kept_alive("hi")[:-len(LAST_CHUNK)])
-        await writer.drain()
-        await asyncio.sleep(10)  # no terminator
-
-    async with Raw(answer, keep_alive=True) as upstream:
-        backend = OpenAIBackend("up", upstream.base_url, "m")
-        for stream in (True, False):
-            started = time.monotonic()
-            deltas = await collect(backend, GenerationRequest(**{**ask().__dict__, "stream": stream}))
-            assert time.monotonic() - started < DRAIN_S + 0.4
-            assert "".join(d.text for d in deltas) == "hi" and deltas[-1].finish_reason == "stop"
-        assert upstream.accepted == 2
-        await backend.aclose()
-
-
-async def test_a_kept_alive_connection_the_upstream_closed_is_asked_again_and_not_counted() -> None:
-    """uvicorn closes a connection idle for 5 s; a request that crosses that close on the wire finds it
-    closed before any byte of a response. It is sent again on a new connection, and a healthy upstream
-    is not counted as failing."""
-    asked: dict[asyncio.StreamWriter, int] = {}
-
-    async def answer(_: dict[str, Any], writer: asyncio.StreamWriter) -> None:
-        asked[writer] = asked.get(writer, 0) + 1
-        if asked[writer] == 2:  # the upstream's idle close crossed this request: closed unanswered
-            writer.close()
-            return
-        writer.write(kept_alive("hi"))
-
-    async with Raw(answer, keep_alive=True) as upstream:
-        backend = OpenAIBackend("up", upstream.base_url, "m")
-        assert "".join(d.text for d in await collect(backend, ask())) == "hi"
-        stats = BackendStats("up", "up", "w1", capacity=4, eject_after=1)
-        outs = await run_handler(GenerateStage(backend, _topics(), MemoryStateStore(), stats=stats), routed("k1"))
-        assert isinstance(outs[-1].value, Done) and stats.streak == 0
-        assert upstream.accepted == 2 and len(upstream.bodies) == 3  # on the kept-alive connection, then on a new one
-        await backend.aclose()
-
-
-async def test_a_new_connection_closed_before_the_response_is_the_upstreams_failure() -> None:
-    """Only a reused connection is asked again: a new one closed unanswered may have been read."""
-    async def answer(_: dict[str, Any], writer: asyncio.StreamWriter) -> None:
-        writer.close()
-
-    async with Raw(answer, keep_alive=True) as upstream:
-        backend = OpenAIBackend("up", upstream.base_url, "m")
-        with pytest.raises(ModelError):
-            await collect(backend, ask())
-        assert len(upstream.bodies) == 1
         await backend.aclose()
