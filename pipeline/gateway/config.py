@@ -15,7 +15,6 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from pipeline.gateway.hosts import HostEntryError, parse_entry
-from pipeline.gateway.keys import tenant_name
 from topics.requests import MAX_TENANT_CHARS
 
 # The longest overlap after `keys rotate`, as `--overlap-s` allows it (gateway/keys.py): past it the old key's
@@ -194,6 +193,10 @@ class GatewaySettings:
             found.append("gateway: window_s, chars_per_token and redis_timeout_s must be positive")
         if not 0 <= self.key_cache_s <= 3600:  # inf: a revoked key would work for ever in every ingest that saw it
             found.append(f"gateway.key_cache_s must be 0 to 3600 seconds, got {self.key_cache_s}")
+        # imported here: keys.py needs `cryptography`, which Triton's own environment (numpy < 2, for sluice_llm,
+        # which reads these settings) does not have
+        from pipeline.gateway.keys import tenant_name
+
         if not tenant_name(self.anonymous_tenant):  # in every keyless request's id: topics.hops.REQUEST_ID
             found.append(f"gateway.anonymous_tenant must be printable, without '/' or whitespace, "
                          f"1 to {MAX_TENANT_CHARS} characters, got {self.anonymous_tenant!r}")
