@@ -177,24 +177,34 @@ async def test_a_websocket_whose_ping_goes_unanswered_behind_unread_data_is_abor
         except WebSocketDisconnect:
             gone.set()
 
+    async with websocket_server(flood, websocket_protocol(60.0), ws_ping_interval=0.2, ws_ping_timeout=0.2) as port:
+        with await connected(port) as sock:
+            await upgrade(sock, port)  # and then reads nothing
+            await asyncio.wait_for(gone.wait(), 5)
+
+
+@contextlib.asynccontextmanager
+async def websocket_server(endpoint: object, ws: object, **config: object) -> AsyncIterator[int]:
+    """A uvicorn server with the bridge's HTTP protocol and `ws`, serving `endpoint` at "/"; yields its port."""
     port = free_port()
-    config = uvicorn.Config(Starlette(routes=[WebSocketRoute("/", flood)]), host="127.0.0.1", port=port,
-                            http=head_limited_protocol(10.0, 16384, 60.0), ws=websocket_protocol(60.0),
-                            ws_ping_interval=0.2, ws_ping_timeout=0.2, log_level="error", lifespan="off")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn.Config(
+        Starlette(routes=[WebSocketRoute("/", endpoint)]), host="127.0.0.1", port=port,  # type: ignore[arg-type]
+        http=head_limited_protocol(10.0, 16384, 60.0), ws=ws, log_level="error", lifespan="off", **config))  # type: ignore[arg-type]
     serving = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
     try:
-        loop = asyncio.get_running_loop()
-        with await connected(port) as sock:
-            await loop.sock_sendall(sock, (f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
-                                           "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                                           "Sec-WebSocket-Version: 13\r\n\r\n").encode())  # and then reads nothing
-            await asyncio.wait_for(gone.wait(), 5)
+        yield port
     finally:
         server.should_exit = True
         await serving
+
+
+async def upgrade(sock: socket.socket, port: int) -> None:
+    """Sends a WebSocket handshake on `sock`."""
+    await asyncio.get_running_loop().sock_sendall(sock, (
+        f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
 
 
 def masked_ping_frame(payload: bytes) -> bytes:
@@ -224,20 +234,10 @@ async def test_a_websocket_client_that_pings_and_reads_nothing_cannot_grow_the_w
         await websocket.accept()
         await websocket.receive()  # the client's going
 
-    port = free_port()
-    config = uvicorn.Config(Starlette(routes=[WebSocketRoute("/", hold)]), host="127.0.0.1", port=port,
-                            http=head_limited_protocol(10.0, 16384, 60.0), ws=Watched, ws_ping_interval=None,
-                            log_level="error", lifespan="off")
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
+    async with websocket_server(hold, Watched, ws_ping_interval=None) as port:
         loop = asyncio.get_running_loop()
         with await connected(port) as sock:
-            await loop.sock_sendall(sock, (f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
-                                           "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                                           "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+            await upgrade(sock, port)
             answer = b""
             while b"\r\n\r\n" not in answer:
                 answer += await asyncio.wait_for(loop.sock_recv(sock, 1), 5)
@@ -250,6 +250,3 @@ async def test_a_websocket_client_that_pings_and_reads_nothing_cannot_grow_the_w
                     sent += len(burst)
             await asyncio.sleep(0.2)  # the bridge answers what it has read
             assert peak < MOST_BUFFERED, f"{peak} bytes of pongs buffered after {sent} bytes of pings"
-    finally:
-        server.should_exit = True
-        await serving
