@@ -78,6 +78,26 @@ async def run_handler(stage: Stage, message: Any) -> list[Out]:
     return outs
 
 
+class InstantAcks:
+    """The runner's producer, acknowledging every record at once; `send_together` declines (records go one
+    by one). `sent`: (topic, value) per record."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def send(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
+        self.sent.append((topic, value))
+        ack = asyncio.get_running_loop().create_future()
+        ack.set_result(None)
+        return ack
+
+    async def send_together(self, topic: str, key: bytes, items: list[Any]) -> None:
+        return None
+
+    def topics(self) -> list[str]:
+        return [topic for topic, _ in self.sent]
+
+
 class HeldAcks:
     """The runner's producer, acknowledging nothing until the test resolves `pending` (`release()`: all).
     `calls`: ("one" | "batch", [values]) per send; `produced`: the same with the topic each send went to,

@@ -18,7 +18,7 @@ from pipeline.settings import Settings
 from pipeline.stage import Out
 from pipeline.topology import Topics
 from tests.unit import helpers
-from tests.unit.fakes import record_of
+from tests.unit.fakes import InstantAcks, record_of
 from topics import codec, registry
 from topics.dlq import DeadLetter
 from topics.errors import ErrorCode
@@ -28,18 +28,6 @@ from topics.stream import Failed
 STREAM = "t.stream"
 
 
-class FakeProducer:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes]] = []
-
-    async def send(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
-        self.sent.append((topic, value))
-        ack = asyncio.get_running_loop().create_future()
-        ack.set_result(None)
-        return ack
-
-    def topics(self) -> list[str]:
-        return [topic for topic, _ in self.sent]
 
 
 @dataclass
@@ -70,8 +58,8 @@ class Named:
         self.name, self.topics, self.ordered, self.input_type = name, Topics((inputs,), None, None), False, Admitted
 
 
-def chain(fail: Exception | None = None) -> tuple[FakeProducer, Forward, Forward, Handling]:
-    producer = FakeProducer()
+def chain(fail: Exception | None = None) -> tuple[InstantAcks, Forward, Forward, Handling]:
+    producer = InstantAcks()
     first = Forward("first", Topics(("t.a",), "t.b", STREAM))
     second = Forward("second", Topics(("t.b",), "t.c", STREAM), fail=fail)
     settings = Settings()
@@ -86,7 +74,7 @@ def wired_with_generate() -> dict[str, Handling]:
     from pipeline.serve import runners_for
 
     stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()] + [Named("generate.up", "llm.routed.up")]
-    runners = runners_for(stages, Settings(), FakeProducer(), "t")  # type: ignore[arg-type]
+    runners = runners_for(stages, Settings(), InstantAcks(), "t")  # type: ignore[arg-type]
     return {r.stage.name: r._handling for r in runners}  # type: ignore[misc]
 
 
@@ -170,7 +158,7 @@ async def test_the_default_wiring_hands_over_to_guard_cache_and_route_only() -> 
     from pipeline.serve import runners_for
 
     stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()]
-    runners = runners_for(stages, Settings(), FakeProducer(), "t")  # type: ignore[arg-type]
+    runners = runners_for(stages, Settings(), InstantAcks(), "t")  # type: ignore[arg-type]
     takers = runners[0]._handling.takers  # type: ignore[union-attr]
     assert sorted(h.stage.name for h in takers.values()) == ["cache", "guard", "route"]
     assert set(takers) == {registry.ADMITTED, registry.SCREENED, registry.GUARDED}
@@ -189,7 +177,7 @@ async def test_a_taker_closes_its_connections_only_after_the_runners_that_hand_i
             self.closed = True
 
     stages = [Closing(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()]
-    runners = {r.stage.name: r for r in runners_for(stages, Settings(), FakeProducer(), "t")}  # type: ignore[arg-type]
+    runners = {r.stage.name: r for r in runners_for(stages, Settings(), InstantAcks(), "t")}  # type: ignore[arg-type]
     cache = runners["cache"]
     closing = asyncio.create_task(cache._close_stage())
     for name, runner in runners.items():  # ingest, whose in-flight tasks hand over to guard, cache, route, drains last
@@ -230,13 +218,13 @@ def test_emit_alone_hands_replies_to_the_bridge_client_of_its_process() -> None:
 
     stages = [Named(n.name, n.topics.inputs[0]) for n in helpers.NODES.values()]
     bridge = Client(Settings(), reply_name="bridge")
-    runners = runners_for(stages, Settings(), FakeProducer(), "t", bridge)  # type: ignore[arg-type]
+    runners = runners_for(stages, Settings(), InstantAcks(), "t", bridge)  # type: ignore[arg-type]
     handlings = {r.stage.name: r._handling for r in runners}  # type: ignore[misc]
     assert handlings["emit"].replies is bridge
     assert all(h.replies is None for name, h in handlings.items() if name != "emit")
     assert all(h.replies is None for h in wired_with_generate().values())  # no bridge in the process
     assert bridge._partitions is None  # its requests go by their key: the bridge is in this process only
-    runners = runners_for(stages, Settings(), FakeProducer(), "t", bridge, local_requests=True)  # type: ignore[arg-type]
+    runners = runners_for(stages, Settings(), InstantAcks(), "t", bridge, local_requests=True)  # type: ignore[arg-type]
     ingest = next(r for r in runners if r.stage.name == "ingest")
     assert bridge._partitions == ingest.partitions  # a bridge in every process: where this process's ingest reads
 
@@ -265,7 +253,7 @@ class Sent:
 async def test_a_bridge_sends_its_requests_to_the_partitions_its_process_s_ingest_holds_in_turn() -> None:
     from pipeline.runner import Runner
 
-    ingest = Runner(Named("ingest", "llm.requests"), Settings(), producer=FakeProducer())  # type: ignore[arg-type]
+    ingest = Runner(Named("ingest", "llm.requests"), Settings(), producer=InstantAcks())  # type: ignore[arg-type]
     client, sent = Client(Settings(), reply_name="bridge"), Sent()
     client._producer = sent  # type: ignore[assignment]
     client.send_requests_to(ingest.partitions)

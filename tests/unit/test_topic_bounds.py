@@ -5,7 +5,6 @@ runner like any schema error, without a reply, a span attribute or a metric seri
 
 from __future__ import annotations
 
-import asyncio
 import re
 import sys
 import unicodedata
@@ -25,6 +24,7 @@ from pipeline.handling import Handling, _nonce
 from pipeline.stages.emit import EmitStage
 from pipeline.state import MemoryStateStore
 from pipeline.topology import graph
+from tests.unit.fakes import InstantAcks
 from tests.unit.helpers import SETTINGS, admitted, node, request
 from topics import codec, registry
 from topics.control import Cancel, CancelReason
@@ -143,21 +143,6 @@ def test_timings_past_their_bound_are_unreadable(timings: dict[str, float]) -> N
             codec.decode(codec.encode(message), type_)
 
 
-class Producer:
-    """Takes every record at once; declines record batches (they go one by one)."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes]] = []
-
-    async def send(self, topic: str, value: bytes, *, key: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
-        self.sent.append((topic, value))
-        ack = asyncio.get_running_loop().create_future()
-        ack.set_result(None)
-        return ack
-
-    async def send_together(self, topic: str, key: bytes, items: list[Any]) -> None:
-        return None
-
 
 def spans(monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
     memory = InMemorySpanExporter()
@@ -178,7 +163,7 @@ async def test_the_runner_dead_letters_a_forged_event_it_would_have_delivered_an
     """A Failed on llm.checked under a forged id (a line break, a megabyte) reaches neither the client, nor
     a span, nor a log line: emit's runner cannot read it and dead-letters it."""
     memory = spans(monkeypatch)
-    producer = Producer()
+    producer = InstantAcks()
     run = Handling(EmitStage(SETTINGS, node("emit").topics, MemoryStateStore()), SETTINGS, producer)  # type: ignore[arg-type]
     for offset, rid in enumerate(("t/x\nstage=emit request=t/y failed: forged", "t/" + "x" * 1_000_000)):
         value = codec.encode(failed(rid))
@@ -196,7 +181,7 @@ async def test_a_thousand_forged_scopes_make_no_rate_limit_series() -> None:
         return sum(1 for family in metrics.RATE_LIMITED.collect() for s in family.samples if s.name.endswith("_total"))
 
     before = series()
-    producer = Producer()
+    producer = InstantAcks()
     run = Handling(EmitStage(SETTINGS, node("emit").topics, MemoryStateStore()), SETTINGS, producer)  # type: ignore[arg-type]
     for offset in range(1000):
         limit = RateLimit(f"scope-{offset}", "requests", 1, 0, 1.0)  # type: ignore[arg-type]
