@@ -1,5 +1,5 @@
 """RedactKeys: sluice keys, upstream keys and JWTs are blanked in log lines and tracebacks; ordinary lines
-pass as they are (the sluice-key cases are in test_keys.py)."""
+pass as they are."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from pipeline.gateway.keys import new_key
 from pipeline.gateway.redact import RedactKeys
 
 JWT = ("eyJhbGciOiJSUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiJhY21lIiwidGVuYW50IjoiYWNtZSJ9."
@@ -28,19 +29,29 @@ def test_upstream_keys_and_jwts_are_blanked(line: str, secret: str, blank: str) 
     assert secret not in record.getMessage() and blank in record.getMessage()
 
 
-def test_a_jwt_in_a_logged_exception_is_blanked_too() -> None:
+def test_the_log_filter_blanks_anything_shaped_like_a_sluice_key() -> None:
+    key = new_key()
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "sending %s to %s", (f'{{"api_key": "{key}"}}', "t"), None)
+    assert RedactKeys().filter(record) and key not in record.getMessage() and "sk-sluice-[redacted]" in record.getMessage()
+
+
+@pytest.mark.parametrize(("error", "secrets", "blank"), [
+    ("upstream said: bad key sk-sluice-ABCDEFGHIJKLMNOP", ("ABCDEFGHIJKLMNOP",), "sk-sluice-[redacted]"),
+    (f"could not verify {JWT} with key {OPENAI}", (JWT, OPENAI), "[redacted JWT]"),
+])
+def test_a_credential_in_a_logged_exception_is_blanked_too(error: str, secrets: tuple[str, ...], blank: str) -> None:
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.addFilter(RedactKeys())
-    log = logging.getLogger("test.redact.jwt")
+    log = logging.getLogger("test.redact.exception")
     log.addHandler(handler)
     try:
-        raise ValueError(f"could not verify {JWT} with key {OPENAI}")
+        raise ValueError(error)
     except ValueError:
-        log.exception("authentication failed")
+        log.exception("a stage failed")
     finally:
         log.removeHandler(handler)
-    assert JWT not in out.getvalue() and OPENAI not in out.getvalue() and "[redacted JWT]" in out.getvalue()
+    assert blank in out.getvalue() and not any(secret in out.getvalue() for secret in secrets)
 
 
 @pytest.mark.parametrize("line", [
