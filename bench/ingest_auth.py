@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.stats import row
+from pipeline.assemble import nodes_of
 from pipeline.gateway.build import redis_client, redis_gateway
 from pipeline.gateway.config import GatewaySettings, TenantPolicy
 from pipeline.gateway.keys import KeyManager
@@ -28,7 +29,6 @@ from pipeline.gateway.redis_keys import RedisKeyStore
 from pipeline.settings import RedisSettings, Settings
 from pipeline.stage import Out, Stopwatch
 from pipeline.stages.ingest import IngestStage
-from pipeline.topology import Topics, graph
 from topics.hops import Admitted, request_key
 from topics.requests import ChatMessage, Request, Sampling
 
@@ -47,10 +47,6 @@ def request(settings: Settings, key: str | None) -> Request:
     )
 
 
-def ingest_topics(settings: Settings) -> Topics:
-    return {n.kind: n for n in graph(settings.stages, settings.pools)}["ingest"].topics
-
-
 async def time_one(stage: IngestStage, message: Request) -> float:
     started = time.perf_counter()
     async for _ in stage.handle(message):
@@ -67,7 +63,7 @@ async def measure(url: str, n: int) -> None:
     key, _ = await KeyManager(RedisKeyStore(admin), rotate_overlap_s=60).create("bench", rpm=10**9, tpm=10**12, budget=10**9)
     await admin.aclose()
     # The id's claim stays in the in-memory state store in both gateway variants: the figure is the gateway's.
-    topics = ingest_topics(settings)
+    topics = nodes_of(settings, ["ingest"])[0].topics
     plain = IngestStage(replace(settings, gateway=GatewaySettings()), topics)  # no credentials, memory limiter
     plain_foundation = _FoundationIngest(settings, topics)
     gated = IngestStage(settings, topics, redis_gateway(settings))
