@@ -32,7 +32,7 @@ Errors:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -252,24 +252,21 @@ def _sampling(body: Json) -> Sampling:
     stop = _stop(body.get("stop"))
     if stop:
         fields["stop"] = stop
-    try:
-        return msgspec.convert(fields, Sampling)
-    except msgspec.ValidationError as exc:
-        problem, field = _split_validation_error(str(exc))
-        param = names.get(field, field) if field else None
-        raise BadRequest(f"`{param}`: {problem}" if param else problem, param) from None
+    return validated(lambda: msgspec.convert(fields, Sampling), names)
 
 
-def validated(build: Callable[[], T]) -> T:
-    """`build()` (the SDK's `Client.request`, which checks the wire schema), with a field past the schema's
-    bounds the bridge does not check itself (a model name over 256 characters, ...) answered as a 400 naming
-    the field: the error was a 500 with a traceback in the log over HTTP, and ended the whole WebSocket.
-    msgspec's message names the bound and the field, never the value."""
+def validated(build: Callable[[], T], names: Mapping[str, str] | None = None) -> T:
+    """`build()` (a msgspec conversion: the SDK's `Client.request`, which checks the wire schema, or the
+    sampling fields), with a field past the schema's bounds answered as a 400 naming the field (`names`:
+    the client's name for a schema field). Unwrapped, a bound the bridge does not check itself (a model
+    name over 256 characters, ...) was a 500 with a traceback in the log over HTTP, and ended the whole
+    WebSocket. msgspec's message names the bound and the field, never the value."""
     try:
         return build()
     except msgspec.ValidationError as exc:
         problem, field = _split_validation_error(str(exc))
-        raise BadRequest(f"`{field}`: {problem}" if field else problem, field) from None
+        param = (names or {}).get(field, field) if field else None
+        raise BadRequest(f"`{param}`: {problem}" if param else problem, param) from None
 
 
 def _split_validation_error(message: str) -> tuple[str, str | None]:
