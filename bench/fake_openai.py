@@ -7,7 +7,7 @@ the `openai` backend kind and of routing (and for a gateway under comparison to 
 (`stream_options.include_usage`). Modes, also settable at run time with `POST /admin/mode?mode=...`
 (tests flip a member from healthy to failing to stalled): `fail` answers 500, `stall` waits
 `--stall-s` before answering, `busy` answers 429 with `retry-after: 1`. `GET /admin/stats` counts the
-requests served and the streams a client left early.
+requests served, the streams a client left early and the connections clients opened.
 """
 
 from __future__ import annotations
@@ -35,11 +35,14 @@ class State:
     refused: int = 0
     refused_at: list[float] = field(default_factory=list)  # when each refusal (500 or 429) was answered
     left_early: int = 0
+    peers: set[int] = field(default_factory=set)  # the clients' ports: one per connection they opened
 
 
 def create_app(state: State) -> Starlette:
     async def completions(request: Request) -> Response:
         body = await request.json()
+        if request.client is not None:
+            state.peers.add(request.client.port)
         chat = request.url.path.endswith("chat/completions")
         if state.mode == "fail":
             state.refused += 1
@@ -83,7 +86,8 @@ def create_app(state: State) -> Starlette:
         return JSONResponse({"mode": state.mode})
 
     async def stats(request: Request) -> Response:
-        return JSONResponse({"served": state.served, "refused": state.refused, "left_early": state.left_early, "mode": state.mode})
+        return JSONResponse({"served": state.served, "refused": state.refused, "left_early": state.left_early, "mode": state.mode,
+                             "connections": len(state.peers)})
 
     return Starlette(routes=[
         Route("/v1/chat/completions", completions, methods=["POST"]),

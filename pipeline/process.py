@@ -25,8 +25,12 @@ async def run_stages(
     backends = await asyncio.to_thread(backend_registry.load, settings, pools) if pools else {}
     if stop.is_set():  # a signal came while the models loaded: nothing started, nothing to drain
         return
-    stages = assemble.build(nodes, settings, backends, worker=str(os.getpid()))
-    await serve.run_stages(stages, settings, stop, instance=str(os.getpid()), replies=replies, local_requests=local_requests)
+    try:
+        stages = assemble.build(nodes, settings, backends, worker=str(os.getpid()))
+        await serve.run_stages(stages, settings, stop, instance=str(os.getpid()), replies=replies, local_requests=local_requests)
+    finally:  # the stages have stopped: the backends' connections and engines go too
+        for backend in backends.values():
+            await backend.aclose()  # type: ignore[attr-defined]
 
 
 def run_worker(*names: str) -> None:
