@@ -33,3 +33,6 @@ class EchoBackend:
 
     async def cancel(self, request_id: str) -> None:
         return None
+
+    async def aclose(self) -> None:
+        return None

@@ -4,6 +4,7 @@ The body of every `workers/<stage>.py`, of `sluice worker` and of `sluice run`."
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 from pipeline import assemble, serve
@@ -12,6 +13,8 @@ from pipeline import settings as settings_module
 from pipeline.handover import LocalReplies
 from pipeline.observability import setup as observability
 from pipeline.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 async def run_stages(
@@ -23,14 +26,16 @@ async def run_stages(
     nodes = assemble.nodes_of(settings, names)
     pools = frozenset(n.pool for n in nodes if n.pool is not None)
     backends = await asyncio.to_thread(backend_registry.load, settings, pools) if pools else {}
-    if stop.is_set():  # a signal came while the models loaded: nothing started, nothing to drain
-        return
     try:
+        if stop.is_set():  # a signal came while the models loaded: nothing started, nothing to drain
+            return
         stages = assemble.build(nodes, settings, backends, worker=str(os.getpid()))
         await serve.run_stages(stages, settings, stop, instance=str(os.getpid()), replies=replies, local_requests=local_requests)
     finally:  # the stages have stopped: the backends' connections and engines go too
-        for backend in backends.values():
-            await backend.aclose()  # type: ignore[attr-defined]
+        closed = await asyncio.gather(*(b.aclose() for b in backends.values()), return_exceptions=True)
+        for name, result in zip(backends, closed, strict=True):
+            if isinstance(result, Exception):
+                log.warning("backend %s failed to close (%s)", name, type(result).__name__)
 
 
 def run_worker(*names: str) -> None:

@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    # aiokafka's DEBUG records carry message payloads; httpx logs every request's full URL at INFO, and an
-    # upstream's (base_url, jwks_url, the OTLP endpoint) may hold a password or a key in its query string
-    for name in ("aiokafka", "kafka", "httpx", "httpcore"):
+    # aiokafka's DEBUG records carry message payloads; HTTP clients may log a request's full URL (httpx does
+    # at INFO), and an upstream's (base_url, jwks_url, the OTLP endpoint) may hold a key in its query string
+    for name in ("aiokafka", "kafka", "httpx", "httpcore", "aiohttp"):
         logging.getLogger(name).setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RateLimit())  # first: a dropped line is not formatted for redaction

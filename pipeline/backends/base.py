@@ -77,6 +77,10 @@ class Backend(Protocol):
 
     async def cancel(self, request_id: str) -> None: ...
 
+    async def aclose(self) -> None:
+        """Releases what it holds (connections, an engine): once its process's stages have stopped."""
+        ...
+
 
 @runtime_checkable
 class SplitBackend(Backend, Protocol):

@@ -15,8 +15,13 @@ stream began is never asked for.
 Connections are kept alive and reused (at most `MAX_CONNECTIONS` per backend, each idle at most
 `KEEPALIVE_S`, under the 5 s after which uvicorn, and so vLLM and SGLang, closes an idle one). A stream
 whose answer has ended returns its connection at once when the body's end has come with it, else in the
-background once it comes (`_drain`), never holding the request. aiohttp rather than httpx: its parser is
-in C, and with the reuse the backend's CPU per request went from 1.4 ms to 0.35 ms (docs/benchmarks.md).
+background once it comes (`_drain`), never holding the request. A kept-alive connection the upstream
+closed just as it was reused (its idle timeout raced ours) fails before any answer: the request is sent
+once more on a new connection, not counted against the upstream (`_ask`). aiohttp rather than httpx: its
+parser is in C, and with the reuse the backend's CPU per request went from about 1.4 ms to 0.3-0.5 ms
+(docs/benchmarks.md, "Session 49"). The upstream is trusted for its answers (it writes them), and so for
+its framing too: one that sent a second, unasked response on an idle connection would have it read as
+the next request's answer, which one connection per request could not do.
 
 The body is read as bytes and split at LF only (a trailing CR dropped), as SSE defines its lines: text
 holding U+2028, U+2029 or U+0085 is not cut. Bounds: a line of at most `MAX_LINE_BYTES`, a body of at
@@ -47,6 +52,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -76,6 +82,8 @@ class OpenAIBackend:
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"backend {name}: base_url must be an http(s) URL")
+        if "@" in urlsplit(base_url).netloc:  # with api_key too, every request failed (two authorizations)
+            raise ValueError(f"backend {name}: base_url holds credentials; name the key's environment variable in api_key_env")
         self.name = name
         self._model = model
         self._timeout_s = timeout_s
@@ -85,6 +93,7 @@ class OpenAIBackend:
         # sock_read: between two reads of the body (as httpx's read timeout); connect: a connection from the
         # pool, opened or reused; sock_connect: the TCP (and TLS) connect itself
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=min(timeout_s, 10.0), sock_read=timeout_s)
+        self._ask_bound_s = 2 * timeout_s  # the request written and the answer's headers read (no timeout above bounds the write)
         self._session: aiohttp.ClientSession | None = None  # made in the event loop, at the first request
         self._running: dict[str, aiohttp.ClientResponse] = {}
         self._draining: set[asyncio.Task[None]] = set()
@@ -108,10 +117,26 @@ class OpenAIBackend:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_S)
+            reuses = aiohttp.TraceConfig()
+            reuses.on_connection_reuseconn.append(_mark_reused)
             # trust_env off: no proxy variable sends a request elsewhere; auto_decompress off: see the headers
             self._session = aiohttp.ClientSession(
-                connector=connector, headers=self._headers, timeout=self._timeout, auto_decompress=False, trust_env=False)
+                connector=connector, headers=self._headers, timeout=self._timeout, auto_decompress=False, trust_env=False,
+                trace_configs=[reuses])
         return self._session
+
+    async def _ask(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """The upstream's answer (its headers) to POSTing `body`; asked once more, on a new connection,
+        when a reused one was closed by the upstream before any answer (it never read the request)."""
+        for attempt in (1, 2):
+            reused: dict[str, bool] = {}
+            try:
+                async with asyncio.timeout(self._ask_bound_s):
+                    return await self._http().post(self._base_url + path, json=body, allow_redirects=False, trace_request_ctx=reused)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == 2 or not reused or isinstance(exc, aiohttp.ClientConnectorError):
+                    raise
+        raise AssertionError("unreachable")
 
     async def cancel(self, request_id: str) -> None:
         """A running request's stream ends with `Cancelled`; a later `generate` of it refuses to start."""
@@ -144,7 +169,7 @@ class OpenAIBackend:
         response: aiohttp.ClientResponse | None = None
         answered = False  # the ending was given: what is left of the body can be drained, the connection reused
         try:
-            response = await self._http().post(self._base_url + path, json=body, allow_redirects=False)
+            response = await self._ask(path, body)
             self._running[rid] = response
             if rid in self._cancelled:  # cancelled while the upstream had not answered yet
                 raise Cancelled(rid)
@@ -213,6 +238,10 @@ class OpenAIBackend:
             raise ModelError("the upstream stream ended without a finish reason")
         if not ended:  # an upstream that sends no usage event
             yield Delta("", (), finish)
+
+
+async def _mark_reused(session: aiohttp.ClientSession, context: Any, params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    context.trace_request_ctx["reused"] = True  # the dict `_ask` passes as its trace_request_ctx
 
 
 async def _drain(response: aiohttp.ClientResponse) -> None:

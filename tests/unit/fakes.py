@@ -66,6 +66,9 @@ class ScriptedBackend:
     async def cancel(self, request_id: str) -> None:
         self.cancelled.add(request_id)
 
+    async def aclose(self) -> None:
+        return None
+
 
 async def run_handler(stage: Stage, message: Any) -> list[Out]:
     """The testing sink: every message the handler yields for `message`, in order, each acknowledged

@@ -96,6 +96,69 @@ async def test_a_body_that_does_not_end_after_the_answer_holds_neither_the_reque
         await backend.aclose()
 
 
+async def test_a_kept_alive_connection_the_upstream_closed_is_asked_again_on_a_new_one() -> None:
+    """Its idle timeout raced the reuse: the upstream closed the connection as the second request came,
+    before reading it. That request failed (ServerDisconnectedError), counted against a healthy upstream."""
+    answer = said("ok", "stop") + b"data: [DONE]\n\n"
+    connections: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(len(connections))
+        try:
+            for n in range(2):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+                await reader.readexactly(length)
+                if n == 1:  # the second request on this connection: closed unanswered
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(answer) + answer)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    backend = OpenAIBackend("up", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", "m")
+    for rid in ("a", "b", "c"):
+        assert "".join(d.text for d in await collect(backend, ask(1, rid=rid))) == "ok"
+    assert len(connections) == 3  # a; b on a's, closed, then asked again on a new one; c on b's, closed, again
+    await backend.aclose()
+    server.close()
+    await server.wait_closed()
+
+
+async def test_a_base_url_with_credentials_is_refused_at_start() -> None:
+    with pytest.raises(ValueError, match="api_key_env"):
+        OpenAIBackend("up", "https://user:secret@api.example.com/v1", "m")
+
+
+@pytest.mark.filterwarnings("ignore:Sending a large body:ResourceWarning")  # aiohttp's, for a body over 1 MiB
+async def test_an_upstream_that_never_reads_the_request_times_out() -> None:
+    """Nothing bounded writing the request: a listening upstream that reads nothing held a prompt larger
+    than the sockets' buffers."""
+    holding: list[asyncio.Task[Any]] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        holding.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            await asyncio.sleep(10)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    backend = OpenAIBackend("up", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", "m", timeout_s=0.5)
+    big = GenerationRequest(request_id="big", messages=(Message("user", "x" * (8 << 20)),), max_tokens=1)
+    started = time.monotonic()
+    with pytest.raises(ModelError, match="timed out"):
+        await collect(backend, big)
+    assert time.monotonic() - started < 3.0
+    await backend.aclose()
+    for task in holding:
+        task.cancel()
+    await asyncio.gather(*holding, return_exceptions=True)
+    server.close()
+    await server.wait_closed()
+
+
 class Raw:
     """A bare HTTP/1.1 upstream whose answer the test writes byte for byte: `answer(body, writer)`."""
 
