@@ -16,6 +16,8 @@ Systems:
     sluice-instant:N   the same with `bridge.max_in_flight = N` (admission control: over N open requests, a 503)
     sluice-instant@L   the same with its producers' `kafka.linger_ms = L` (else --linger-ms); both: @L:N
     sluice-instant+first   the same with `[run] bridges = "first"`: the bridge in the first process only
+    sluice-openai+whole   `stream_upstream = false`: the upstream asked for one whole answer, as LiteLLM asks it,
+                    when the client does not stream (these requests), instead of a stream
     sluice-instant+pyredis   the same with redis-py's pure-Python reply parser: hiredis (which `make setup`
                     installs) shadowed by a module that fails to import, in every process of that system
     before-instant, before-openai   the same, from the commit --before (a git worktree under .cache/bench):
@@ -142,6 +144,7 @@ def unlabelled(system: str) -> str:
 
 PY_REDIS = "+pyredis"
 FIRST_BRIDGE = "+first"  # `[run] bridges = "first"`: the bridge in the first process only
+WHOLE = "+whole"  # openai: `stream_upstream = false`, a request the client does not stream asked whole
 
 
 def no_hiredis() -> Path:
@@ -364,12 +367,14 @@ async def run(args: argparse.Namespace) -> None:
                     port = SLUICE_PORT + 10 * len(servers)
                     path = Path(configs) / f"{system}.toml"
                     kind = unlabelled(system)
-                    variant, _, bound = kind.split("-", 1)[1].removesuffix(PY_REDIS).removesuffix(FIRST_BRIDGE).partition(":")
+                    variant, _, bound = kind.split("-", 1)[1].removesuffix(PY_REDIS).removesuffix(FIRST_BRIDGE).removesuffix(WHOLE).partition(":")
                     backend, _, linger = variant.partition("@")
                     config = sluice_config(backend, args.guards, args.processes, int(linger or args.linger_ms), int(bound or 0))
                     config = config.replace(f"port = {SLUICE_PORT}", f"port = {port}")
                     if FIRST_BRIDGE in kind:
                         config = config.replace("[run]", '[run]\nbridges = "first"')
+                    if WHOLE in kind:
+                        config = config.replace('kind = "openai"', 'kind = "openai"\nstream_upstream = false')
                     service_env = service_envs[system]
                     config = config.replace(f"127.0.0.1:{KAFKA_PORT}", service_env["SLUICE_KAFKA_BOOTSTRAP"])
                     config = config.replace(f"redis://127.0.0.1:{REDIS_PORT}/0", service_env["SLUICE_REDIS_URL"])

@@ -52,7 +52,8 @@ def _build(settings: Settings, config: BackendSettings) -> Backend:
         from pipeline.backends.openai_compat import OpenAIBackend
 
         model = config.upstream_model or config.model
-        return OpenAIBackend.from_env(config.name, config.base_url, model, config.api_key_env, config.timeout_s)
+        return OpenAIBackend.from_env(config.name, config.base_url, model, config.api_key_env, config.timeout_s,
+                                      stream_upstream=config.stream_upstream)
     if config.kind == "triton":
         from pipeline.backends.triton import TritonBackend
 

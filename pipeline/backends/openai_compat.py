@@ -2,11 +2,12 @@
 
 Streams `/chat/completions` (or `/completions` for a prompt) with server-sent events over aiohttp and
 turns each event into a `Delta`; the last one carries the upstream's usage (`stream_options.
-include_usage`; an upstream that sends none leaves the counts None and the stage estimates them). The
-upstream is asked for a stream even when the client waits for the whole answer (`stream` false): a
-server such as vLLM sends nothing of a non-streamed answer until all of it is generated, so the read
-timeout would cap the whole generation; streamed, `timeout_s` bounds the wait between events. The deltas
-of a non-streamed answer are held here and given as one at its end, so a failure midway (a dropped
+include_usage`; an upstream that sends none leaves the counts None and the stage estimates them). By
+default the upstream is asked for a stream even when the client waits for the whole answer (`stream`
+false): a server such as vLLM sends nothing of a non-streamed answer until all of it is generated, so the
+read timeout would cap the whole generation; streamed, `timeout_s` bounds the wait between events. With
+`stream_upstream = false` such a request is asked whole (one JSON body, cheaper on both sides), and
+`timeout_s` bounds its generation. The deltas of a non-streamed answer are held here and given as one at its end, so a failure midway (a dropped
 connection, an `abort`) still comes before anything was sent, and the route's next backend takes it. `base_url` and the key's
 environment variable come from the config file only: no request field names an address. Cancelling
 closes the upstream stream (the server sees the client leave and stops); a request cancelled before its
@@ -79,6 +80,7 @@ _ANSWERED: dict[str, FinishReason] = {
 class OpenAIBackend:
     def __init__(
         self, name: str, base_url: str, model: str, *, api_key: str | None = None, timeout_s: float = 60.0,
+        stream_upstream: bool = True,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"backend {name}: base_url must be an http(s) URL")
@@ -87,6 +89,7 @@ class OpenAIBackend:
         self.name = name
         self._model = model
         self._timeout_s = timeout_s
+        self._stream_upstream = stream_upstream  # False: a request the client does not stream is asked whole
         self._base_url = base_url.rstrip("/") + "/"
         # identity: the size bounds count what the upstream sent, not what a compressed body expands to
         self._headers = {"accept-encoding": "identity"} | ({"authorization": f"Bearer {api_key}"} if api_key else {})
@@ -100,12 +103,12 @@ class OpenAIBackend:
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # the last _CANCELLED_MEMORY cancelled
 
     @classmethod
-    def from_env(cls, name: str, base_url: str, model: str, api_key_env: str, timeout_s: float) -> OpenAIBackend:
+    def from_env(cls, name: str, base_url: str, model: str, api_key_env: str, timeout_s: float, *, stream_upstream: bool = True) -> OpenAIBackend:
         """The key is read from the environment variable the config names (never from the file)."""
         key = os.environ.get(api_key_env) if api_key_env else None
         if api_key_env and not key:
             raise ValueError(f"backend {name}: environment variable {api_key_env} is not set")
-        return cls(name, base_url, model, api_key=key, timeout_s=timeout_s)
+        return cls(name, base_url, model, api_key=key, timeout_s=timeout_s, stream_upstream=stream_upstream)
 
     async def aclose(self) -> None:
         for task in self._draining:
@@ -147,12 +150,18 @@ class OpenAIBackend:
         if (response := self._running.get(request_id)) is not None:
             response.close()  # the read in `generate` ends; the upstream sees the client leave
 
+    def _streams(self, request: GenerationRequest) -> bool:
+        """Whether the upstream is asked for a stream: always, unless `stream_upstream` is off and the client
+        waits for the whole answer (the module says why)."""
+        return request.stream or self._stream_upstream
+
     def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
-        """Always a stream (the module says why), whatever `request.stream`."""
         body: dict[str, Any] = {
             "model": self._model, "max_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
-            "stream": True, "stream_options": {"include_usage": True},
+            "stream": False,
         }
+        if self._streams(request):
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
         if request.stop:
             body["stop"] = list(request.stop)
         if request.seed is not None:
@@ -175,7 +184,11 @@ class OpenAIBackend:
                 raise Cancelled(rid)
             if response.status != 200:
                 raise _refused(response.status, response.headers.get("retry-after"))
-            if request.stream:
+            if not self._streams(request):  # one JSON body: the answer, whole
+                whole = await _answer(response, request.max_tokens * BYTES_PER_TOKEN + BODY_SLACK)
+                answered = True
+                yield whole
+            elif request.stream:
                 async for delta in self._deltas(response, request):
                     answered = delta.finish_reason is not None  # before the yield: a consumer may stop at it
                     yield delta
@@ -315,7 +328,30 @@ async def _data(response: aiohttp.ClientResponse, max_body: int, stalled: _Stall
         scanned = len(buffer)
 
 
-def _json(data: str) -> Any:
+async def _answer(response: aiohttp.ClientResponse, max_body: int) -> Delta:
+    """A whole (non-streamed) answer as one delta: its text, ending and counts. Bounded as a stream is
+    (`max_body`; the read timeout between reads); another shape is the upstream's failure."""
+    body = bytearray()
+    while chunk := await response.content.readany():
+        body += chunk
+        if len(body) > max_body:
+            raise ModelError("the upstream's answer is larger than max_tokens allows")
+    event = _json(bytes(body))
+    choices = event.get("choices") if isinstance(event, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or not (message is None or isinstance(message, dict)):
+        raise ModelError("the upstream sent an answer of another shape")
+    text = (message or {}).get("content") or choice.get("text") or ""
+    if not isinstance(text, str):
+        raise ModelError("the upstream sent text that is not a string")
+    reason = choice.get("finish_reason")
+    if reason is None:
+        raise ModelError("the upstream's answer has no finish reason")
+    return Delta(text, (), _finish(reason), *_counts(event.get("usage")))
+
+
+def _json(data: str | bytes) -> Any:
     try:
         return json.loads(data)
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes

@@ -159,6 +159,19 @@ async def test_an_upstream_that_never_reads_the_request_times_out() -> None:
     await server.wait_closed()
 
 
+async def test_with_stream_upstream_off_a_whole_answer_is_asked_whole_and_a_stream_still_streamed() -> None:
+    async with FakeUpstream(free_port()) as fake:
+        backend = OpenAIBackend("up", fake.base_url, "m", stream_upstream=False)
+        for req in (ask(6), ask(4, prompt="once upon")):
+            for stream in (False, True):
+                deltas = await collect(backend, GenerationRequest(**{**req.__dict__, "stream": stream}))
+                assert "".join(d.text for d in deltas) == "".join(f"w{i} " for i in range(req.max_tokens))
+                assert deltas[-1].finish_reason == "length" and (deltas[-1].prompt_tokens, deltas[-1].completion_tokens) == (8, req.max_tokens)
+                assert len(deltas) == (req.max_tokens + 1 if stream else 1)  # streamed: a delta per word, then the ending
+        assert fake.state.served == 4 and len(fake.state.peers) == 1
+        await backend.aclose()
+
+
 class Raw:
     """A bare HTTP/1.1 upstream whose answer the test writes byte for byte: `answer(body, writer)`."""
 
@@ -563,4 +576,35 @@ async def test_a_model_that_reasons_before_it_answers_is_not_a_stall() -> None:
         backend = OpenAIBackend("up", upstream.base_url, "m", timeout_s=0.3)
         deltas = await collect(backend, ask(4))
         assert "".join(d.text for d in deltas) == "42" and deltas[-1].finish_reason == "stop"
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("answer", [
+    b"[1, 2]", b'{"choices": []}', b'{"choices": [{"message": "hi", "finish_reason": "stop"}]}',
+    b'{"choices": [{"message": {"content": 7}, "finish_reason": "stop"}]}', b'{"choices": [{"text": "hi"}]}',
+    b'{"choices": [{"text": "hi", "finish_reason": "abort"}]}', b"not json", b'{"choices": [{"text": "\xff", "finish_reason": "stop"}]}',
+])
+async def test_a_whole_answer_of_another_shape_is_the_upstreams_failure(answer: bytes) -> None:
+    async def reply(body: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        assert body["stream"] is False and "stream_options" not in body
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n" + answer)
+
+    async with Raw(reply) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m", stream_upstream=False)
+        with pytest.raises(ModelError):
+            await collect(backend, GenerationRequest(**{**ask(2).__dict__, "stream": False}))
+        await backend.aclose()
+
+
+async def test_a_whole_answer_past_its_size_bound_is_the_upstreams_failure() -> None:
+    async def reply(body: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n")
+        for _ in range(64):
+            writer.write(b" " * (1 << 16))
+            await writer.drain()
+
+    async with Raw(reply) as upstream:
+        backend = OpenAIBackend("up", upstream.base_url, "m", stream_upstream=False)
+        with pytest.raises(ModelError, match="larger than"):  # 1 token: 2 KiB + 1 MiB of slack; 4 MiB sent
+            await collect(backend, GenerationRequest(**{**ask(1).__dict__, "stream": False}))
         await backend.aclose()
