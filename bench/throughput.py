@@ -234,6 +234,20 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
+async def settle(percent: float, most_s: float = 180.0) -> None:
+    """Waits until the whole machine's CPU is under `percent` (of all cores) for a second, at most
+    `most_s`: a system left past its knee (LiteLLM goes on with requests its clients gave up on) must not
+    run into the next system's step."""
+    if percent <= 0:
+        return
+    started = time.monotonic()
+    while (busy := await asyncio.to_thread(psutil.cpu_percent, 1.0)) >= percent and time.monotonic() - started < most_s:
+        pass
+    waited = time.monotonic() - started
+    if waited > 1.5:
+        print(f"settled after {waited:.0f} s (machine {busy:.0f}% busy)", flush=True)
+
+
 def rewriting_during(log: Path, start: float, seconds: float) -> float:
     """Seconds of [start, start + seconds] during which Redis (by its log) was rewriting its AOF."""
     spans, began = [], None
@@ -433,6 +447,7 @@ async def run(args: argparse.Namespace) -> None:
                         results.append(result)
                         print(json.dumps(asdict(result)), flush=True)
                         await asyncio.sleep(args.pause)
+                        await settle(args.settle_percent)
         finally:
             for server in [*servers.values(), *(p for by_role in parts.values() for p in by_role.values())]:
                 server.stop()
@@ -448,6 +463,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="load per step")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--pause", type=float, default=2.0, help="seconds between steps (backlogs drain)")
+    parser.add_argument("--settle-percent", type=float, default=25.0,
+                        help="after the pause, wait (up to 180 s) until the machine's CPU is under this %% of all cores; 0: do not")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--processes", type=int, default=0, help="sluice run's processes (0: one per core)")
     parser.add_argument("--guards", action="store_true", help="sluice with its guard and postguard stages")

@@ -1,0 +1,146 @@
+"""What calling an OpenAI-compatible upstream costs per request: the openai backend (aiohttp, kept-alive
+connections; streamed, and whole with `stream_upstream = false`) against httpx as the backend used it
+until session 49 (a stream read to `[DONE]`, so a new connection per request), on the same upstream.
+
+    .venv/bin/python -m bench.upstream_client                      # 1,000 requests per case, 3 rounds
+    .venv/bin/python -m bench.upstream_client --requests 2000 --concurrency 16
+
+The fake upstream (bench.fake_openai, 16 words per answer) runs in a process of its own; this process
+sends the requests. Reported per case, median (min..max) over rounds, the cases' order rotating each
+round: CPU microseconds per request of this process (the client) and of the upstream, wall time per
+request, and the connections the upstream saw opened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+
+import httpx
+import psutil
+import uvloop
+
+from pipeline.backends.base import GenerationRequest, Message
+from pipeline.backends.openai_compat import OpenAIBackend
+from tests.ports import free_port
+
+WORDS = 16
+
+
+def ask(i: int, stream: bool) -> GenerationRequest:
+    return GenerationRequest(request_id=f"r{i}", messages=(Message("user", "hello there"),), max_tokens=WORDS, stream=stream)
+
+
+async def httpx_before(base_url: str, requests: int, concurrency: int) -> None:
+    """The backend's call before session 49: httpx, streamed, read to `[DONE]` (the body's end unread, so
+    httpx drops the connection), each event parsed with json."""
+    body = {"model": "m", "max_tokens": WORDS, "temperature": 0.0, "top_p": 1.0, "stream": True,
+            "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "hello there"}]}
+    async with httpx.AsyncClient(base_url=base_url + "/", trust_env=False, headers={"accept-encoding": "identity"}) as client:
+        async def one(_: int) -> None:
+            async with client.stream("POST", "chat/completions", json=body) as response:
+                buffer = b""
+                async for chunk in response.aiter_bytes():
+                    buffer += chunk
+                    while b"\n" in buffer:
+                        line, _, buffer = buffer.partition(b"\n")
+                        if line.startswith(b"data:"):
+                            data = line[5:].strip()
+                            if data == b"[DONE]":
+                                return
+                            json.loads(data)
+
+        await bounded(one, requests, concurrency)
+
+
+def backend_case(stream_upstream: bool) -> Callable[[str, int, int], Awaitable[None]]:
+    async def run(base_url: str, requests: int, concurrency: int) -> None:
+        backend = OpenAIBackend("bench", base_url, "m", stream_upstream=stream_upstream)
+
+        async def one(i: int) -> None:
+            async for _ in backend.generate(ask(i, stream=False)):
+                pass
+
+        await bounded(one, requests, concurrency)
+        await backend.aclose()
+    return run
+
+
+async def bounded(one: Callable[[int], Awaitable[None]], requests: int, concurrency: int) -> None:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(i: int) -> None:
+        async with gate:
+            await one(i)
+
+    await asyncio.gather(*(gated(i) for i in range(requests)))
+
+
+CASES = {
+    "httpx, a connection per request (before)": httpx_before,
+    "openai backend, streamed (default)": backend_case(True),
+    "openai backend, whole (stream_upstream = false)": backend_case(False),
+}
+
+
+def connections(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats") as reply:
+        return int(json.loads(reply.read())["connections"])
+
+
+async def measure(args: argparse.Namespace) -> None:
+    port = free_port()
+    upstream = subprocess.Popen([sys.executable, "-m", "bench.fake_openai", "--port", str(port)])
+    base_url = f"http://127.0.0.1:{port}/v1"
+    try:
+        for _ in range(100):
+            try:
+                connections(port)
+                break
+            except OSError:
+                await asyncio.sleep(0.1)
+        server = psutil.Process(upstream.pid)
+        figures: dict[str, list[tuple[float, float, float, int]]] = {name: [] for name in CASES}
+        names = list(CASES)
+        for round_ in range(args.rounds):
+            for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+                opened = connections(port)
+                client0, server0, wall0 = time.process_time(), sum(server.cpu_times()[:2]), time.perf_counter()
+                await CASES[name](base_url, args.requests, args.concurrency)
+                client1, server1, wall1 = time.process_time(), sum(server.cpu_times()[:2]), time.perf_counter()
+                n = args.requests
+                figures[name].append((1e6 * (client1 - client0) / n, 1e6 * (server1 - server0) / n, 1e6 * (wall1 - wall0) / n,
+                                      connections(port) - opened))
+    finally:
+        upstream.terminate()
+        upstream.wait()
+    print(f"\n{args.requests} requests per case, {args.concurrency} at a time, {args.rounds} rounds; {WORDS} words per answer, "
+          "the client not streaming; median (min..max)\n")
+    print("| case | client CPU us/request | upstream CPU us/request | wall us/request | connections opened |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, rows in figures.items():
+        cells = [spread([row[k] for row in rows]) for k in range(3)]
+        print(f"| {name} | {' | '.join(cells)} | {spread([row[3] for row in rows])} |")
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):,.0f} ({min(values):,.0f}..{max(values):,.0f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    uvloop.run(measure(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
