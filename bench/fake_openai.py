@@ -60,6 +60,8 @@ def create_app(state: State) -> Starlette:
         usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}
         created, model = int(time.time()), body.get("model", "fake")
         if not body.get("stream"):
+            if state.token_delay_ms:  # as long as its stream would take
+                await asyncio.sleep(n * state.token_delay_ms / 1000)
             text = "".join(words)
             choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
             return JSONResponse({"id": "fake", "object": "chat.completion" if chat else "text_completion", "created": created,

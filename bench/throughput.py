@@ -244,8 +244,10 @@ async def settle(percent: float, most_s: float = 180.0) -> None:
     while (busy := await asyncio.to_thread(psutil.cpu_percent, 1.0)) >= percent and time.monotonic() - started < most_s:
         pass
     waited = time.monotonic() - started
-    if waited > 1.5:
-        print(f"settled after {waited:.0f} s (machine {busy:.0f}% busy)", flush=True)
+    if busy >= percent:
+        print(f"did not settle in {waited:.0f} s after the pause (machine {busy:.0f}% busy)", flush=True)
+    elif waited > 1.5:
+        print(f"settled {waited:.0f} s after the pause (machine {busy:.0f}% busy)", flush=True)
 
 
 def rewriting_during(log: Path, start: float, seconds: float) -> float:
@@ -388,6 +390,8 @@ async def run(args: argparse.Namespace) -> None:
                     if FIRST_BRIDGE in kind:
                         config = config.replace("[run]", '[run]\nbridges = "first"')
                     if WHOLE in kind:
+                        if backend != "openai":
+                            raise SystemExit(f"{system}: {WHOLE} is for an openai system")
                         config = config.replace('kind = "openai"', 'kind = "openai"\nstream_upstream = false')
                     service_env = service_envs[system]
                     config = config.replace(f"127.0.0.1:{KAFKA_PORT}", service_env["SLUICE_KAFKA_BOOTSTRAP"])

@@ -1,6 +1,7 @@
 """What calling an OpenAI-compatible upstream costs per request: the openai backend (aiohttp, kept-alive
-connections; streamed, and whole with `stream_upstream = false`) against httpx as the backend used it
-until session 49 (a stream read to `[DONE]`, so a new connection per request), on the same upstream.
+connections; streamed, and whole with `stream_upstream = false`) against the backend as commit --before
+had it (httpx, a stream read to `[DONE]`, so a new connection per request; loaded from git), on the same
+upstream, each driven through its `generate`.
 
     .venv/bin/python -m bench.upstream_client                      # 1,000 requests per case, 3 rounds
     .venv/bin/python -m bench.upstream_client --requests 2000 --concurrency 16
@@ -15,21 +16,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
-import httpx
 import psutil
 import uvloop
 
 from pipeline.backends.base import GenerationRequest, Message
 from pipeline.backends.openai_compat import OpenAIBackend
 from tests.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORDS = 16
 
@@ -38,31 +44,23 @@ def ask(i: int, stream: bool) -> GenerationRequest:
     return GenerationRequest(request_id=f"r{i}", messages=(Message("user", "hello there"),), max_tokens=WORDS, stream=stream)
 
 
-async def httpx_before(base_url: str, requests: int, concurrency: int) -> None:
-    """The backend's call before session 49: httpx, streamed, read to `[DONE]` (the body's end unread, so
-    httpx drops the connection), each event parsed with json."""
-    body = {"model": "m", "max_tokens": WORDS, "temperature": 0.0, "top_p": 1.0, "stream": True,
-            "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "hello there"}]}
-    async with httpx.AsyncClient(base_url=base_url + "/", trust_env=False, headers={"accept-encoding": "identity"}) as client:
-        async def one(_: int) -> None:
-            async with client.stream("POST", "chat/completions", json=body) as response:
-                buffer = b""
-                async for chunk in response.aiter_bytes():
-                    buffer += chunk
-                    while b"\n" in buffer:
-                        line, _, buffer = buffer.partition(b"\n")
-                        if line.startswith(b"data:"):
-                            data = line[5:].strip()
-                            if data == b"[DONE]":
-                                return
-                            json.loads(data)
-
-        await bounded(one, requests, concurrency)
+def backend_before(rev: str) -> type:
+    """The backend's class as commit `rev` had it (httpx, a stream read to `[DONE]`, so a new connection
+    per request), loaded from git."""
+    source = subprocess.run(["git", "show", f"{rev}:pipeline/backends/openai_compat.py"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="upstream-client-")) / "openai_compat_before.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("openai_compat_before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.OpenAIBackend  # type: ignore[no-any-return]
 
 
-def backend_case(stream_upstream: bool) -> Callable[[str, int, int], Awaitable[None]]:
+def backend_case(make: Callable[[str], Any]) -> Callable[[str, int, int], Awaitable[None]]:
     async def run(base_url: str, requests: int, concurrency: int) -> None:
-        backend = OpenAIBackend("bench", base_url, "m", stream_upstream=stream_upstream)
+        backend = make(base_url)
 
         async def one(i: int) -> None:
             async for _ in backend.generate(ask(i, stream=False)):
@@ -83,11 +81,13 @@ async def bounded(one: Callable[[int], Awaitable[None]], requests: int, concurre
     await asyncio.gather(*(gated(i) for i in range(requests)))
 
 
-CASES = {
-    "httpx, a connection per request (before)": httpx_before,
-    "openai backend, streamed (default)": backend_case(True),
-    "openai backend, whole (stream_upstream = false)": backend_case(False),
-}
+def cases(before: str) -> dict[str, Callable[[str, int, int], Awaitable[None]]]:
+    old = backend_before(before)
+    return {
+        f"before ({before}: httpx, a connection per request)": backend_case(lambda url: old("bench", url, "m")),
+        "openai backend, streamed (default)": backend_case(lambda url: OpenAIBackend("bench", url, "m")),
+        "openai backend, whole (stream_upstream = false)": backend_case(lambda url: OpenAIBackend("bench", url, "m", stream_upstream=False)),
+    }
 
 
 def connections(port: int) -> int:
@@ -107,13 +107,14 @@ async def measure(args: argparse.Namespace) -> None:
             except OSError:
                 await asyncio.sleep(0.1)
         server = psutil.Process(upstream.pid)
-        figures: dict[str, list[tuple[float, float, float, int]]] = {name: [] for name in CASES}
-        names = list(CASES)
+        run = cases(args.before)
+        figures: dict[str, list[tuple[float, float, float, int]]] = {name: [] for name in run}
+        names = list(run)
         for round_ in range(args.rounds):
             for name in names[round_ % len(names):] + names[: round_ % len(names)]:
                 opened = connections(port)
                 client0, server0, wall0 = time.process_time(), sum(server.cpu_times()[:2]), time.perf_counter()
-                await CASES[name](base_url, args.requests, args.concurrency)
+                await run[name](base_url, args.requests, args.concurrency)
                 client1, server1, wall1 = time.process_time(), sum(server.cpu_times()[:2]), time.perf_counter()
                 n = args.requests
                 figures[name].append((1e6 * (client1 - client0) / n, 1e6 * (server1 - server0) / n, 1e6 * (wall1 - wall0) / n,
@@ -139,6 +140,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--before", default="b3eb2d0", help="the commit whose backend is the 'before' case")
     uvloop.run(measure(parser.parse_args()))
 
 

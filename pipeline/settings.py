@@ -118,7 +118,7 @@ class BackendSettings:
     api_key_env: str = ""  # openai: the NAME of the environment variable holding the upstream key (never the key)
     timeout_s: float = 60.0  # triton, openai: connect and per-chunk read timeout
     # openai: false asks the upstream for one whole answer when the client does not stream (one JSON body:
-    # about 0.35 ms less CPU per request here and on the upstream, docs/benchmarks.md); timeout_s then bounds
+    # about half the upstream's CPU per request for short answers, docs/benchmarks.md); timeout_s then bounds
     # the whole generation, since vLLM sends nothing of such an answer until all of it is generated
     stream_upstream: bool = True
     # local, instant: false serves the pool with one generation stage instead of prefill + decode (one hop

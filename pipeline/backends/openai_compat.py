@@ -19,8 +19,8 @@ whose answer has ended returns its connection at once when the body's end has co
 background once it comes (`_drain`), never holding the request. A kept-alive connection the upstream
 closed just as it was reused (its idle timeout raced ours) fails before any answer: the request is sent
 once more on a new connection, not counted against the upstream (`_ask`). aiohttp rather than httpx: its
-parser is in C, and with the reuse the backend's CPU per request went from about 1.4 ms to 0.3-0.5 ms
-(docs/benchmarks.md, "Session 49"). The upstream is trusted for its answers (it writes them), and so for
+parser is in C, and with the reuse the backend's CPU per request is about a third of what it was
+(bench.upstream_client; docs/benchmarks.md, "Session 49"). The upstream is trusted for its answers (it writes them), and so for
 its framing too: one that sent a second, unasked response on an idle connection would have it read as
 the next request's answer, which one connection per request could not do.
 
@@ -69,6 +69,7 @@ MAX_RETRY_AFTER_S = 3600.0  # an upstream's Retry-After is passed on to the clie
 MAX_CONNECTIONS = 100  # open to one backend at a time (httpx's default, which this backend had before)
 KEEPALIVE_S = 2.0  # an idle connection is not reused after this (servers close theirs after 5 s or more)
 DRAIN_S = 1.0  # how long what is left of a body after the answer's ending is read in the background
+RETRY_WITHIN_S = 1.0  # a reused connection closed within this of sending is asked again (`_ask`)
 DRAIN_BYTES = 1 << 16  # and how much of it: past either, the connection is closed, not reused
 # The upstream's endings that are an answer, as sluice's: eos, a stop string, TGI's names, a tool call.
 _ANSWERED: dict[str, FinishReason] = {
@@ -130,14 +131,18 @@ class OpenAIBackend:
 
     async def _ask(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
         """The upstream's answer (its headers) to POSTing `body`; asked once more, on a new connection,
-        when a reused one was closed by the upstream before any answer (it never read the request)."""
+        when a reused one was closed by the upstream at once, before any answer (its idle timeout: it
+        never read the request). Later than RETRY_WITHIN_S the upstream may have been generating (a whole
+        answer's headers come at its end): that failure is the upstream's, not asked again."""
+        loop = asyncio.get_running_loop()
         for attempt in (1, 2):
             reused: dict[str, bool] = {}
+            sent = loop.time()
             try:
                 async with asyncio.timeout(self._ask_bound_s):
                     return await self._http().post(self._base_url + path, json=body, allow_redirects=False, trace_request_ctx=reused)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if attempt == 2 or not reused or isinstance(exc, aiohttp.ClientConnectorError):
+                if attempt == 2 or not reused or isinstance(exc, aiohttp.ClientConnectorError) or loop.time() - sent > RETRY_WITHIN_S:
                     raise
         raise AssertionError("unreachable")
 
@@ -186,6 +191,8 @@ class OpenAIBackend:
                 raise _refused(response.status, response.headers.get("retry-after"))
             if not self._streams(request):  # one JSON body: the answer, whole
                 whole = await _answer(response, request.max_tokens * BYTES_PER_TOKEN + BODY_SLACK)
+                if rid in self._cancelled:
+                    raise Cancelled(rid)
                 answered = True
                 yield whole
             elif request.stream:
@@ -336,7 +343,7 @@ async def _answer(response: aiohttp.ClientResponse, max_body: int) -> Delta:
         body += chunk
         if len(body) > max_body:
             raise ModelError("the upstream's answer is larger than max_tokens allows")
-    event = _json(bytes(body))
+    event = _json(bytes(body), "answer")
     choices = event.get("choices") if isinstance(event, dict) else None
     choice = choices[0] if isinstance(choices, list) and choices else None
     message = choice.get("message") if isinstance(choice, dict) else None
@@ -351,11 +358,11 @@ async def _answer(response: aiohttp.ClientResponse, max_body: int) -> Delta:
     return Delta(text, (), _finish(reason), *_counts(event.get("usage")))
 
 
-def _json(data: str | bytes) -> Any:
+def _json(data: str | bytes, what: str = "event") -> Any:
     try:
         return json.loads(data)
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
-        raise ModelError("the upstream sent an event that is not JSON") from None
+        raise ModelError(f"the upstream sent an {what} that is not JSON") from None
 
 
 def _progress(event: Any) -> bool:

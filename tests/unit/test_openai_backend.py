@@ -15,7 +15,7 @@ import pytest
 from bench.fake_openai import FakeUpstream, State
 from pipeline.backends.base import Backend, Delta, GenerationRequest, Message, SplitBackend
 from pipeline.backends.errors import Cancelled, Filtered, InvalidRequest, ModelError, Overloaded
-from pipeline.backends.openai_compat import MAX_RETRY_AFTER_S, OpenAIBackend, _event, _refused
+from pipeline.backends.openai_compat import MAX_RETRY_AFTER_S, RETRY_WITHIN_S, OpenAIBackend, _event, _refused
 from pipeline.routing.stats import BackendStats
 from pipeline.stages.generate import GenerateStage
 from pipeline.state import MemoryStateStore
@@ -121,6 +121,38 @@ async def test_a_kept_alive_connection_the_upstream_closed_is_asked_again_on_a_n
     for rid in ("a", "b", "c"):
         assert "".join(d.text for d in await collect(backend, ask(1, rid=rid))) == "ok"
     assert len(connections) == 3  # a; b on a's, closed, then asked again on a new one; c on b's, closed, again
+    await backend.aclose()
+    server.close()
+    await server.wait_closed()
+
+
+async def test_a_reused_connection_dropped_after_the_upstream_worked_on_the_request_is_not_asked_again() -> None:
+    """Past RETRY_WITHIN_S the upstream may have been generating (a whole answer's headers come at its
+    end): asking again would generate twice, so the failure is the upstream's."""
+    answer = said("ok", "stop") + b"data: [DONE]\n\n"
+    requests: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            for n in range(2):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+                await reader.readexactly(length)
+                requests.append(n)
+                if n == 1:  # worked on it past the bound, then dropped the connection
+                    await asyncio.sleep(RETRY_WITHIN_S + 0.3)
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(answer) + answer)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    backend = OpenAIBackend("up", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", "m")
+    assert "".join(d.text for d in await collect(backend, ask(1, rid="a"))) == "ok"
+    with pytest.raises(ModelError, match="connection failed"):
+        await collect(backend, ask(1, rid="b"))
+    assert requests == [0, 1]  # b was sent once
     await backend.aclose()
     server.close()
     await server.wait_closed()
