@@ -116,7 +116,7 @@ class BackendSettings:
     base_url: str = ""  # openai: e.g. http://127.0.0.1:8000/v1 (from this file only, never from a request)
     upstream_model: str = ""  # openai: the model name the upstream server knows (default: `model`)
     api_key_env: str = ""  # openai: the NAME of the environment variable holding the upstream key (never the key)
-    timeout_s: float = 60.0  # triton, openai: connect and per-chunk read timeout
+    timeout_s: float = 60.0  # triton, openai: connect (a pooled connection's wait included) and per-chunk read timeout; openai: the request's write and the answer's headers within 2x this
     # openai: false asks the upstream for one whole answer when the client does not stream (one JSON body:
     # about half the upstream's CPU per request for short answers, docs/benchmarks.md); timeout_s then bounds
     # the whole generation, since vLLM sends nothing of such an answer until all of it is generated

@@ -18,7 +18,7 @@ Connections are kept alive and reused (at most `MAX_CONNECTIONS` per backend, ea
 whose answer has ended returns its connection at once when the body's end has come with it, else in the
 background once it comes (`_drain`), never holding the request. A kept-alive connection the upstream
 closed just as it was reused (its idle timeout raced ours) fails before any answer: the request is sent
-once more on a new connection, not counted against the upstream (`_ask`). aiohttp rather than httpx: its
+once more, not counted against the upstream (`_ask`). Certificates are checked against certifi's roots. aiohttp rather than httpx: its
 parser is in C, and with the reuse the backend's CPU per request is about a third of what it was
 (bench.upstream_client; docs/benchmarks.md, "Session 49"). The upstream is trusted for its answers (it writes them), and so for
 its framing too: one that sent a second, unasked response on an idle connection would have it read as
@@ -49,6 +49,7 @@ import json
 import logging
 import math
 import os
+import ssl
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -56,6 +57,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import certifi
 
 from pipeline.backends.base import Delta, FinishReason, GenerationRequest
 from pipeline.backends.errors import BackendError, Cancelled, Filtered, InvalidRequest, ModelError, Overloaded
@@ -69,7 +71,7 @@ MAX_RETRY_AFTER_S = 3600.0  # an upstream's Retry-After is passed on to the clie
 MAX_CONNECTIONS = 100  # open to one backend at a time (httpx's default, which this backend had before)
 KEEPALIVE_S = 2.0  # an idle connection is not reused after this (servers close theirs after 5 s or more)
 DRAIN_S = 1.0  # how long what is left of a body after the answer's ending is read in the background
-RETRY_WITHIN_S = 1.0  # a reused connection closed within this of sending is asked again (`_ask`)
+RETRY_WITHIN_S = 0.25  # a kept-alive connection closed within this of being taken: asked again once (`_ask`)
 DRAIN_BYTES = 1 << 16  # and how much of it: past either, the connection is closed, not reused
 # The upstream's endings that are an answer, as sluice's: eos, a stop string, TGI's names, a tool call.
 _ANSWERED: dict[str, FinishReason] = {
@@ -85,8 +87,10 @@ class OpenAIBackend:
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"backend {name}: base_url must be an http(s) URL")
-        if "@" in urlsplit(base_url).netloc:  # with api_key too, every request failed (two authorizations)
+        if "@" in urlsplit(base_url).netloc:  # the key's place is api_key_env (with both, every request failed)
             raise ValueError(f"backend {name}: base_url holds credentials; name the key's environment variable in api_key_env")
+        if api_key is not None and (not api_key.isprintable() or not api_key.isascii()):  # aiohttp refuses such a header
+            raise ValueError(f"backend {name}: the key holds characters a header cannot carry")
         self.name = name
         self._model = model
         self._timeout_s = timeout_s
@@ -99,6 +103,7 @@ class OpenAIBackend:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=min(timeout_s, 10.0), sock_read=timeout_s)
         self._ask_bound_s = 2 * timeout_s  # the request written and the answer's headers read (no timeout above bounds the write)
         self._session: aiohttp.ClientSession | None = None  # made in the event loop, at the first request
+        self._asking: dict[str, asyncio.Task[aiohttp.ClientResponse]] = {}  # requests whose headers have not come
         self._running: dict[str, aiohttp.ClientResponse] = {}
         self._draining: set[asyncio.Task[None]] = set()
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # the last _CANCELLED_MEMORY cancelled
@@ -106,7 +111,7 @@ class OpenAIBackend:
     @classmethod
     def from_env(cls, name: str, base_url: str, model: str, api_key_env: str, timeout_s: float, *, stream_upstream: bool = True) -> OpenAIBackend:
         """The key is read from the environment variable the config names (never from the file)."""
-        key = os.environ.get(api_key_env) if api_key_env else None
+        key = os.environ[api_key_env].strip() if api_key_env and api_key_env in os.environ else None  # a secret file's newline
         if api_key_env and not key:
             raise ValueError(f"backend {name}: environment variable {api_key_env} is not set")
         return cls(name, base_url, model, api_key=key, timeout_s=timeout_s, stream_upstream=stream_upstream)
@@ -120,7 +125,9 @@ class OpenAIBackend:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_S)
+            # certifi's roots, as httpx used (the system's store may be missing from a slim image)
+            tls = ssl.create_default_context(cafile=certifi.where())
+            connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_S, ssl=tls)
             reuses = aiohttp.TraceConfig()
             reuses.on_connection_reuseconn.append(_mark_reused)
             # trust_env off: no proxy variable sends a request elsewhere; auto_decompress off: see the headers
@@ -131,18 +138,19 @@ class OpenAIBackend:
 
     async def _ask(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
         """The upstream's answer (its headers) to POSTing `body`; asked once more, on a new connection,
-        when a reused one was closed by the upstream at once, before any answer (its idle timeout: it
+        when a kept-alive one was closed by the upstream at once, before any answer (its idle timeout: it
         never read the request). Later than RETRY_WITHIN_S the upstream may have been generating (a whole
-        answer's headers come at its end): that failure is the upstream's, not asked again."""
+        answer's headers come at its end): that failure is the upstream's, not asked again. The second
+        try takes whichever connection the pool gives, a new one or another kept alive."""
         loop = asyncio.get_running_loop()
         for attempt in (1, 2):
-            reused: dict[str, bool] = {}
-            sent = loop.time()
+            reused: dict[str, float] = {}  # "at": when a kept-alive connection was taken for it (`_mark_reused`)
             try:
                 async with asyncio.timeout(self._ask_bound_s):
                     return await self._http().post(self._base_url + path, json=body, allow_redirects=False, trace_request_ctx=reused)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if attempt == 2 or not reused or isinstance(exc, aiohttp.ClientConnectorError) or loop.time() - sent > RETRY_WITHIN_S:
+                quick = "at" in reused and loop.time() - reused["at"] <= RETRY_WITHIN_S
+                if attempt == 2 or not quick or isinstance(exc, aiohttp.ClientConnectorError):
                     raise
         raise AssertionError("unreachable")
 
@@ -152,6 +160,8 @@ class OpenAIBackend:
         self._cancelled.move_to_end(request_id)
         while len(self._cancelled) > _CANCELLED_MEMORY:
             self._cancelled.popitem(last=False)
+        if (asking := self._asking.get(request_id)) is not None:
+            asking.cancel()  # the connection closes: the upstream sees the client leave before it answered
         if (response := self._running.get(request_id)) is not None:
             response.close()  # the read in `generate` ends; the upstream sees the client leave
 
@@ -183,7 +193,7 @@ class OpenAIBackend:
         response: aiohttp.ClientResponse | None = None
         answered = False  # the ending was given: what is left of the body can be drained, the connection reused
         try:
-            response = await self._ask(path, body)
+            response = await self._asked(rid, path, body)
             self._running[rid] = response
             if rid in self._cancelled:  # cancelled while the upstream had not answered yet
                 raise Cancelled(rid)
@@ -217,6 +227,21 @@ class OpenAIBackend:
             self._running.pop(rid, None)
             if response is not None:
                 self._done_with(response, answered)
+
+    async def _asked(self, rid: str, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """`_ask` in a task of its own, which `cancel` cancels: a whole answer's headers come only once it
+        is generated, and a cancel must not wait for that."""
+        asking = asyncio.ensure_future(self._ask(path, body))
+        self._asking[rid] = asking
+        try:
+            return await asking
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if asking.cancelled() and rid in self._cancelled and task is not None and not task.cancelling():
+                raise Cancelled(rid) from None
+            raise
+        finally:
+            self._asking.pop(rid, None)
 
     def _done_with(self, response: aiohttp.ClientResponse, answered: bool) -> None:
         """Gives the response's connection back: to the pool when the whole answer was given and the body
@@ -261,7 +286,8 @@ class OpenAIBackend:
 
 
 async def _mark_reused(session: aiohttp.ClientSession, context: Any, params: aiohttp.TraceConnectionReuseconnParams) -> None:
-    context.trace_request_ctx["reused"] = True  # the dict `_ask` passes as its trace_request_ctx
+    if isinstance(context.trace_request_ctx, dict):  # the dict `_ask` passes as its trace_request_ctx
+        context.trace_request_ctx["at"] = asyncio.get_running_loop().time()
 
 
 async def _drain(response: aiohttp.ClientResponse) -> None:

@@ -92,7 +92,7 @@ async def test_a_body_that_does_not_end_after_the_answer_holds_neither_the_reque
         started = time.monotonic()
         for rid in ("a", "b"):
             assert "".join(d.text for d in await collect(backend, ask(1, rid=rid))) == "w"
-        assert time.monotonic() - started < 1.0 and len(upstream.bodies) == 2
+        assert time.monotonic() - started < 1.8 and len(upstream.bodies) == 2  # waiting for the drain: 2 s or more
         await backend.aclose()
 
 
@@ -611,21 +611,46 @@ async def test_a_model_that_reasons_before_it_answers_is_not_a_stall() -> None:
         await backend.aclose()
 
 
-@pytest.mark.parametrize("answer", [
-    b"[1, 2]", b'{"choices": []}', b'{"choices": [{"message": "hi", "finish_reason": "stop"}]}',
-    b'{"choices": [{"message": {"content": 7}, "finish_reason": "stop"}]}', b'{"choices": [{"text": "hi"}]}',
-    b'{"choices": [{"text": "hi", "finish_reason": "abort"}]}', b"not json", b'{"choices": [{"text": "\xff", "finish_reason": "stop"}]}',
+@pytest.mark.parametrize(("answer", "error"), [
+    (b"[1, 2]", "another shape"), (b'{"choices": []}', "another shape"),
+    (b'{"choices": [{"message": "hi", "finish_reason": "stop"}]}', "another shape"),
+    (b'{"choices": [{"message": {"content": 7}, "finish_reason": "stop"}]}', "not a string"),
+    (b'{"choices": [{"text": "hi"}]}', "no finish reason"), (b'{"choices": [{"text": "hi", "finish_reason": "abort"}]}', "abort"),
+    (b"not json", "not JSON"), (b'{"choices": [{"text": "\xff", "finish_reason": "stop"}]}', "not JSON"),
 ])
-async def test_a_whole_answer_of_another_shape_is_the_upstreams_failure(answer: bytes) -> None:
+async def test_a_whole_answer_of_another_shape_is_the_upstreams_failure(answer: bytes, error: str) -> None:
     async def reply(body: dict[str, Any], writer: asyncio.StreamWriter) -> None:
-        assert body["stream"] is False and "stream_options" not in body
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n" + answer)
 
     async with Raw(reply) as upstream:
         backend = OpenAIBackend("up", upstream.base_url, "m", stream_upstream=False)
-        with pytest.raises(ModelError):
+        with pytest.raises(ModelError, match=error):
             await collect(backend, GenerationRequest(**{**ask(2).__dict__, "stream": False}))
+        assert upstream.bodies[-1]["stream"] is False and "stream_options" not in upstream.bodies[-1]
         await backend.aclose()
+
+
+async def test_a_cancel_stops_a_whole_answer_before_its_headers_come() -> None:
+    """A whole answer's headers come once it is generated: the cancel waited for all of it."""
+    async with FakeUpstream(free_port(), State(mode="stall", stall_s=3.0)) as fake:
+        backend = OpenAIBackend("up", fake.base_url, "m", stream_upstream=False)
+        running = asyncio.create_task(collect(backend, GenerationRequest(**{**ask(4, rid="w").__dict__, "stream": False})))
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        await backend.cancel("w")
+        with pytest.raises(Cancelled):
+            await asyncio.wait_for(running, 5.0)
+        assert time.monotonic() - started < 1.5
+        await backend.aclose()
+
+
+async def test_a_key_read_from_a_secret_file_loses_its_newline_and_a_key_a_header_cannot_carry_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("UP_KEY", "sk-abc\n")
+    assert OpenAIBackend.from_env("up", "http://127.0.0.1:1/v1", "m", "UP_KEY", 5.0)._headers["authorization"] == "Bearer sk-abc"
+    with pytest.raises(ValueError, match="header"):
+        OpenAIBackend("up", "http://127.0.0.1:1/v1", "m", api_key="sk-a\r\nx-injected: 1")
 
 
 async def test_a_whole_answer_past_its_size_bound_is_the_upstreams_failure() -> None:
