@@ -96,41 +96,11 @@ async def test_a_body_that_does_not_end_after_the_answer_holds_neither_the_reque
         await backend.aclose()
 
 
-async def test_a_kept_alive_connection_the_upstream_closed_is_asked_again_on_a_new_one() -> None:
-    """Its idle timeout raced the reuse: the upstream closed the connection as the second request came,
-    before reading it. That request failed (ServerDisconnectedError), counted against a healthy upstream."""
+def answers_then_drops(dropped_after_s: float, requests: list[int]) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A kept-alive upstream that answers a connection's first request and drops the connection on its
+    second, `dropped_after_s` after reading it, unanswered; `requests` gets each request's number on its
+    connection (0, 1)."""
     answer = said("ok", "stop") + b"data: [DONE]\n\n"
-    connections: list[int] = []
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connections.append(len(connections))
-        try:
-            for n in range(2):
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
-                await reader.readexactly(length)
-                if n == 1:  # the second request on this connection: closed unanswered
-                    return
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(answer) + answer)
-                await writer.drain()
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    backend = OpenAIBackend("up", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", "m")
-    for rid in ("a", "b", "c"):
-        assert "".join(d.text for d in await collect(backend, ask(1, rid=rid))) == "ok"
-    assert len(connections) == 3  # a; b on a's, closed, then asked again on a new one; c on b's, closed, again
-    await backend.aclose()
-    server.close()
-    await server.wait_closed()
-
-
-async def test_a_reused_connection_dropped_after_the_upstream_worked_on_the_request_is_not_asked_again() -> None:
-    """Past RETRY_WITHIN_S the upstream may have been generating (a whole answer's headers come at its
-    end): asking again would generate twice, so the failure is the upstream's."""
-    answer = said("ok", "stop") + b"data: [DONE]\n\n"
-    requests: list[int] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -139,15 +109,35 @@ async def test_a_reused_connection_dropped_after_the_upstream_worked_on_the_requ
                 length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
                 await reader.readexactly(length)
                 requests.append(n)
-                if n == 1:  # worked on it past the bound, then dropped the connection
-                    await asyncio.sleep(RETRY_WITHIN_S + 0.3)
+                if n == 1:
+                    await asyncio.sleep(dropped_after_s)
                     return
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(answer) + answer)
                 await writer.drain()
         finally:
             writer.close()
+    return serve
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+
+async def test_a_kept_alive_connection_the_upstream_closed_is_asked_again_on_a_new_one() -> None:
+    """Its idle timeout raced the reuse: the upstream closed the connection as the second request came,
+    before reading it. That request failed (ServerDisconnectedError), counted against a healthy upstream."""
+    requests: list[int] = []
+    server = await asyncio.start_server(answers_then_drops(0.0, requests), "127.0.0.1", 0)
+    backend = OpenAIBackend("up", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", "m")
+    for rid in ("a", "b", "c"):
+        assert "".join(d.text for d in await collect(backend, ask(1, rid=rid))) == "ok"
+    assert requests == [0, 1, 0, 1, 0]  # a; b on a's connection, dropped, then again on a new one; c likewise
+    await backend.aclose()
+    server.close()
+    await server.wait_closed()
+
+
+async def test_a_reused_connection_dropped_after_the_upstream_worked_on_the_request_is_not_asked_again() -> None:
+    """Past RETRY_WITHIN_S the upstream may have been generating (a whole answer's headers come at its
+    end): asking again would generate twice, so the failure is the upstream's."""
+    requests: list[int] = []
+    server = await asyncio.start_server(answers_then_drops(RETRY_WITHIN_S + 0.3, requests), "127.0.0.1", 0)
     backend = OpenAIBackend("up", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", "m")
     assert "".join(d.text for d in await collect(backend, ask(1, rid="a"))) == "ok"
     with pytest.raises(ModelError, match="connection failed"):
