@@ -7,22 +7,24 @@ default the upstream is asked for a stream even when the client waits for the wh
 false): a server such as vLLM sends nothing of a non-streamed answer until all of it is generated, so the
 read timeout would cap the whole generation; streamed, `timeout_s` bounds the wait between events. With
 `stream_upstream = false` such a request is asked whole (one JSON body, cheaper on both sides), and
-`timeout_s` bounds its generation. The deltas of a non-streamed answer are held here and given as one at its end, so a failure midway (a dropped
-connection, an `abort`) still comes before anything was sent, and the route's next backend takes it. `base_url` and the key's
-environment variable come from the config file only: no request field names an address. Cancelling
-closes the upstream stream (the server sees the client leave and stops); a request cancelled before its
-stream began is never asked for.
+`timeout_s` bounds its generation. The deltas of a non-streamed answer are held here and given as one at
+its end, so a failure midway (a dropped connection, an `abort`) still comes before anything was sent,
+and the route's next backend takes it. `base_url` and the key's environment variable come from the
+config file only: no request field names an address. Cancelling closes the upstream connection, before
+its answer's headers or during its body (the server sees the client leave and stops); a request
+cancelled before its stream began is never asked for.
 
-Connections are kept alive and reused (at most `MAX_CONNECTIONS` per backend, each idle at most
-`KEEPALIVE_S`, under the 5 s after which uvicorn, and so vLLM and SGLang, closes an idle one). A stream
-whose answer has ended returns its connection at once when the body's end has come with it, else in the
-background once it comes (`_drain`), never holding the request. A kept-alive connection the upstream
-closed just as it was reused (its idle timeout raced ours) fails before any answer: the request is sent
-once more, not counted against the upstream (`_ask`). Certificates are checked against certifi's roots. aiohttp rather than httpx: its
-parser is in C, and with the reuse the backend's CPU per request is about a third of what it was
-(bench.upstream_client; docs/benchmarks.md, "Session 49"). The upstream is trusted for its answers (it writes them), and so for
-its framing too: one that sent a second, unasked response on an idle connection would have it read as
-the next request's answer, which one connection per request could not do.
+Connections are kept alive and reused (at most `MAX_CONNECTIONS` per backend, none reused after
+`KEEPALIVE_S` idle, under the 5 s after which uvicorn, and so vLLM and SGLang, closes an idle one). A
+stream whose answer has ended returns its connection at once when the body's end has come with it, else
+in the background once it comes (`_drain`), never holding the request. A kept-alive connection the
+upstream closed just as it was reused (its idle timeout raced ours) fails before any answer: the request
+is sent once more, not counted against the upstream (`_ask`). Certificates are checked against certifi's
+roots. aiohttp rather than httpx: its parser is in C, and with the reuse the backend's CPU per request is
+about a third of what it was (bench.upstream_client; docs/benchmarks.md, "Session 49"). The upstream is
+trusted for its answers (it writes them), and so for its framing too: one that sent a second, unasked
+response on an idle connection would have it read as the next request's answer, which one connection
+per request could not do.
 
 The body is read as bytes and split at LF only (a trailing CR dropped), as SSE defines its lines: text
 holding U+2028, U+2029 or U+0085 is not cut. Bounds: a line of at most `MAX_LINE_BYTES`, a body of at
@@ -71,8 +73,8 @@ MAX_RETRY_AFTER_S = 3600.0  # an upstream's Retry-After is passed on to the clie
 MAX_CONNECTIONS = 100  # open to one backend at a time (httpx's default, which this backend had before)
 KEEPALIVE_S = 2.0  # an idle connection is not reused after this (servers close theirs after 5 s or more)
 DRAIN_S = 1.0  # how long what is left of a body after the answer's ending is read in the background
-RETRY_WITHIN_S = 0.25  # a kept-alive connection closed within this of being taken: asked again once (`_ask`)
 DRAIN_BYTES = 1 << 16  # and how much of it: past either, the connection is closed, not reused
+RETRY_WITHIN_S = 0.25  # a kept-alive connection closed within this of being taken: asked again once (`_ask`)
 # The upstream's endings that are an answer, as sluice's: eos, a stop string, TGI's names, a tool call.
 _ANSWERED: dict[str, FinishReason] = {
     "stop": "stop", "length": "length", "tool_calls": "stop", "function_call": "stop", "eos_token": "stop",
@@ -101,7 +103,7 @@ class OpenAIBackend:
         # sock_read: between two reads of the body (as httpx's read timeout); connect: a connection from the
         # pool, opened or reused; sock_connect: the TCP (and TLS) connect itself
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=min(timeout_s, 10.0), sock_read=timeout_s)
-        self._ask_bound_s = 2 * timeout_s  # the request written and the answer's headers read (no timeout above bounds the write)
+        self._ask_bound_s = 2 * timeout_s  # the request written, the answer's headers read (none above bounds the write)
         self._session: aiohttp.ClientSession | None = None  # made in the event loop, at the first request
         self._asking: dict[str, asyncio.Task[aiohttp.ClientResponse]] = {}  # requests whose headers have not come
         self._running: dict[str, aiohttp.ClientResponse] = {}
@@ -109,9 +111,11 @@ class OpenAIBackend:
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # the last _CANCELLED_MEMORY cancelled
 
     @classmethod
-    def from_env(cls, name: str, base_url: str, model: str, api_key_env: str, timeout_s: float, *, stream_upstream: bool = True) -> OpenAIBackend:
+    def from_env(
+        cls, name: str, base_url: str, model: str, api_key_env: str, timeout_s: float, *, stream_upstream: bool = True,
+    ) -> OpenAIBackend:
         """The key is read from the environment variable the config names (never from the file)."""
-        key = os.environ[api_key_env].strip() if api_key_env and api_key_env in os.environ else None  # a secret file's newline
+        key = os.environ[api_key_env].strip() if api_key_env in os.environ else None  # strip: a secret file's newline
         if api_key_env and not key:
             raise ValueError(f"backend {name}: environment variable {api_key_env} is not set")
         return cls(name, base_url, model, api_key=key, timeout_s=timeout_s, stream_upstream=stream_upstream)
@@ -137,8 +141,8 @@ class OpenAIBackend:
         return self._session
 
     async def _ask(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
-        """The upstream's answer (its headers) to POSTing `body`; asked once more, on a new connection,
-        when a kept-alive one was closed by the upstream at once, before any answer (its idle timeout: it
+        """The upstream's answer (its headers) to POSTing `body`; asked once more when the kept-alive
+        connection it went on was closed by the upstream at once, before any answer (its idle timeout: it
         never read the request). Later than RETRY_WITHIN_S the upstream may have been generating (a whole
         answer's headers come at its end): that failure is the upstream's, not asked again. The second
         try takes whichever connection the pool gives, a new one or another kept alive."""
