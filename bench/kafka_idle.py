@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
 import uuid
 
@@ -25,7 +24,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from bench.services import own_services
-from bench.stats import percentile
+from bench.stats import percentile, spread
 
 
 async def measure(bootstrap: str, gaps_ms: list[float], count: int, repeats: int) -> dict[float, list[tuple[float, float]]]:
@@ -78,14 +77,11 @@ def main() -> None:
     with own_services("kafka-idle", 19792, 16879) as env:
         results = uvloop.run(measure(env["SLUICE_KAFKA_BOOTSTRAP"], args.gaps_ms, args.count, args.repeats))
 
-    def cell(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} ({min(values):.2f}..{max(values):.2f})"
-
     print(f"\n{args.count} hops per gap and repeat, {args.repeats} repeats; ms, median (min..max) over repeats\n")
     print("| idle before each hop | p50 | p90 |")
     print("| --- | --- | --- |")
     for gap, rows in results.items():
-        print(f"| {gap:g} ms | {cell([r[0] for r in rows])} | {cell([r[1] for r in rows])} |")
+        print(f"| {gap:g} ms | {spread([r[0] for r in rows], '.2f')} | {spread([r[1] for r in rows], '.2f')} |")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import time
 
 import psutil
 
+from bench.stats import spread
 from bench.throughput import before_tree
 
 CALLS = ("hgetall", "get", "evalsha", "pipeline", "hgetall x16")
@@ -112,19 +113,16 @@ def main() -> None:
         server.terminate()
         server.wait()
 
-    def cell(values: list[float]) -> str:
-        return f"{statistics.median(values):.1f} ({min(values):.1f}..{max(values):.1f})"
-
     print(f"\n{args.calls} calls per measurement, {args.repeats} runs per client, µs of CPU per call: median (min..max)\n")
     before = f" | LeanRedis at {args.before} | LeanRedis / at {args.before}" if args.before else ""
     print(f"| call | redis-py, pure-Python parser | redis-py, hiredis | LeanRedis | LeanRedis / redis-py hiredis{before} |")
     print("| --- | --- | --- | --- | --- |" + (" --- | --- |" if args.before else ""))
     for name in (*CALLS, "server"):
         py, hi, lean = (results[client][name] for client in CLIENTS[:3])
-        row = f"| {name} | {cell(py)} | {cell(hi)} | {cell(lean)} | {statistics.median(lean) / statistics.median(hi):.2f} |"
+        row = f"| {name} | {spread(py)} | {spread(hi)} | {spread(lean)} | {statistics.median(lean) / statistics.median(hi):.2f} |"
         if args.before:
             old = results["lean-before"][name]
-            row += f" {cell(old)} | {statistics.median(lean) / statistics.median(old):.2f} |"
+            row += f" {spread(old)} | {statistics.median(lean) / statistics.median(old):.2f} |"
         print(row)
     print("\nserver: the Redis server's CPU per call over a client's run (µs), every kind of call together")
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
-import statistics
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
+
+from bench.stats import spread
 
 MODES = ("sdk", "lean", "unsampled")
 
@@ -77,20 +78,17 @@ def main() -> None:
             for key, value in json.loads(child.stdout.strip().splitlines()[-1]).items():
                 results[mode].setdefault(key, []).append(value)
 
-    def cell(values: list[float]) -> str:
-        return f"{statistics.median(values):.1f} ({min(values):.1f}..{max(values):.1f})"
-
     print(f"\n{args.spans} spans per run, {args.repeats} runs per mode, µs of CPU per span: median (min..max)\n")
     print("| per stage span | SDK | sluice |\n| --- | --- | --- |")
-    print(f"| recorded (sampled parent) | {cell(results['sdk']['record_us'])} | {cell(results['lean']['record_us'])} |")
-    print(f"| not recorded (unsampled parent) | - | {cell(results['unsampled']['record_us'])} |")
+    print(f"| recorded (sampled parent) | {spread(results['sdk']['record_us'])} | {spread(results['lean']['record_us'])} |")
+    print(f"| not recorded (unsampled parent) | - | {spread(results['unsampled']['record_us'])} |")
     encoded = results["sdk"]["sdk_encoder_us"] + results["lean"]["sdk_encoder_us"]
     ours = results["sdk"]["sluice_encoder_us"] + results["lean"]["sluice_encoder_us"]
-    print(f"| OTLP encoding, export thread | {cell(encoded)} | {cell(ours)} |")
+    print(f"| OTLP encoding, export thread | {spread(encoded)} | {spread(ours)} |")
     handoff = results["sdk"]["handoff_us"] + results["lean"]["handoff_us"]
     child = [c - h for c, h in zip(results["sdk"]["child_us"] + results["lean"]["child_us"], handoff, strict=True)]
-    print(f"| handed to the export child instead (flatten + pickle, export thread) | - | {cell(handoff)} |")
-    print(f"| in the export child (unpickle, encode) | - | {cell(child)} |")
+    print(f"| handed to the export child instead (flatten + pickle, export thread) | - | {spread(handoff)} |")
+    print(f"| in the export child (unpickle, encode) | - | {spread(child)} |")
 
 
 if __name__ == "__main__":

@@ -22,3 +22,8 @@ def summary(values: list[float]) -> dict[str, float]:
 def row(name: str, values: list[float]) -> str:
     s = summary(values)
     return f"| {name} | {s['p50']:.2f} | {s['p99']:.2f} | {s['mean']:.2f} | {s['n']} |"
+
+
+def spread(values: list[float], spec: str = ".1f") -> str:
+    """`median (min..max)` of `values`, each formatted with `spec`: a figure over repeats, as benchmarks print it."""
+    return f"{format(statistics.median(values), spec)} ({format(min(values), spec)}..{format(max(values), spec)})"

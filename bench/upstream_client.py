@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any
 import psutil
 import uvloop
 
+from bench.stats import spread
 from pipeline.backends.base import GenerationRequest, Message
 from pipeline.backends.openai_compat import OpenAIBackend
 from tests.ports import free_port
@@ -127,12 +127,8 @@ async def measure(args: argparse.Namespace) -> None:
     print("| case | client CPU us/request | upstream CPU us/request | wall us/request | connections opened |")
     print("| --- | --- | --- | --- | --- |")
     for name, rows in figures.items():
-        cells = [spread([row[k] for row in rows]) for k in range(3)]
-        print(f"| {name} | {' | '.join(cells)} | {spread([row[3] for row in rows])} |")
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):,.0f} ({min(values):,.0f}..{max(values):,.0f})"
+        cells = [spread([row[k] for row in rows], ",.0f") for k in range(3)]
+        print(f"| {name} | {' | '.join(cells)} | {spread([row[3] for row in rows], ',.0f')} |")
 
 
 def main() -> None:
